@@ -1,0 +1,72 @@
+# minite — every target sets itself up: `make train` and `make test` work on a fresh Linux machine.
+#
+#   make setup       create .venv (torch==2.13.0, triton==3.7.1 pinned; minite editable with [dev])
+#   make train       train the GPT on the default corpus (CPU preset unless CUDA is present)
+#   make test        the whole suite: library tests (Triton under TRITON_INTERPRET=1 on CPU), notebooks, grading
+#   make check-fast  ruff, exercises in sync with solutions, line budgets (< 60 s)
+#   make lab         JupyterLab on the course notebooks
+#   make exercises   regenerate exercises/ from solutions/
+#   make grade NB=exercises/00_triton_from_zero.ipynb    score a student's notebook
+#   make bench       GPU benchmarks (CUDA only), results in benchmarks/results/
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.minite-setup
+UNAME := $(shell uname -s)
+# Pinned: a looser torch pulls the multi-GB CUDA build onto CPU machines. Triton ships Linux wheels only.
+TORCH_PIN := torch==2.13.0
+TRITON_PIN := $(if $(filter Linux,$(UNAME)),triton==3.7.1,)
+NPROC := $(shell nproc 2>/dev/null || echo 2)
+# Library tests + notebooks, spread over the cores; notebooks stay whole per worker (--dist loadfile).
+PYTEST_JOBS ?= $(NPROC)
+export MPLBACKEND := Agg
+
+.PHONY: setup train test test-lib test-notebooks check-fast lab exercises grade bench clean-venv
+
+$(STAMP): pyproject.toml Makefile
+	@echo "== setting up $(VENV) (once; re-run when pyproject.toml or the Makefile change) =="
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_PIN) $(TRITON_PIN)
+	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (minite)" >/dev/null
+	$(PY) -c "import matplotlib.pyplot"   # warm the font cache once, not inside a timed notebook
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+train: $(STAMP)
+	$(PY) -m minite.train $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -n $(PYTEST_JOBS) --dist loadfile -p no:cacheprovider \
+		tests notebooks --nbval-lax --nbval-current-env --nbval-cell-timeout=600 $(ARGS)
+
+test-lib: $(STAMP)
+	$(PY) -m pytest -n $(PYTEST_JOBS) --dist loadfile tests $(ARGS)
+
+test-notebooks: $(STAMP)
+	$(PY) -m pytest -n $(PYTEST_JOBS) --dist loadfile notebooks --nbval-lax --nbval-current-env $(ARGS)
+
+check-fast: $(STAMP)
+	$(PY) -m ruff check minite tests tools benchmarks
+	$(PY) -m minite.grading generate --check
+	$(PY) tools/budgets.py
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab notebooks
+
+exercises: $(STAMP)
+	$(PY) -m minite.grading generate
+
+grade: $(STAMP)
+	@test -n "$(NB)" || { echo "usage: make grade NB=exercises/00_triton_from_zero.ipynb"; exit 2; }
+	$(PY) -m minite.grading grade $(NB)
+
+bench: $(STAMP)
+	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
+
+clean-venv:
+	rm -rf $(VENV)

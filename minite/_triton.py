@@ -1,0 +1,81 @@
+"""The one place minite imports Triton.
+
+Everything else does ``from minite._triton import triton, tl, HAS_TRITON``. Where Triton is not installed
+(macOS, Windows, a CPU-only environment) a small stub stands in: kernel modules still import, ``@triton.jit``
+still decorates, and launching a kernel raises a RuntimeError that says why. The backend switch never picks
+Triton there, so the reference paths keep working.
+
+The Triton interpreter (``TRITON_INTERPRET=1``) is read by ``@triton.jit`` *when a kernel is decorated*, i.e.
+when its module is imported. ``interpreting()`` therefore reports the value in force when minite's kernels
+were decorated, not whatever the environment says now.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["triton", "tl", "HAS_TRITON", "TRITON_IMPORT_ERROR", "interpreting"]
+
+
+def _env_interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+class _Missing:
+    """Stands in for any Triton object when Triton is absent; fails loudly only when used."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str) -> "_Missing":
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Missing(f"{self._name}.{attr}")
+
+    def __getitem__(self, _):  # kernel[grid]
+        return self
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(
+            f"{self._name} needs Triton, which is not installed ({TRITON_IMPORT_ERROR!r}). "
+            "Use backend='torch' (the reference path), or install triton (Linux only)."
+        )
+
+
+class _TritonStub(_Missing):
+    """Enough of the `triton` module for kernel files to import without it."""
+
+    @staticmethod
+    def jit(fn=None, **_kwargs):
+        if fn is None:
+            return lambda f: _Missing(f"triton.jit({f.__name__})")
+        return _Missing(f"triton.jit({fn.__name__})")
+
+    @staticmethod
+    def cdiv(a: int, b: int) -> int:
+        return -(-a // b)
+
+    @staticmethod
+    def next_power_of_2(n: int) -> int:
+        return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+try:
+    import triton  # noqa: F401
+    import triton.language as tl  # noqa: F401
+
+    HAS_TRITON = True
+    TRITON_IMPORT_ERROR: Exception | None = None
+except Exception as e:  # ImportError, or a broken install (missing driver libraries, ...)
+    HAS_TRITON = False
+    TRITON_IMPORT_ERROR = e
+    triton = _TritonStub("triton")  # type: ignore[assignment]
+    tl = _Missing("triton.language")  # type: ignore[assignment]
+
+# Snapshot: the kernels decorated after this import run in the mode in force now.
+_INTERPRET_AT_IMPORT = HAS_TRITON and _env_interpret()
+
+
+def interpreting() -> bool:
+    """True when minite's Triton kernels run on the CPU interpreter (TRITON_INTERPRET=1 at import time)."""
+    return _INTERPRET_AT_IMPORT

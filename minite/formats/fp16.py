@@ -1,0 +1,2 @@
+"""PLACEHOLDER for chapter 01: DynamicLossScaler."""
+DynamicLossScaler = None

@@ -1,0 +1,2 @@
+"""PLACEHOLDER for chapter 02: Format, DelayedScaling."""
+Format = DelayedScaling = None

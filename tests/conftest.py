@@ -1,0 +1,46 @@
+"""Test-suite set-up: run Triton kernels on the CPU interpreter when there is no GPU.
+
+TRITON_INTERPRET is read when a kernel is decorated (at import), so it must be set before minite is imported.
+At the end the summary says how many Triton-kernel tests *ran* (not skipped), and where.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+import pytest  # noqa: E402
+
+from minite._triton import HAS_TRITON, interpreting  # noqa: E402
+
+_counts = {"triton_passed": 0, "triton_failed": 0, "triton_skipped": 0}
+
+
+def pytest_collection_modifyitems(config, items):
+    cuda = torch.cuda.is_available()
+    for item in items:
+        if "gpu" in item.keywords and not cuda:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+        elif "triton" in item.keywords and not HAS_TRITON:
+            item.add_marker(pytest.mark.skip(reason="triton is not installed"))
+        elif "triton" in item.keywords and not cuda and not interpreting():
+            item.add_marker(pytest.mark.skip(reason="no CUDA and TRITON_INTERPRET is off"))
+
+
+def pytest_runtest_logreport(report):
+    if "triton" not in report.keywords:
+        return
+    if report.when == "call":
+        _counts["triton_passed" if report.passed else "triton_failed" if report.failed else "triton_skipped"] += 1
+    elif report.when == "setup" and report.skipped:
+        _counts["triton_skipped"] += 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    where = "CUDA" if torch.cuda.is_available() else ("the CPU interpreter (TRITON_INTERPRET=1)" if interpreting()
+                                                     else "nowhere (no CUDA, interpreter off)")
+    terminalreporter.write_line(
+        f"Triton-kernel tests: {_counts['triton_passed']} passed, {_counts['triton_failed']} failed, "
+        f"{_counts['triton_skipped']} skipped, run on {where}")
