@@ -1,29 +1,160 @@
-"""SwiGLU (chapter 05). PLACEHOLDER: reference path only until chapter 05 lands its kernel."""
+"""SwiGLU (chapter 05): the SiLU-gated linear unit of Shazeer 2020, "GLU Variants Improve Transformer".
+
+    h = silu(gate) * up,   silu(g) = g * sigmoid(g)        gate, up: (..., H)
+
+The GPT's MLP is ``down(swiglu(gate(x), up(x)))``. Eager PyTorch runs ``F.silu(gate) * up`` as two kernels and
+autograd keeps *three* (N, H) tensors for the backward (gate, silu(gate), up). The fused kernel reads gate and up
+once, writes h once, and its backward recomputes silu(gate) from the saved inputs, so only gate and up are kept.
+"""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from minite._triton import interpreting, tl, triton
+from minite.backend import resolve_backend
 
-def swiglu_ref(gate, up):
-    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+__all__ = ["swiglu_ref", "swiglu", "SwiGLUFunction", "SwiGLU", "swiglu_fwd", "swiglu_bwd"]
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def swiglu(gate, up, *, backend: str | None = None):
+# ----------------------------------------------------------------------------------------- 1. reference
+def swiglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, computed in fp32 (fp64 stays fp64), returned in gate's dtype. The spec."""
+    ct = torch.float64 if gate.dtype == torch.float64 else torch.float32
+    g, u = gate.to(ct), up.to(ct)
+    return (g * torch.sigmoid(g) * u).to(gate.dtype)
+
+
+# -------------------------------------------------------------------------------------------- 2. kernels
+@triton.jit
+def _swiglu_fwd_kernel(G_ptr, U_ptr, Y_ptr, n_elements, BLOCK_SIZE: tl.constexpr, FP64: tl.constexpr):
+    # Elementwise, so the (N, H) tensors are walked as one flat vector: program i owns BLOCK_SIZE elements.
+    pid = tl.program_id(0).to(tl.int64)  # int64: N * H can exceed 2**31 for big MLPs
+    offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offs < n_elements
+    # Load, then upcast at once (bf16 arithmetic is wrong under the CPU interpreter); fp64 stays fp64.
+    if FP64:
+        g = tl.load(G_ptr + offs, mask=mask, other=0.0).to(tl.float64)
+        u = tl.load(U_ptr + offs, mask=mask, other=0.0).to(tl.float64)
+    else:
+        g = tl.load(G_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-g))  # sigmoid(g); exp(-g) -> inf gives sig = 0, no NaN
+    y = g * sig * u  # silu(g) * up: three reads+writes of HBM in total (g, u in; y out)
+    tl.store(Y_ptr + offs, y.to(Y_ptr.dtype.element_ty), mask=mask)
+
+
+# Backward (the notebook derives it):  y = s(g) * u  with  s(g) = g * sig(g)
+#   dL/du = dy * g * sig(g)
+#   dL/dg = dy * u * s'(g),   s'(g) = sig(g) + g * sig(g) * (1 - sig(g)) = sig(g) * (1 + g * (1 - sig(g)))
+# sig(g) is recomputed from the saved gate instead of being stored by the forward: one (N, H) tensor less.
+@triton.jit
+def _swiglu_bwd_kernel(DY_ptr, G_ptr, U_ptr, DG_ptr, DU_ptr, n_elements,
+                       BLOCK_SIZE: tl.constexpr, FP64: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offs < n_elements
+    if FP64:  # gradcheck path
+        dy = tl.load(DY_ptr + offs, mask=mask, other=0.0).to(tl.float64)
+        g = tl.load(G_ptr + offs, mask=mask, other=0.0).to(tl.float64)
+        u = tl.load(U_ptr + offs, mask=mask, other=0.0).to(tl.float64)
+    else:
+        dy = tl.load(DY_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(G_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-g))  # recomputed: costs a few FLOPs, saves an (N, H) activation
+    silu = g * sig
+    dsilu = sig * (1.0 + g * (1.0 - sig))  # d silu / d g
+    tl.store(DU_ptr + offs, (dy * silu).to(DU_ptr.dtype.element_ty), mask=mask)
+    tl.store(DG_ptr + offs, (dy * u * dsilu).to(DG_ptr.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------------------------------ 3. launchers
+def _block_size(n_elements: int) -> int:
+    # GPU: 1024 elements per program is enough to saturate HBM on an elementwise op (4 warps x 8 x 32 lanes).
+    # CPU interpreter: every program costs ~0.5 ms of Python overhead, so fewer, larger programs.
+    cap = 8192 if interpreting() else 1024
+    return max(16, min(cap, triton.next_power_of_2(n_elements)))
+
+
+def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Launch the forward kernel. gate, up: (..., H) same shape/dtype -> y (..., H)."""
+    g, u = gate.contiguous(), up.contiguous()  # flat indexing needs contiguous memory
+    y = torch.empty_like(g)
+    n = g.numel()
+    if n == 0:
+        return y
+    bs = _block_size(n)
+    _swiglu_fwd_kernel[(triton.cdiv(n, bs),)](g, u, y, n, BLOCK_SIZE=bs, FP64=g.dtype == torch.float64)
+    return y
+
+
+def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the backward kernel: (dy, gate, up) -> (dgate, dup), each shaped like gate."""
+    dy, g, u = dy.contiguous(), gate.contiguous(), up.contiguous()
+    dg, du = torch.empty_like(g), torch.empty_like(u)
+    n = g.numel()
+    if n == 0:
+        return dg, du
+    bs = _block_size(n)
+    _swiglu_bwd_kernel[(triton.cdiv(n, bs),)](dy, g, u, dg, du, n, BLOCK_SIZE=bs, FP64=g.dtype == torch.float64)
+    return dg, du
+
+
+# ------------------------------------------------------------------------------------ 4. autograd.Function
+class SwiGLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)  # only the inputs: silu(gate) is recomputed in the backward
+        return swiglu_fwd(gate, up)
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        return swiglu_bwd(dy, gate, up)
+
+
+# -------------------------------------------------------------------------------------------- 5. functional
+def _check_inputs(gate: torch.Tensor, up: torch.Tensor) -> None:
+    for name, t in (("gate", gate), ("up", up)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"swiglu: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _FLOATS:
+            raise ValueError(f"swiglu: {name} has dtype {t.dtype}; expected one of fp16, bf16, fp32, fp64")
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu: gate shape {tuple(gate.shape)} != up shape {tuple(up.shape)}")
+    if gate.dtype != up.dtype:
+        raise ValueError(f"swiglu: gate dtype {gate.dtype} != up dtype {up.dtype}")
+    if gate.device != up.device:
+        raise ValueError(f"swiglu: gate is on {gate.device} but up is on {up.device}")
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """silu(gate) * up. gate, up: (..., H), same shape, dtype and device -> (..., H) in their dtype."""
+    _check_inputs(gate, up)
+    if resolve_backend(gate, backend) == "triton":
+        return SwiGLUFunction.apply(gate, up)
     return swiglu_ref(gate, up)
 
 
+# ----------------------------------------------------------------------------------------------- 6. Module
 class SwiGLU(nn.Module):
-    """The gated MLP: down(silu(gate(x)) * up(x))."""
+    """The gated MLP: down(silu(gate(x)) * up(x)); x (..., dim) -> (..., dim) through a (..., hidden) middle."""
 
     def __init__(self, dim: int, hidden: int, bias: bool = False, backend: str | None = None):
         super().__init__()
-        from minite.layers.linear import Linear
-        self.gate = Linear(dim, hidden, bias=bias)
-        self.up = Linear(dim, hidden, bias=bias)
-        self.down = Linear(hidden, dim, bias=bias)
-        self.backend = backend
+        from minite.layers.linear import Linear  # lazy: layers may import kernels
 
-    def forward(self, x):
+        self.gate = Linear(dim, hidden, bias=bias)  # (dim) -> (hidden)
+        self.up = Linear(dim, hidden, bias=bias)  # (dim) -> (hidden)
+        self.down = Linear(hidden, dim, bias=bias)  # (hidden) -> (dim)
+        self.dim, self.hidden, self.backend = dim, hidden, backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(swiglu(self.gate(x), self.up(x), backend=self.backend))
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, hidden={self.hidden}, backend={self.backend!r}"
+

@@ -1,0 +1,77 @@
+"""CausalSelfAttention: the attention block of the GPT, built from minite parts only.
+
+    x (B, T, C) -> qkv projection -> RoPE on q and k -> minite.ops.attention (causal, GQA) -> out projection
+
+Grouped-query attention (GQA): ``n_head`` query heads share ``n_kv_head`` key/value heads (each K/V head serves
+``n_head // n_kv_head`` query heads). ``n_kv_head == n_head`` is ordinary multi-head attention, ``n_kv_head == 1``
+is multi-query attention. Fewer K/V heads shrink the qkv projection and, at inference, the KV cache.
+
+Every projection is a ``minite.nn.Linear`` so ``fp8_autocast`` can take it over; RoPE and attention go through
+``minite.ops`` so the backend switch (PyTorch reference or Triton kernel) decides how they run.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minite.layers.linear import Linear
+from minite.ops import attention, rope, rope_cos_sin
+
+__all__ = ["CausalSelfAttention"]
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with rotary position embeddings and grouped-query attention.
+
+    Args:
+        n_embd: model width C.
+        n_head: number of query heads H (C % H == 0, head size D = C // H, D even for RoPE).
+        n_kv_head: number of key/value heads KVH (H % KVH == 0); None means KVH = H.
+        max_seq_len: longest sequence the RoPE tables cover (the model's block_size).
+        rope_base: RoPE frequency base (10000 as in RoFormer / LLaMA).
+        dropout: dropout on the output projection (residual dropout).
+        bias: whether the projections carry a bias.
+        backend: "auto" | "torch" | "triton" | None, passed to every minite.ops call.
+    """
+
+    def __init__(self, n_embd: int, n_head: int, n_kv_head: int | None = None, *, max_seq_len: int,
+                 rope_base: float = 10000.0, dropout: float = 0.0, bias: bool = False, backend: str | None = None):
+        super().__init__()
+        n_kv_head = n_head if n_kv_head is None else n_kv_head
+        if n_embd % n_head != 0:
+            raise ValueError(f"n_embd={n_embd} must be divisible by n_head={n_head}")
+        if n_head % n_kv_head != 0:
+            raise ValueError(f"n_head={n_head} must be divisible by n_kv_head={n_kv_head} (grouped-query attention)")
+        head_dim = n_embd // n_head
+        if head_dim % 2 != 0:
+            raise ValueError(f"head size n_embd // n_head = {head_dim} must be even for RoPE")
+        self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, head_dim
+        self.max_seq_len, self.backend = max_seq_len, backend
+        # One fused projection for q, k and v: C -> (H + 2 * KVH) * D (one matmul instead of three).
+        self.qkv = Linear(n_embd, (n_head + 2 * n_kv_head) * head_dim, bias=bias)
+        self.proj = Linear(n_head * head_dim, n_embd, bias=bias)
+        self.resid_dropout = nn.Dropout(dropout)
+        # RoPE tables, (max_seq_len, D/2) each; not saved in checkpoints (they are a function of the config).
+        cos, sin = rope_cos_sin(max_seq_len, head_dim, base=rope_base)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape  # batch, sequence length, model width
+        if T > self.max_seq_len:
+            raise ValueError(f"sequence length {T} is longer than max_seq_len={self.max_seq_len} of the RoPE tables")
+        H, KVH, D = self.n_head, self.n_kv_head, self.head_dim
+        qkv = self.qkv(x)  # (B, T, (H + 2 KVH) * D)
+        q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+        q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, KVH, D).transpose(1, 2)  # (B, KVH, T, D)
+        v = v.view(B, T, KVH, D).transpose(1, 2)  # (B, KVH, T, D)
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, D/2)
+        q = rope(q, cos, sin, backend=self.backend)  # (B, H, T, D)
+        k = rope(k, cos, sin, backend=self.backend)  # (B, KVH, T, D)
+        y = attention(q, k, v, causal=True, backend=self.backend)  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, H * D)  # (B, T, C): heads side by side again
+        return self.resid_dropout(self.proj(y))  # (B, T, C)
+
+    def extra_repr(self) -> str:
+        return f"n_head={self.n_head}, n_kv_head={self.n_kv_head}, head_dim={self.head_dim}"

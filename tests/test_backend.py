@@ -1,0 +1,77 @@
+"""The backend switch (DESIGN.md §3): precedence, "auto" rules, and clear errors."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import minite
+from minite.backend import get_backend, resolve_backend, use_backend
+
+
+def test_precedence_call_over_context_over_env(monkeypatch):
+    x = torch.zeros(2)
+    monkeypatch.setenv("MINITE_BACKEND", "triton")
+    assert get_backend() == "triton"
+    with use_backend("torch"):
+        assert resolve_backend(x) == "torch"
+        with use_backend("auto"):
+            assert get_backend() == "auto"
+        assert get_backend() == "torch"
+    assert resolve_backend(x, "torch") == "torch"
+
+
+def test_use_backend_restores_on_exception():
+    with pytest.raises(KeyError):
+        with use_backend("torch"):
+            raise KeyError
+    assert get_backend() in ("auto", "torch", "triton")
+    with use_backend("triton"):
+        pass
+    assert get_backend() != "triton" or __import__("os").environ.get("MINITE_BACKEND") == "triton"
+
+
+def test_unknown_backend_names_the_value(monkeypatch):
+    with pytest.raises(ValueError, match="'cuda'.*valid: auto, torch, triton"):
+        resolve_backend(torch.zeros(1), "cuda")
+    monkeypatch.setenv("MINITE_BACKEND", "fast")
+    with pytest.raises(ValueError, match=r"'fast' from \$MINITE_BACKEND"):
+        get_backend()
+
+
+def test_auto_follows_interpreter_and_device():
+    x = torch.zeros(3)
+    expected = "triton" if (minite.HAS_TRITON and minite.interpreting()) else "torch"
+    assert resolve_backend(x) == expected
+    assert resolve_backend(x, "auto") == expected
+
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+    import os
+    full_env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MINITE_BACKEND")}
+    full_env.update(env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=120)
+
+
+def test_forced_triton_without_interpreter_raises_clearly():
+    p = _run("import torch, minite\n"
+             "try:\n    minite.resolve_backend(torch.randn(2, 3), 'triton')\n"
+             "except RuntimeError as e:\n    print('ERR', e)\n"
+             "print('AUTO', minite.resolve_backend(torch.zeros(1)))")
+    assert p.returncode == 0, p.stderr
+    assert "ERR backend='triton' was forced but cannot run" in p.stdout and "TRITON_INTERPRET=1" in p.stdout
+    assert "AUTO torch" in p.stdout
+
+
+def test_minite_imports_and_runs_reference_without_triton():
+    # sys.modules['triton'] = None makes `import triton` raise ImportError, as on a machine without it.
+    p = _run("import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
+             "import torch, minite\n"
+             "assert not minite.HAS_TRITON\n"
+             "x = torch.randn(3, 5)\n"
+             "assert minite.resolve_backend(x) == 'torch'\n"
+             "torch.testing.assert_close(minite.ops.softmax(x), torch.softmax(x, -1))\n"
+             "try:\n    minite.ops.softmax(x, backend='triton')\nexcept RuntimeError as e:\n    print('ERR', e)\n",
+             TRITON_INTERPRET="1")
+    assert p.returncode == 0, p.stderr
+    assert "ERR backend='triton' was forced but cannot run: triton is not installed" in p.stdout
