@@ -1,44 +1,294 @@
-"""RMSNorm and LayerNorm (chapter 03). PLACEHOLDER: reference paths only until chapter 03 lands its kernels."""
+"""RMSNorm (Zhang & Sennrich 2019) and LayerNorm (Ba et al. 2016), fused forward and backward (chapter 03).
+
+    RMSNorm:   y = x / sqrt(mean(x^2) + eps) * w
+    LayerNorm: y = (x - mean(x)) / sqrt(var(x) + eps) * w + b
+
+One Triton kernel pair serves both: the constexpr LAYERNORM switches the mean subtraction and the bias on.
+Forward: one program per row, statistics in fp32 (fp64 when given fp64), rstd (and mean) saved for backward.
+Backward: each program walks a contiguous chunk of rows, writes dx per row and ONE partial sum of dw (and db) per
+program; a second stage (`partials.sum(0)`) reduces the partials. The derivation lives in notebooks/03_rmsnorm.
+"""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from minite._triton import tl, triton
+from minite.backend import resolve_backend
+
+__all__ = ["rmsnorm_ref", "layernorm_ref", "rmsnorm_fwd", "rmsnorm_bwd", "layernorm_fwd", "layernorm_bwd",
+           "RMSNormFunction", "LayerNormFunction", "rmsnorm", "layernorm", "RMSNorm", "LayerNorm"]
+
+MAX_FUSED_SIZE = 65536  # one row must fit in one program's registers/SRAM: the Triton tutorial's 64 KB bound
+
+
+# ------------------------------------------------------------------------------------------ 1. references
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32  # fp32 statistics, fp64 for gradcheck
+
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-    return y.to(x.dtype)
+    """The spec: x (..., C), weight (C,) -> (..., C) in x.dtype, computed in fp32."""
+    xf = x.to(_compute_dtype(x))
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+    return (xf * rstd * weight.to(xf.dtype)).to(x.dtype)
 
 
-def layernorm_ref(x, weight, bias, eps: float = 1e-5):
-    return torch.nn.functional.layer_norm(x.float(), x.shape[-1:], weight.float(), bias.float(), eps).to(x.dtype)
+def layernorm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """The spec: x (..., C), weight/bias (C,) -> (..., C) in x.dtype; biased variance like nn.LayerNorm."""
+    xf = x.to(_compute_dtype(x))
+    xc = xf - xf.mean(-1, keepdim=True)  # (..., C) centred
+    rstd = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+    return (xc * rstd * weight.to(xf.dtype) + bias.to(xf.dtype)).to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------ 2. kernels
+@triton.jit
+def _norm_fwd_kernel(X_ptr, W_ptr, B_ptr, Y_ptr, Mean_ptr, Rstd_ptr, X_row_stride, Y_row_stride, N_COLS, eps,
+                     LAYERNORM: tl.constexpr, ACC: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # one program per row; int64 so row * stride cannot overflow
+    cols = tl.arange(0, BLOCK_SIZE)  # BLOCK_SIZE = next power of 2 >= N_COLS
+    mask = cols < N_COLS
+    # Load the row once and upcast at once (bf16 arithmetic is wrong on the CPU interpreter).
+    x = tl.load(X_ptr + row * X_row_stride + cols, mask=mask, other=0.0).to(ACC)  # (BLOCK_SIZE,)
+    w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(ACC)
+    if LAYERNORM:
+        mean = tl.sum(x, axis=0) / N_COLS  # first reduction: the row mean
+        xc = tl.where(mask, x - mean, 0.0)  # padding lanes must stay 0, or they pollute the variance
+        tl.store(Mean_ptr + row, mean)  # saved for backward
+    else:
+        xc = x  # RMSNorm: no centring -> one reduction instead of two
+    var = tl.sum(xc * xc, axis=0) / N_COLS  # mean of squares (the variance for centred x)
+    rstd = 1.0 / tl.sqrt(var + eps)  # one scalar per row
+    tl.store(Rstd_ptr + row, rstd)  # 4 bytes per row: cheaper than re-reducing in backward
+    y = xc * rstd * w
+    if LAYERNORM:
+        y += tl.load(B_ptr + cols, mask=mask, other=0.0).to(ACC)
+    tl.store(Y_ptr + row * Y_row_stride + cols, y.to(Y_ptr.dtype.element_ty), mask=mask)  # round once, on store
+
+
+# Backward, per row, with xhat = (x - mean) * rstd (mean = 0 for RMSNorm) and g = dy * w:
+#   RMSNorm   dx = rstd * (g - xhat * mean(g * xhat))
+#   LayerNorm dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
+#   dw = sum over rows of dy * xhat        db = sum over rows of dy
+# dw/db sum over ALL rows, so each program keeps a running partial for its rows in registers and writes it
+# once to DW_partial[pid]; the host sums the (n_programs, C) partials. No atomics: no contention on the C
+# addresses, and the summation order is fixed, so the result is bitwise deterministic.
+@triton.jit
+def _norm_bwd_kernel(DY_ptr, X_ptr, W_ptr, Mean_ptr, Rstd_ptr, DX_ptr, DW_ptr, DB_ptr,
+                     DY_row_stride, X_row_stride, DX_row_stride, N_ROWS, N_COLS, ROWS_PER_PROGRAM,
+                     LAYERNORM: tl.constexpr, ACC: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_SIZE)
+    mask = cols < N_COLS
+    w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(ACC)  # loaded once, reused for every row
+    dw_acc = tl.zeros((BLOCK_SIZE,), dtype=ACC)  # this program's partial sums, in fp32 registers
+    db_acc = tl.zeros((BLOCK_SIZE,), dtype=ACC)
+    row_start = pid * ROWS_PER_PROGRAM  # a contiguous chunk of rows per program
+    row_end = tl.minimum(row_start + ROWS_PER_PROGRAM, N_ROWS)
+    for row in range(row_start, row_end):
+        x = tl.load(X_ptr + row * X_row_stride + cols, mask=mask, other=0.0).to(ACC)
+        dy = tl.load(DY_ptr + row * DY_row_stride + cols, mask=mask, other=0.0).to(ACC)
+        rstd = tl.load(Rstd_ptr + row)
+        if LAYERNORM:
+            xhat = tl.where(mask, (x - tl.load(Mean_ptr + row)) * rstd, 0.0)  # recomputed, never stored
+        else:
+            xhat = x * rstd
+        g = dy * w  # gradient w.r.t. xhat
+        dx = g - xhat * (tl.sum(g * xhat, axis=0) / N_COLS)  # remove the component along xhat
+        if LAYERNORM:
+            dx -= tl.sum(g, axis=0) / N_COLS  # ... and the mean (LayerNorm centred its input)
+            db_acc += dy
+        tl.store(DX_ptr + row * DX_row_stride + cols, (dx * rstd).to(DX_ptr.dtype.element_ty), mask=mask)
+        dw_acc += dy * xhat
+    # Stage 1 of the reduction: one (C,) partial per program. Stage 2 is a .sum(0) on the host side.
+    tl.store(DW_ptr + pid * N_COLS + cols, dw_acc, mask=mask)
+    if LAYERNORM:
+        tl.store(DB_ptr + pid * N_COLS + cols, db_acc, mask=mask)
+
+
+# ------------------------------------------------------------------------------------------ 3. launchers
+def _settings(n_cols: int) -> tuple[int, int]:
+    """(BLOCK_SIZE, num_warps) for a row of n_cols elements (Liger-Kernel's heuristic; the interpreter
+    ignores num_warps)."""
+    block = triton.next_power_of_2(n_cols)
+    num_warps = 32 if block >= 32768 else 16 if block >= 8192 else 8 if block >= 2048 else 4
+    return block, num_warps
+
+
+def _n_programs(x2d: torch.Tensor) -> int:
+    """Programs for the backward: enough to fill the GPU (a few per SM), few on the CPU interpreter."""
+    n_rows = x2d.shape[0]
+    per_device = 4 * torch.cuda.get_device_properties(x2d.device).multi_processor_count if x2d.is_cuda else 4
+    return max(1, min(n_rows, per_device))
+
+
+def _acc(x: torch.Tensor):
+    return tl.float64 if x.dtype == torch.float64 else tl.float32
+
+
+def _norm_fwd(x, weight, bias, eps: float):
+    """x (..., C) -> y (..., C), mean (N,) or None, rstd (N,) with N = prod(x.shape[:-1])."""
+    shape, C = x.shape, x.shape[-1]
+    x2d = x.reshape(-1, C)  # (N, C); a view when it can be
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()  # the kernel needs unit stride along C
+    N = x2d.shape[0]
+    y = torch.empty((N, C), dtype=x.dtype, device=x.device)  # (N, C)
+    stat_dtype = _compute_dtype(x)
+    rstd = torch.empty(N, dtype=stat_dtype, device=x.device)  # (N,)
+    mean = torch.empty(N, dtype=stat_dtype, device=x.device) if bias is not None else None  # (N,)
+    block, num_warps = _settings(C)
+    if N > 0:
+        _norm_fwd_kernel[(N,)](x2d, weight, bias if bias is not None else weight, y, mean if mean is not None
+                               else rstd, rstd, x2d.stride(0), y.stride(0), C, eps, LAYERNORM=bias is not None,
+                               ACC=_acc(x), BLOCK_SIZE=block, num_warps=num_warps)
+    return y.view(shape), mean, rstd
+
+
+def _norm_bwd(dy, x, weight, mean, rstd, *, n_programs: int | None = None):
+    """-> dx (x.shape, x.dtype), dw (C,) in weight.dtype, db (C,) or None (LayerNorm when mean is given)."""
+    C = x.shape[-1]
+    x2d = x.reshape(-1, C).contiguous()  # (N, C)
+    dy2d = dy.reshape(-1, C).contiguous()  # (N, C); autograd may hand us a non-contiguous gradient
+    N = x2d.shape[0]
+    P = n_programs or _n_programs(x2d)
+    rows_per_program = triton.cdiv(N, P) if N else 0
+    dx = torch.empty_like(x2d)  # (N, C)
+    dw_partial = torch.zeros((P, C), dtype=rstd.dtype, device=x.device)  # (P, C), fp32 partials
+    db_partial = torch.zeros((P, C), dtype=rstd.dtype, device=x.device) if mean is not None else None
+    block, num_warps = _settings(C)
+    if N > 0:
+        _norm_bwd_kernel[(P,)](dy2d, x2d, weight, mean if mean is not None else rstd, rstd, dx, dw_partial,
+                               db_partial if db_partial is not None else dw_partial, dy2d.stride(0), x2d.stride(0),
+                               dx.stride(0), N, C, rows_per_program, LAYERNORM=mean is not None, ACC=_acc(x),
+                               BLOCK_SIZE=block, num_warps=num_warps)
+    dw = dw_partial.sum(0).to(weight.dtype)  # stage 2: reduce P partials -> (C,)
+    db = db_partial.sum(0).to(weight.dtype) if db_partial is not None else None
+    return dx.view(x.shape), dw, db
+
+
+def rmsnorm_fwd(x, weight, eps: float = 1e-6):
+    """-> (y, rstd)"""
+    y, _, rstd = _norm_fwd(x, weight, None, eps)
+    return y, rstd
+
+
+def rmsnorm_bwd(dy, x, weight, rstd, *, n_programs: int | None = None):
+    """-> (dx, dw)"""
+    dx, dw, _ = _norm_bwd(dy, x, weight, None, rstd, n_programs=n_programs)
+    return dx, dw
+
+
+def layernorm_fwd(x, weight, bias, eps: float = 1e-5):
+    """-> (y, mean, rstd)"""
+    return _norm_fwd(x, weight, bias, eps)
+
+
+def layernorm_bwd(dy, x, weight, mean, rstd, *, n_programs: int | None = None):
+    """-> (dx, dw, db)"""
+    return _norm_bwd(dy, x, weight, mean, rstd, n_programs=n_programs)
+
+
+# ------------------------------------------------------------------------------------------ 4. autograd
+class RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y, rstd = rmsnorm_fwd(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = rmsnorm_bwd(dy, x, weight, rstd)
+        return dx, dw, None
+
+
+class LayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        y, mean, rstd = layernorm_fwd(x, weight, bias, eps)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, rstd = ctx.saved_tensors
+        dx, dw, db = layernorm_bwd(dy, x, weight, mean, rstd)
+        return dx, dw, db, None
+
+
+# ------------------------------------------------------------------------------------------ 5. functional
+def _check_inputs(op: str, x, weight, bias, eps) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise ValueError(f"{op}: x must be a tensor with at least 1 dimension (..., C), got {type(x).__name__} "
+                         f"of shape {tuple(getattr(x, 'shape', ()))}")
+    C = x.shape[-1]
+    for name, p in (("x", x), ("weight", weight)) + ((("bias", bias),) if bias is not None else ()):
+        if not p.is_floating_point():
+            raise ValueError(f"{op}: {name} must be a floating-point tensor, got dtype {p.dtype}")
+        if p.device != x.device:
+            raise ValueError(f"{op}: {name} is on {p.device} but x is on {x.device}")
+        if name != "x" and tuple(p.shape) != (C,):
+            raise ValueError(f"{op}: {name} must have shape ({C},) to match x's last dim, got {tuple(p.shape)}")
+    if not eps > 0:
+        raise ValueError(f"{op}: eps must be > 0, got {eps}")
+
+
+def _check_size(op: str, x) -> None:
+    if x.shape[-1] > MAX_FUSED_SIZE:
+        raise ValueError(f"{op}: the Triton kernel keeps a whole row in one program; C={x.shape[-1]} exceeds "
+                         f"{MAX_FUSED_SIZE}. Use backend='torch'.")
 
 
 def rmsnorm(x, weight, *, eps: float = 1e-6, backend: str | None = None):
+    """RMSNorm over the last dim: x (..., C), weight (C,) -> (..., C) in x.dtype."""
+    _check_inputs("rmsnorm", x, weight, None, eps)
+    if resolve_backend(x, backend) == "triton":
+        _check_size("rmsnorm", x)
+        return RMSNormFunction.apply(x, weight, eps)
     return rmsnorm_ref(x, weight, eps)
 
 
 def layernorm(x, weight, bias, *, eps: float = 1e-5, backend: str | None = None):
+    """LayerNorm over the last dim: x (..., C), weight/bias (C,) -> (..., C) in x.dtype."""
+    if bias is None:
+        raise ValueError("layernorm: bias is required (pass torch.zeros(C) for none)")
+    _check_inputs("layernorm", x, weight, bias, eps)
+    if resolve_backend(x, backend) == "triton":
+        _check_size("layernorm", x)
+        return LayerNormFunction.apply(x, weight, bias, eps)
     return layernorm_ref(x, weight, bias, eps)
 
 
+# ------------------------------------------------------------------------------------------ 6. modules
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6, backend: str | None = None):
+    """y = x / rms(x) * weight over the last dim. state_dict: {'weight'}."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, backend: str | None = None, *, device=None, dtype=None):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps, self.backend = eps, backend
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))  # (C,)
+        self.dim, self.eps, self.backend = dim, eps, backend
 
     def forward(self, x):
         return rmsnorm(x, self.weight, eps=self.eps, backend=self.backend)
 
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}, backend={self.backend}"
+
 
 class LayerNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5, backend: str | None = None):
+    """y = (x - mean) / std * weight + bias over the last dim. state_dict: {'weight', 'bias'}."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, backend: str | None = None, *, device=None, dtype=None):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.bias = nn.Parameter(torch.zeros(dim))
-        self.eps, self.backend = eps, backend
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))  # (C,)
+        self.bias = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype))  # (C,)
+        self.dim, self.eps, self.backend = dim, eps, backend
 
     def forward(self, x):
         return layernorm(x, self.weight, self.bias, eps=self.eps, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}, backend={self.backend}"

@@ -1,0 +1,199 @@
+"""A decoder-only GPT built only from minite parts (chapter 14, the graduation run).
+
+    idx (B, T) -> token embedding -> n_layer x Block -> RMSNorm -> tied LM head -> logits (B, T, V_pad)
+    Block: x = x + attn(norm1(x)); x = x + mlp(norm2(x))            (pre-norm residual stream)
+
+Modern choices instead of GPT-2's: RMSNorm instead of LayerNorm, rotary position embeddings instead of a learned
+position table, a SwiGLU MLP instead of GELU, grouped-query attention, no biases. Every op goes through
+``minite.ops`` / ``minite.nn``, so the backend switch swaps the PyTorch references for the Triton kernels without
+touching this file, and every projection is a ``minite.nn.Linear`` so ``fp8_autocast`` can run it in FP8.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from minite.layers.attention import CausalSelfAttention
+from minite.layers.linear import Linear
+from minite.nn import RMSNorm
+from minite.ops import cross_entropy, swiglu
+
+__all__ = ["GPTConfig", "GPT", "Block", "MLP"]
+
+
+def _doc(text: str, default):
+    """A dataclass field with a documentation string (``--help`` of minite.train prints it)."""
+    return field(default=default, metadata={"doc": text})
+
+
+@dataclass
+class GPTConfig:
+    """Shape and numerics of the GPT. Every field is a CLI key of minite.train (``--model.<field>=...``)."""
+
+    vocab_size: int = _doc("tokens in the tokenizer (set from the data; padded up to a multiple of 64 inside)", 256)
+    block_size: int = _doc("context length T: the longest sequence the model accepts", 128)
+    n_layer: int = _doc("number of transformer blocks", 4)
+    n_head: int = _doc("query heads H (n_embd must be divisible by it)", 4)
+    n_kv_head: int = _doc("key/value heads KVH for grouped-query attention (n_head % n_kv_head == 0); "
+                          "0 means n_kv_head = n_head", 0)
+    n_embd: int = _doc("model width C", 128)
+    mlp_hidden: int = _doc("SwiGLU hidden width; 0 means 8/3 * n_embd rounded up to a multiple of 32", 0)
+    rope_base: float = _doc("RoPE frequency base", 10000.0)
+    dropout: float = _doc("dropout on the residual branches and the embeddings (0 for short runs)", 0.0)
+    norm_eps: float = _doc("RMSNorm epsilon", 1e-6)
+    bias: bool = _doc("biases in the linear layers", False)
+    vocab_multiple: int = _doc("pad the vocabulary up to a multiple of this (64: tensor-core friendly)", 64)
+    backend: str = _doc("op implementation: auto | torch | triton (auto: Triton on CUDA, else PyTorch)", "auto")
+
+    def __post_init__(self):
+        if self.n_kv_head == 0:
+            self.n_kv_head = self.n_head
+        if self.mlp_hidden == 0:
+            self.mlp_hidden = 32 * math.ceil(8 * self.n_embd / 3 / 32)
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "vocab_multiple"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"GPTConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if self.n_head % self.n_kv_head != 0:
+            raise ValueError(f"n_head={self.n_head} must be divisible by n_kv_head={self.n_kv_head}")
+        if (self.n_embd // self.n_head) % 2 != 0:
+            raise ValueError(f"head size n_embd // n_head = {self.n_embd // self.n_head} must be even for RoPE")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"backend must be auto | torch | triton, got {self.backend!r}")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        # The 50257 -> 50304 lesson (nanoGPT): GPT-2's vocabulary of 50257 is odd, so the LM-head matmul
+        # (N, C) @ (C, 50257) falls off the fast tensor-core tiles; padding to 50304 = 64 * 786 made the whole
+        # model ~25% faster. The extra rows are never targets: they learn a low logit and are masked when sampling.
+        m = self.vocab_multiple
+        return m * math.ceil(self.vocab_size / m)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up fused into one projection."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.hidden, self.backend = cfg.mlp_hidden, _backend_arg(cfg)
+        self.gate_up = Linear(cfg.n_embd, 2 * cfg.mlp_hidden, bias=cfg.bias)  # C -> 2 * hidden, one matmul
+        self.down = Linear(cfg.mlp_hidden, cfg.n_embd, bias=cfg.bias)  # hidden -> C
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.hidden, dim=-1)  # (B, T, hidden) each
+        return self.dropout(self.down(swiglu(gate, up, backend=self.backend)))  # (B, T, C)
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        be = _backend_arg(cfg)
+        self.norm1 = RMSNorm(cfg.n_embd, eps=cfg.norm_eps, backend=be)
+        self.attn = CausalSelfAttention(cfg.n_embd, cfg.n_head, cfg.n_kv_head, max_seq_len=cfg.block_size,
+                                        rope_base=cfg.rope_base, dropout=cfg.dropout, bias=cfg.bias, backend=be)
+        self.norm2 = RMSNorm(cfg.n_embd, eps=cfg.norm_eps, backend=be)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))  # (B, T, C)
+        x = x + self.mlp(self.norm2(x))  # (B, T, C)
+        return x
+
+
+def _backend_arg(cfg: GPTConfig) -> str | None:
+    # "auto" is passed as None so a surrounding use_backend() context or $MINITE_BACKEND can still decide.
+    return None if cfg.backend == "auto" else cfg.backend
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer language model. ``forward(idx, targets=None) -> (logits, loss)``."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        self.backend = _backend_arg(cfg)
+        V, C = cfg.padded_vocab_size, cfg.n_embd
+        self.wte = nn.Embedding(V, C)  # token embedding (V_pad, C); no position table: RoPE rotates q and k
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
+        self.norm_f = RMSNorm(C, eps=cfg.norm_eps, backend=self.backend)
+        # The LM head is tied to the embedding (weight sharing, Press & Wolf 2017): logits = x @ wte.weight^T.
+        # It is applied with F.linear on purpose, not minite.nn.Linear, so fp8_autocast leaves it in higher
+        # precision: the logits feed a softmax over the whole vocabulary and are the most precision-sensitive GEMM.
+        self.apply(self._init_weights)
+        # GPT-2's scaled init: each block adds two residual branches, so the output projections start with
+        # std 0.02 / sqrt(2 * n_layer) and the residual stream's variance does not grow with depth.
+        for name, p in self.named_parameters():
+            if name.endswith("attn.proj.weight") or name.endswith("mlp.down.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module):
+        if isinstance(module, nn.Linear):  # minite.nn.Linear subclasses nn.Linear
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self) -> int:
+        """Parameter count (the tied embedding counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        B, T = idx.shape  # batch, sequence length
+        if T > self.config.block_size:
+            raise ValueError(f"cannot forward a sequence of length {T}: block_size is only {self.config.block_size} "
+                             "(crop the input, or train a model with a larger --model.block_size)")
+        x = self.drop(self.wte(idx))  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)  # (B, T, C)
+        x = self.norm_f(x)  # (B, T, C)
+        if targets is None:
+            logits = F.linear(x[:, [-1], :], self.wte.weight)  # (B, 1, V_pad): only the last position is needed
+            return logits, None
+        logits = F.linear(x, self.wte.weight)  # (B, T, V_pad), tied head
+        loss = cross_entropy(logits.view(B * T, -1), targets.reshape(B * T), backend=self.backend)  # (N, V_pad)
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Append `max_new_tokens` sampled tokens to idx (B, T); the context is cropped to the last block_size.
+
+        temperature < 1 sharpens the distribution, > 1 flattens it; 0 means greedy (argmax).
+        top_k keeps only the k most likely tokens before sampling.
+        """
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if top_k is not None and top_k <= 0:
+            raise ValueError(f"top_k must be positive, got {top_k}")
+        V = self.config.vocab_size
+        for _ in range(max_new_tokens):
+            idx_cond = idx[:, -self.config.block_size:]  # (B, <= block_size)
+            logits, _ = self(idx_cond)  # (B, 1, V_pad)
+            logits = logits[:, -1, :V].float()  # (B, V): the padded ids are never sampled
+            if temperature == 0:
+                idx_next = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    v, _ = torch.topk(logits, min(top_k, V))  # (B, k)
+                    logits[logits < v[:, [-1]]] = -float("inf")
+                probs = torch.softmax(logits, dim=-1)  # (B, V)
+                idx_next = torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
+            idx = torch.cat((idx, idx_next), dim=1)  # (B, T + 1)
+        return idx
