@@ -214,12 +214,13 @@ def grade(student: str | Path, solution: str | Path | None = None, *, timeout: i
         env.pop("PYTEST_ADDOPTS", None)
         proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
         if not junit.exists():
-            raise RuntimeError(f"nbval did not run (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            raise RuntimeError(f"nbval did not run (exit {proc.returncode}):\n"
+                               f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         results = {}
         for case in ET.parse(junit).getroot().iter("testcase"):
             m = re.search(r"Cell (\d+)", case.get("name", ""))
             if m:
-                bad = case.find("failure") is not None or case.find("error") is not None or case.find("skipped") is not None
+                bad = any(case.find(t) is not None for t in ("failure", "error", "skipped"))
                 msg = ""
                 for tag in ("failure", "error"):
                     el = case.find(tag)

@@ -136,7 +136,8 @@ def test_saved_wrong_answer_fails_on_chapter_00(tmp_path):
     # Break the first task's answer but keep every stored output (including the check's PASS line).
     task = next(c for c in nb.cells if c.cell_type == "code" and BEGIN in c.source)
     lines = task.source.splitlines()
-    b, e = lines.index(next(x for x in lines if x.strip() == BEGIN)), lines.index(next(x for x in lines if x.strip() == END))
+    b = next(i for i, x in enumerate(lines) if x.strip() == BEGIN)
+    e = next(i for i, x in enumerate(lines) if x.strip() == END)
     indent = lines[b][: len(lines[b]) - len(lines[b].lstrip())]
     body = lines[b + 1:e]
     # the same answer with every '+' turned into '-' (vector add -> subtract) is wrong but still runs

@@ -1,13 +1,300 @@
-"""Cross-entropy (chapter 06). PLACEHOLDER: reference path only until chapter 06 lands its kernel."""
+"""Cross-entropy over a large vocabulary (chapter 06), and the fused linear + cross-entropy.
+
+    loss_i = logsumexp(x_i) - x_i[t_i]                      x: (N, V) logits, t: (N,) targets
+    dloss_i / dx_i = softmax(x_i) - one_hot(t_i)            (times 1 / #non-ignored rows for reduction="mean")
+
+One program per row loops over V in blocks with an *online* logsumexp (running max m, running sum of exp(x - m)),
+so V = 50304 never needs a 50304-wide tile. The loss is fp32 whatever the logits dtype. ``linear_cross_entropy``
+takes ``chunk_size`` rows at a time: logits chunk = x_chunk @ W^T, overwritten in place with dlogits, folded into
+dx and dW at once: one (chunk_size, V) tile is alive instead of several (N, V) tensors.
+"""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+from torch import nn
+
+from minite._triton import interpreting, tl, triton
+from minite.backend import resolve_backend
+
+__all__ = ["cross_entropy_ref", "cross_entropy", "CrossEntropyFunction", "linear_cross_entropy_ref",
+           "linear_cross_entropy", "LinearCrossEntropyFunction", "LinearCrossEntropy"]
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_REDUCTIONS = ("mean", "sum", "none")
+MAX_VOCAB = 2**31 - 1  # column offsets inside a row are int32 in the kernels
 
 
-def cross_entropy_ref(logits, target, ignore_index: int = -100, reduction: str = "mean"):
-    return F.cross_entropy(logits.float(), target, ignore_index=ignore_index, reduction=reduction)
+# ----------------------------------------------------------------------------------------- 1. reference
+def cross_entropy_ref(logits, target, ignore_index: int = -100, reduction: str = "mean",
+                      label_smoothing: float = 0.0):
+    """The spec, from the formula (tested against F.cross_entropy). logits (N, V), target (N,) -> fp32 loss."""
+    x = logits.double() if logits.dtype == torch.float64 else logits.float()  # (N, V)
+    valid = target != ignore_index  # (N,)
+    lse = torch.logsumexp(x, dim=-1)  # (N,)
+    x_t = x.gather(1, torch.where(valid, target, 0)[:, None]).squeeze(1)  # (N,) logit of the target
+    loss = lse - x_t
+    if label_smoothing:  # (1 - eps) * (lse - x_t) + eps * (lse - mean(x)): eps/V of the target mass on every class
+        loss = lse - (1.0 - label_smoothing) * x_t - label_smoothing * x.mean(-1)
+    loss = torch.where(valid, loss, 0.0)
+    return loss if reduction == "none" else loss.sum() if reduction == "sum" else loss.sum() / valid.sum()
 
 
-def cross_entropy(logits, target, *, ignore_index: int = -100, reduction: str = "mean", backend: str | None = None):
-    return cross_entropy_ref(logits, target, ignore_index, reduction)
+def linear_cross_entropy_ref(x, weight, target, ignore_index: int = -100, reduction: str = "mean",
+                             label_smoothing: float = 0.0):
+    """Naive: materialise the (N, V) logits, then cross-entropy. x (N, C), weight (V, C)."""
+    return cross_entropy_ref(x @ weight.t(), target, ignore_index, reduction, label_smoothing)
+
+
+# -------------------------------------------------------------------------------------------- 2. kernels
+@triton.jit
+def _acc(x, FP64: tl.constexpr):
+    # Upcast right after a load: fp32 accumulation (fp64 for gradcheck); bf16 math is wrong on the interpreter.
+    if FP64:
+        return x.to(tl.float64)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _ce_fwd_kernel(X_ptr, X_row_stride, T_ptr, Loss_ptr, LSE_ptr, V, ignore_index, smoothing,
+                   BLOCK_SIZE: tl.constexpr, FP64: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # one program per row of the (N, V) logits
+    X_ptr += row * X_row_stride  # int64: N * V overflows int32 at N*V > 2**31 (8192 x 50304 does)
+    t = tl.load(T_ptr + row)
+    cols = tl.arange(0, BLOCK_SIZE)
+    m = _acc(tl.full((), float("-inf"), tl.float32), FP64)  # running max
+    s = _acc(tl.full((), 0.0, tl.float32), FP64)  # running sum of exp(x - m)
+    sum_x = _acc(tl.full((), 0.0, tl.float32), FP64)  # sum of x, for label smoothing
+    # Online logsumexp: one pass over V in blocks; when the max grows, rescale the old sum by exp(m_old - m_new).
+    for start in range(0, V, BLOCK_SIZE):
+        mask = start + cols < V
+        x = _acc(tl.load(X_ptr + start + cols, mask=mask, other=float("-inf")), FP64)  # (BLOCK_SIZE,)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)  # masked lanes: exp(-inf) = 0
+        m = m_new
+        sum_x += tl.sum(tl.where(mask, x, 0.0), axis=0)
+    lse = m + tl.log(s)
+    valid = t != ignore_index
+    # The target logit is one scalar load; out-of-range targets are masked so the kernel never reads past the row
+    # (they are rejected before launch on the CPU; on CUDA checking would cost a host sync, see _check_ce).
+    ok = valid & (t >= 0) & (t < V)
+    x_t = _acc(tl.load(X_ptr + tl.where(ok, t, 0), mask=ok, other=0.0), FP64)
+    # (1 - eps) * (lse - x_t) + eps * (lse - mean(x))
+    loss = lse - (1.0 - smoothing) * x_t - smoothing * sum_x / V
+    tl.store(Loss_ptr + row, tl.where(valid, loss, 0.0))
+    tl.store(LSE_ptr + row, lse)  # saved for the backward: softmax = exp(x - lse) without another reduction
+
+
+# Backward of row i with upstream gradient g_i (g / #valid for "mean"), derived in the notebook:
+#   dloss_i/dx_ij = softmax(x_i)_j - (1 - eps) * [j == t_i] - eps / V      (0 for an ignored row)
+# softmax is recomputed from the saved lse: exp(x - lse). DX may alias X (the fused linear-CE writes in place:
+# each element is read, then overwritten, by the same program).
+@triton.jit
+def _ce_bwd_kernel(X_ptr, X_row_stride, T_ptr, LSE_ptr, DL_ptr, DL_stride, DX_ptr, DX_row_stride, V,
+                   ignore_index, smoothing, BLOCK_SIZE: tl.constexpr, FP64: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    X_ptr += row * X_row_stride
+    DX_ptr += row * DX_row_stride
+    t = tl.load(T_ptr + row)
+    lse = tl.load(LSE_ptr + row)
+    g = _acc(tl.load(DL_ptr + row * DL_stride), FP64)  # DL_stride = 0: one scalar for mean / sum
+    g = tl.where(t != ignore_index, g, 0.0)  # ignored rows get a zero gradient
+    cols = tl.arange(0, BLOCK_SIZE)
+    for start in range(0, V, BLOCK_SIZE):
+        mask = start + cols < V
+        x = _acc(tl.load(X_ptr + start + cols, mask=mask, other=0.0), FP64)  # (BLOCK_SIZE,)
+        p = tl.exp(x - lse)  # softmax, recomputed
+        dx = p - smoothing / V - tl.where(start + cols == t, 1.0 - smoothing, 0.0)  # softmax - one_hot
+        tl.store(DX_ptr + start + cols, (g * dx).to(DX_ptr.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------------------------------ 3. launchers
+def _block_size(V: int) -> int:
+    # 4096 fp32 lanes = 32 per thread at 4 warps: wide enough to stream HBM, small enough not to spill.
+    # Under the interpreter a bigger block means fewer Python-level loop iterations.
+    return max(16, min(8192 if interpreting() else 4096, triton.next_power_of_2(V)))
+
+
+def cross_entropy_fwd(logits, target, ignore_index: int, label_smoothing: float):
+    """Per-row loss and logsumexp, both (N,) fp32 (fp64 for fp64 logits). logits (N, V) with unit column stride."""
+    N, V = logits.shape
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    loss = torch.empty(N, device=logits.device, dtype=acc)
+    lse = torch.empty(N, device=logits.device, dtype=acc)
+    if N:
+        _ce_fwd_kernel[(N,)](logits, logits.stride(0), target, loss, lse, V, ignore_index, float(label_smoothing),
+                             BLOCK_SIZE=_block_size(V), FP64=acc == torch.float64)
+    return loss, lse
+
+
+def cross_entropy_bwd(dl, logits, target, lse, ignore_index: int, label_smoothing: float, out=None):
+    """dlogits (N, V) for per-row upstream grads `dl` ((N,), or (1,) broadcast). `out=logits` works in place."""
+    N, V = logits.shape
+    dx = torch.empty_like(logits) if out is None else out
+    dl = dl.to(lse.dtype).contiguous()
+    if N:
+        _ce_bwd_kernel[(N,)](logits, logits.stride(0), target, lse, dl, 1 if dl.numel() > 1 else 0, dx, dx.stride(0),
+                             V, ignore_index, float(label_smoothing), BLOCK_SIZE=_block_size(V),
+                             FP64=lse.dtype == torch.float64)
+    return dx
+
+
+def _ce_chunk_torch(logits, target, dl, ignore_index, label_smoothing):
+    """The reference step of the chunked linear-CE: per-row loss, and logits <- dlogits in place."""
+    with torch.enable_grad():
+        z = logits.detach().requires_grad_()
+        rows = cross_entropy_ref(z, target, ignore_index, "none", label_smoothing)
+        (dz,) = torch.autograd.grad(rows, z, dl.to(rows.dtype).expand_as(rows))
+    logits.copy_(dz)
+    return rows.detach()
+
+
+def linear_cross_entropy_fwd(x, weight, target, ignore_index, reduction, label_smoothing, chunk_size, use_triton,
+                             need_dx=True, need_dw=True):
+    """Loss, and dx (N, C) / dW (V, C) for an upstream gradient of 1, never holding more than (chunk_size, V)."""
+    N, C = x.shape
+    valid = (target != ignore_index).sum()  # a tensor: no host sync
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    one = torch.ones(1, dtype=acc, device=x.device)  # the same upstream gradient for every row, shape (1,)
+    dl = one / valid.clamp(min=1) if reduction == "mean" else one
+    rows = torch.empty(N, dtype=acc, device=x.device)  # per-row loss
+    dx = torch.empty_like(x) if need_dx else None  # (N, C)
+    dw = torch.zeros(weight.shape, dtype=acc, device=x.device) if need_dw else None  # (V, C) fp32
+    for s in range(0, N, chunk_size):
+        xc, tc = x[s:s + chunk_size], target[s:s + chunk_size]  # (n, C), (n,)
+        logits = xc @ weight.t()  # (n, V): the only vocabulary-sized tensor alive
+        if use_triton:
+            rows[s:s + chunk_size], lse = cross_entropy_fwd(logits, tc, ignore_index, label_smoothing)
+            cross_entropy_bwd(dl, logits, tc, lse, ignore_index, label_smoothing, out=logits)  # in place
+        else:
+            rows[s:s + chunk_size] = _ce_chunk_torch(logits, tc, dl, ignore_index, label_smoothing)
+        if dx is not None:
+            dx[s:s + chunk_size] = logits @ weight  # (n, V) @ (V, C) -> (n, C)
+        if dw is not None:
+            dw += (logits.t() @ xc).to(acc)  # (V, n) @ (n, C): one rounding per chunk, summed in fp32
+    loss = rows.sum() / valid if reduction == "mean" else rows.sum()
+    return loss, dx, dw
+
+
+# ------------------------------------------------------------------------------------ 4. autograd.Function
+class CrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, reduction, label_smoothing):
+        rows, lse = cross_entropy_fwd(logits, target, ignore_index, label_smoothing)
+        valid = (target != ignore_index).sum()
+        ctx.save_for_backward(logits, target, lse, valid)  # logits are alive anyway; lse is (N,)
+        ctx.args = (ignore_index, reduction, label_smoothing)
+        return rows if reduction == "none" else rows.sum() / valid if reduction == "mean" else rows.sum()
+
+    @staticmethod
+    def backward(ctx, dloss):
+        logits, target, lse, valid = ctx.saved_tensors
+        ignore_index, reduction, label_smoothing = ctx.args
+        dl = dloss.reshape(-1) / (valid.clamp(min=1) if reduction == "mean" else 1)  # (N,) for "none", else (1,)
+        return cross_entropy_bwd(dl, logits, target, lse, ignore_index, label_smoothing), None, None, None, None
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, target, ignore_index, reduction, label_smoothing, chunk_size, use_triton):
+        loss, dx, dw = linear_cross_entropy_fwd(x, weight, target, ignore_index, reduction, label_smoothing,
+                                                chunk_size, use_triton, *ctx.needs_input_grad[:2])
+        ctx.save_for_backward(dx, dw)  # the gradients, computed in the forward while each chunk was at hand
+        ctx.weight_dtype = weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss):
+        dx, dw = ctx.saved_tensors
+        dx = None if dx is None else dx * dloss.to(dx.dtype)  # chain rule with the scalar upstream gradient
+        dw = None if dw is None else (dw * dloss).to(ctx.weight_dtype)
+        return dx, dw, None, None, None, None, None, None
+
+
+# -------------------------------------------------------------------------------------------- 5. functional
+def _check_ce(logits, target, reduction, label_smoothing, name="logits"):
+    if not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor):
+        raise TypeError(f"cross_entropy: {name} and target must be tensors")
+    if logits.dim() != 2:
+        raise ValueError(f"cross_entropy: {name} must be 2-D, got shape {tuple(logits.shape)}; flatten (B, T, .)")
+    if logits.dtype not in _FLOATS:
+        raise ValueError(f"cross_entropy: {name} dtype {logits.dtype} is not fp16, bf16, fp32 or fp64")
+    if target.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"cross_entropy: target dtype {target.dtype} must be int64 (class indices)")
+    if target.shape != logits.shape[:1]:
+        raise ValueError(f"cross_entropy: target shape {tuple(target.shape)} != ({logits.shape[0]},), "
+                         f"the rows of {name} {tuple(logits.shape)}")
+    if target.device != logits.device:
+        raise ValueError(f"cross_entropy: target is on {target.device} but {name} is on {logits.device}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"cross_entropy: reduction={reduction!r}; expected one of {_REDUCTIONS}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"cross_entropy: label_smoothing={label_smoothing} must be in [0, 1]")
+
+
+def _check_targets(target, V, ignore_index):
+    if V > MAX_VOCAB:
+        raise ValueError(f"cross_entropy: vocabulary V={V} is too large (max {MAX_VOCAB}: int32 column offsets)")
+    # Range check only where it is free: on the CPU. On CUDA it would cost a device->host sync per call, so
+    # the kernels mask out-of-range targets instead (as torch, which raises a device-side assert there).
+    if target.device.type == "cpu" and target.numel():
+        bad = (target != ignore_index) & ((target < 0) | (target >= V))
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(f"cross_entropy: target[{i}] = {int(target[i])} is out of range [0, {V}) "
+                             f"and is not ignore_index={ignore_index}")
+
+
+def cross_entropy(logits, target, *, ignore_index: int = -100, reduction: str = "mean",
+                  label_smoothing: float = 0.0, backend: str | None = None):
+    """Cross-entropy of logits (N, V) against class indices target (N,). Returns an fp32 loss (fp64 for fp64):
+    a scalar for reduction "mean" (over non-ignored rows) / "sum", or (N,) for "none"."""
+    _check_ce(logits, target, reduction, label_smoothing)
+    _check_targets(target, logits.shape[1], ignore_index)
+    if resolve_backend(logits, backend) == "triton":
+        logits = logits if logits.stride(-1) == 1 else logits.contiguous()  # rows may be strided, columns not
+        return CrossEntropyFunction.apply(logits, target.long().contiguous(), int(ignore_index), reduction,
+                                          float(label_smoothing))
+    return cross_entropy_ref(logits, target.long(), ignore_index, reduction, label_smoothing)
+
+
+def linear_cross_entropy(x, weight, target, *, ignore_index: int = -100, reduction: str = "mean",
+                         label_smoothing: float = 0.0, chunk_size: int = 1024, backend: str | None = None):
+    """cross_entropy(x @ weight.T, target) without materialising the (N, V) logits. x (N, C), weight (V, C),
+    target (N,). Rows are processed `chunk_size` at a time; the gradients are computed during the forward."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or x.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"linear_cross_entropy: x {tuple(getattr(x, 'shape', ()))} must be (N, C) and weight "
+                         f"{tuple(getattr(weight, 'shape', ()))} (V, C) with the same C")
+    _check_ce(x, target, reduction, label_smoothing, name="x")
+    if weight.dtype != x.dtype or weight.device != x.device:
+        raise ValueError(f"linear_cross_entropy: weight ({weight.dtype}, {weight.device}) must match "
+                         f"x ({x.dtype}, {x.device})")
+    if reduction == "none":
+        raise ValueError("linear_cross_entropy: reduction='none' is not supported (the gradients are computed "
+                         "in the forward for a scalar loss); use 'mean' or 'sum'")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"linear_cross_entropy: chunk_size={chunk_size!r} must be a positive int")
+    _check_targets(target, weight.shape[0], ignore_index)
+    use_triton = resolve_backend(x, backend) == "triton"
+    return LinearCrossEntropyFunction.apply(x.contiguous(), weight.contiguous(), target.long().contiguous(),
+                                            int(ignore_index), reduction, float(label_smoothing), chunk_size,
+                                            use_triton)
+
+
+# ------------------------------------------------------------------------------------------------ 6. Module
+class LinearCrossEntropy(nn.Module):
+    """The LM head and its loss in one: holds weight (V, C); forward(x (N, C), target (N,)) -> fp32 loss."""
+
+    def __init__(self, dim: int, vocab: int, ignore_index: int = -100, chunk_size: int = 1024,
+                 backend: str | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab, dim))
+        nn.init.normal_(self.weight, std=0.02)
+        self.ignore_index, self.chunk_size, self.backend = ignore_index, chunk_size, backend
+
+    def forward(self, x, target):  # x (N, C), target (N,)
+        return linear_cross_entropy(x, self.weight, target, ignore_index=self.ignore_index,
+                                    chunk_size=self.chunk_size, backend=self.backend)
+
+    def extra_repr(self):
+        return f"dim={self.weight.shape[1]}, vocab={self.weight.shape[0]}, chunk_size={self.chunk_size}"

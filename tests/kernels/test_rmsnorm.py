@@ -1,0 +1,142 @@
+"""RMSNorm / LayerNorm: Triton kernels vs the reference, reference vs torch built-ins, gradcheck, errors."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minite.kernels import rmsnorm as K
+from minite.kernels.rmsnorm import LayerNorm, RMSNorm, layernorm, layernorm_ref, rmsnorm, rmsnorm_ref
+from minite.testing import assert_close, check_op
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# odd C (masked lanes), power-of-two C, a 3-D input; 13 rows > the 4 backward programs used on CPU, so each
+# program loops over several rows and the last one gets a short chunk.
+SHAPES = [(13, 37), (4, 64), (2, 3, 40)]
+
+
+def _inputs(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    C = shape[-1]
+    x = torch.randn(shape, generator=g).to(dtype)
+    w = (1 + 0.5 * torch.randn(C, generator=g)).to(dtype)  # not ones: a wrong use of w must show
+    b = (0.5 * torch.randn(C, generator=g)).to(dtype)
+    return x, w, b
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_rmsnorm_triton_matches_reference(shape, dtype):
+    x, w, _ = _inputs(shape, dtype)
+    # output, grad x, grad weight
+    assert check_op("rmsnorm", lambda x, w: rmsnorm(x, w, eps=1e-6, backend="triton"),
+                    lambda x, w: rmsnorm_ref(x, w, 1e-6), x, w)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_layernorm_triton_matches_reference(shape, dtype):
+    x, w, b = _inputs(shape, dtype)
+    # output, grad x, grad weight, grad bias
+    assert check_op("layernorm", lambda x, w, b: layernorm(x, w, b, eps=1e-5, backend="triton"),
+                    lambda x, w, b: layernorm_ref(x, w, b, 1e-5), x, w, b)
+
+
+@pytest.mark.triton
+def test_gradcheck_fp64():
+    x, w, b = (t.double().requires_grad_() for t in _inputs((5, 7), torch.float64))
+    assert torch.autograd.gradcheck(lambda x, w: K.RMSNormFunction.apply(x, w, 1e-6), (x, w), fast_mode=True)
+    assert torch.autograd.gradcheck(lambda x, w, b: K.LayerNormFunction.apply(x, w, b, 1e-5), (x, w, b),
+                                    fast_mode=True)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("n_programs", [1, 3, 13])
+def test_two_stage_dw_any_program_count(n_programs):
+    """dx, dw, db do not depend on how rows are split among programs (1 = serial, 13 = one row each)."""
+    x, w, b = _inputs((13, 24), torch.float32, seed=1)
+    dy = torch.randn_like(x)
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+    layernorm_ref(xr, wr, br, 1e-5).backward(dy)
+    _, mean, rstd = K.layernorm_fwd(x, w, b, 1e-5)
+    dx, dw, db = K.layernorm_bwd(dy, x, w, mean, rstd, n_programs=n_programs)
+    assert_close(dx, xr.grad, name="dx")
+    assert_close(dw, wr.grad, name="dw")
+    assert_close(db, br.grad, name="db")
+    xr.grad = wr.grad = None
+    rmsnorm_ref(xr, wr, 1e-6).backward(dy)
+    y, rstd = K.rmsnorm_fwd(x, w, 1e-6)
+    dx, dw = K.rmsnorm_bwd(dy, x, w, rstd, n_programs=n_programs)
+    assert_close(dx, xr.grad, name="dx")
+    assert_close(dw, wr.grad, name="dw")
+
+
+@pytest.mark.triton
+def test_saved_statistics():
+    x, w, b = _inputs((6, 33), torch.float16)
+    _, mean, rstd = K.layernorm_fwd(x, w, b, 1e-5)
+    xf = x.float()
+    assert mean.dtype == rstd.dtype == torch.float32  # fp32 statistics for a fp16 input
+    assert_close(mean, xf.mean(-1), name="mean")
+    assert_close(rstd, torch.rsqrt(xf.var(-1, unbiased=False) + 1e-5), name="rstd")
+    _, rstd = K.rmsnorm_fwd(x, w, 1e-6)
+    assert_close(rstd, torch.rsqrt(xf.pow(2).mean(-1) + 1e-6), name="rstd")
+
+
+@pytest.mark.triton
+def test_non_contiguous_input_and_modules():
+    x = torch.randn(40, 6).t()  # (6, 40), stride along C is 6
+    m = RMSNorm(40, backend="triton")
+    with torch.no_grad():
+        m.weight.copy_(torch.randn(40))
+    assert_close(m(x), rmsnorm_ref(x, m.weight.detach()), name="rmsnorm non-contiguous")
+    ln = LayerNorm(40, backend="triton")
+    assert_close(ln(x), F.layer_norm(x, (40,)), name="layernorm module")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_reference_matches_torch_builtins(dtype):
+    x, w, b = _inputs((5, 48), dtype, seed=2)
+    x = 3 * x + 1  # a non-zero mean, so RMSNorm and LayerNorm differ
+    assert_close(rmsnorm_ref(x, w, 1e-6), F.rms_norm(x, (48,), w, 1e-6), name="rmsnorm_ref vs F.rms_norm")
+    assert_close(layernorm_ref(x, w, b, 1e-5), F.layer_norm(x, (48,), w, b, 1e-5),
+                 name="layernorm_ref vs F.layer_norm")
+    assert not torch.allclose(rmsnorm_ref(x, w, 1e-6), layernorm_ref(x, w, torch.zeros_like(b), 1e-5))
+
+
+def test_torch_backend_is_reference():
+    x, w, b = _inputs((3, 10), torch.float32)
+    assert torch.equal(rmsnorm(x, w, backend="torch"), rmsnorm_ref(x, w))
+    assert torch.equal(layernorm(x, w, b, backend="torch"), layernorm_ref(x, w, b))
+
+
+def test_module_state_dict_and_repr():
+    assert list(RMSNorm(8).state_dict()) == ["weight"]
+    assert list(LayerNorm(8).state_dict()) == ["weight", "bias"]
+    assert "eps=1e-06" in repr(RMSNorm(8))
+    m = RMSNorm(8, dtype=torch.bfloat16)
+    assert m.weight.dtype == torch.bfloat16 and m.weight.shape == (8,)
+
+
+def test_bad_inputs():
+    x, w, b = _inputs((3, 10), torch.float32)
+    with pytest.raises(ValueError, match=r"weight must have shape \(10,\).*\(9,\)"):
+        rmsnorm(x, w[:9])
+    with pytest.raises(ValueError, match=r"bias must have shape \(10,\)"):
+        layernorm(x, w, b[:4])
+    with pytest.raises(ValueError, match="bias is required"):
+        layernorm(x, w, None)
+    with pytest.raises(ValueError, match="floating-point.*int64"):
+        rmsnorm(torch.ones(3, 10, dtype=torch.long), w)
+    with pytest.raises(ValueError, match="at least 1 dimension"):
+        rmsnorm(torch.tensor(1.0), w)
+    with pytest.raises(ValueError, match="eps must be > 0"):
+        rmsnorm(x, w, eps=0.0)
+    with pytest.raises(ValueError, match="is on meta but x is on cpu"):
+        rmsnorm(x, w.to("meta"))
+
+
+@pytest.mark.triton
+def test_too_wide_row_is_refused():
+    with pytest.raises(ValueError, match="C=65537 exceeds 65536"):
+        rmsnorm(torch.ones(1, 65537), torch.ones(65537), backend="triton")

@@ -1,0 +1,137 @@
+"""SwiGLU (chapter 05): Triton kernel vs reference, reference vs torch, gradcheck, memory saved, bad input."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minite.kernels.swiglu import SwiGLU, swiglu, swiglu_bwd, swiglu_ref
+from minite.testing import assert_close, check_op
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SHAPES = [(3, 37), (4, 64), (2, 3, 129), (1, 1024)]  # odd and power-of-two widths, 2-D and 3-D
+
+
+def _triton(gate, up):
+    return swiglu(gate, up, backend="triton")
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_kernel_matches_reference(shape, dtype):
+    g = torch.Generator().manual_seed(0)
+    gate = (3 * torch.randn(shape, generator=g)).to(dtype)  # wide range: both tails of the sigmoid
+    up = torch.randn(shape, generator=g).to(dtype)
+    assert check_op("swiglu", _triton, swiglu_ref, gate, up)  # output, dgate, dup
+
+
+@pytest.mark.triton
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy's exp -> inf, on purpose
+def test_kernel_extreme_gates_no_nan():
+    # exp(-g) overflows to inf for g << 0: sigmoid must become 0, not NaN, in forward and backward.
+    gate = torch.tensor([[-1000.0, -90.0, -20.0, 0.0, 20.0, 90.0, 1000.0]])
+    up = torch.ones_like(gate)
+    assert check_op("swiglu extremes", _triton, swiglu_ref, gate, up)
+
+
+@pytest.mark.triton
+def test_kernel_noncontiguous_inputs():
+    # gate and up as the two halves of one fused (N, 2H) projection: strided views.
+    gu = torch.randn(5, 2 * 33, generator=torch.Generator().manual_seed(1))
+    gate, up = gu.chunk(2, dim=-1)
+    assert not gate.is_contiguous()
+    assert_close(_triton(gate, up), swiglu_ref(gate, up), name="swiglu(chunked views)")
+
+
+@pytest.mark.triton
+def test_gradcheck_fp64():
+    g = torch.Generator().manual_seed(2)
+    gate = torch.randn(3, 7, dtype=torch.float64, generator=g, requires_grad=True)
+    up = torch.randn(3, 7, dtype=torch.float64, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(_triton, (gate, up))
+
+
+def test_reference_matches_torch():
+    g = torch.Generator().manual_seed(3)
+    gate, up = torch.randn(6, 50, generator=g), torch.randn(6, 50, generator=g)
+    assert_close(swiglu_ref(gate, up), F.silu(gate) * up, name="swiglu_ref vs F.silu(gate) * up")
+    h = swiglu_ref(gate.half(), up.half())
+    assert h.dtype == torch.float16  # returns the input dtype
+
+
+@pytest.mark.triton
+def test_backward_formula_matches_autograd_of_silu():
+    # The hand-derived silu'(g) = sig(g) * (1 + g * (1 - sig(g))) in the kernel vs autograd through F.silu.
+    g = torch.linspace(-8, 8, 97, dtype=torch.float64).reshape(1, -1).requires_grad_()
+    up = torch.ones_like(g)
+    (auto,) = torch.autograd.grad(F.silu(g).sum(), g)
+    dgate, dup = swiglu_bwd(torch.ones_like(g), g.detach(), up)
+    assert_close(dgate, auto, name="silu'(g)")
+    assert_close(dup, F.silu(g.detach()), name="dL/dup = silu(g)")
+
+
+def _saved_bytes(fn, *args) -> int:
+    """Bytes autograd keeps for the backward of fn(*args) (distinct storages, counted via saved_tensors_hooks)."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return sum(seen.values())
+
+
+@pytest.mark.triton
+def test_fused_saves_one_activation_less():
+    N, H = 8, 256
+    gate = torch.randn(N, H, requires_grad=True)
+    up = torch.randn(N, H, requires_grad=True)
+    naive = _saved_bytes(lambda g, u: F.silu(g) * u, gate, up)  # gate, silu(gate), up
+    fused = _saved_bytes(_triton, gate, up)  # gate, up
+    assert naive == 3 * N * H * 4
+    assert fused == 2 * N * H * 4
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_module_triton_vs_torch(dtype):
+    torch.manual_seed(4)
+    m_ref = SwiGLU(24, 40, backend="torch").to(dtype)
+    m_tri = SwiGLU(24, 40, backend="triton").to(dtype)
+    m_tri.load_state_dict(m_ref.state_dict())
+    x = torch.randn(2, 3, 24).to(dtype)
+    x_ref, x_tri = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_ref, y_tri = m_ref(x_ref), m_tri(x_tri)
+    assert_close(y_tri, y_ref, name="SwiGLU output")
+    dy = torch.randn_like(y_ref)
+    y_ref.backward(dy)
+    y_tri.backward(dy)
+    assert_close(x_tri.grad, x_ref.grad, name="dx")
+    for (name, p_ref), p_tri in zip(m_ref.named_parameters(), m_tri.parameters()):
+        assert_close(p_tri.grad, p_ref.grad, name=f"d{name}")
+    assert "hidden=40" in repr(m_tri)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda: swiglu(torch.randn(3, 4), torch.randn(3, 5)), r"gate shape \(3, 4\) != up shape \(3, 5\)"),
+    (lambda: swiglu(torch.randn(3, 4), torch.randn(3, 4).half()), "gate dtype torch.float32 != up dtype"),
+    (lambda: swiglu(torch.ones(3, 4, dtype=torch.int32), torch.ones(3, 4, dtype=torch.int32)), "dtype torch.int32"),
+    (lambda: swiglu(torch.randn(3, 4), torch.randn(3, 4, device="meta")), "gate is on cpu but up is on meta"),
+])
+def test_bad_input_errors(bad, match):
+    with pytest.raises(ValueError, match=match):
+        bad()
+
+
+def test_unknown_backend_errors():
+    with pytest.raises(ValueError, match="unknown backend"):
+        swiglu(torch.randn(2, 2), torch.randn(2, 2), backend="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_large_hidden(dtype):
+    gate = torch.randn(512, 4096, device="cuda", dtype=dtype)
+    up = torch.randn(512, 4096, device="cuda", dtype=dtype)
+    assert check_op("swiglu cuda", _triton, swiglu_ref, gate, up)
