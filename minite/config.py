@@ -77,7 +77,7 @@ class RunConfig:
 # Presets. `cpu`: sized to finish `make train` in under 5 minutes on 2 cores (measured, see benchmarks/).
 # `gpu`: nanoGPT's shakespeare-char shape (6 x 384, context 256) with a GQA twist, bf16, minutes on one GPU.
 PRESETS: dict[str, dict[str, object]] = {
-    "cpu": {"model.n_layer": 4, "model.n_head": 4, "model.n_kv_head": 4, "model.n_embd": 128,
+    "cpu": {"model.n_layer": 4, "model.n_head": 4, "model.n_embd": 128,
             "model.block_size": 64, "model.dropout": 0.0, "train.batch_size": 32, "train.max_iters": 2500,
             "train.lr": 2e-3, "train.min_lr": 2e-4, "train.warmup_iters": 100, "train.eval_interval": 250,
             "train.eval_iters": 20},
@@ -135,7 +135,7 @@ def config_from_dict(d: dict) -> RunConfig:
     """Rebuild a RunConfig from ``{"model": {...}, "data": {...}, "train": {...}}`` (e.g. from a checkpoint)."""
     try:
         return RunConfig(**{s: cls(**d.get(s, {})) for s, cls in _SECTIONS.items()})
-    except TypeError as e:  # a field the dataclass does not know
+    except (TypeError, ValueError) as e:  # a field the dataclass does not know, or a value GPTConfig rejects
         raise ConfigError(f"bad configuration: {e}") from e
 
 

@@ -16,10 +16,9 @@ Overflow rule of ``encode`` (a value whose round-to-nearest-even result is above
 ``saturate=True`` maps finite overflow *and* ±inf to ±max; NaN stays NaN.
 
 Bit patterns are int32 tensors: the low ``spec.bits`` bits hold the pattern (0 <= b < 2**bits); for FP32
-they are the int32 with the same bits as the float. Sections: 1. ``FormatSpec`` + references
-``encode_ref``/``decode_ref`` (torch integer ops: the spec); 2. Triton helpers ``encode_bits_tl``/
-``decode_bits_tl`` (shared with chapter 02's fp8 kernels: their signatures are stable) and kernels;
-3. launchers; 5. ``encode``/``decode`` with ``backend=None``. (No autograd: bit patterns have no gradient.)
+the int32 with the float's bits. Sections: 1. ``FormatSpec``, references ``encode_ref``/``decode_ref`` (torch
+integer ops: the spec); 2. Triton helpers ``encode_bits_tl``/``decode_bits_tl`` (chapter 02's fp8 kernels use
+them: stable signatures) and kernels; 3. launchers; 5. ``encode``/``decode``. No autograd: bits have no gradient.
 """
 from __future__ import annotations
 
@@ -81,10 +80,6 @@ class FormatSpec:
         top = (1 << self.exp_bits) - 1
         return (top << self.man_bits) | ((1 << self.man_bits) - 2) if self.fn else \
             ((top - 1) << self.man_bits) | ((1 << self.man_bits) - 1)
-
-    @property
-    def has_inf(self) -> bool:
-        return not self.fn
 
 
 FP32 = FormatSpec("fp32", 8, 23, 127, torch_dtype=torch.float32)

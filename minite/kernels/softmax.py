@@ -61,7 +61,7 @@ def _softmax_fwd_kernel(
         # A new block with a larger max rescales the old sum: d' = d * exp(m - m') + sum(exp(x_blk - m')).
         # m starts at a finite "minus infinity": from -inf, a block of only -inf (a masked stretch of the row)
         # would give exp(-inf - (-inf)) = NaN; from -3e38 it gives exp(-inf + 3e38) = 0. Any start is exact.
-        m = tl.full([], -float("inf"), ACC_DTYPE)
+        m = tl.full([], -3.0e38, ACC_DTYPE)
         d = tl.full([], 0.0, ACC_DTYPE)
         for start in range(0, n_cols, BLOCK_SIZE):
             mask = start + cols < n_cols

@@ -29,21 +29,27 @@ def swiglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 # -------------------------------------------------------------------------------------------- 2. kernels
 @triton.jit
-def _swiglu_fwd_kernel(G_ptr, U_ptr, Y_ptr, n_elements, BLOCK_SIZE: tl.constexpr, FP64: tl.constexpr):
-    # Elementwise, so the (N, H) tensors are walked as one flat vector: program i owns BLOCK_SIZE elements.
-    pid = tl.program_id(0).to(tl.int64)  # int64: N * H can exceed 2**31 for big MLPs
-    offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    mask = offs < n_elements
-    # Load, then upcast at once (bf16 arithmetic is wrong under the CPU interpreter); fp64 stays fp64.
+def _acc(x, FP64: tl.constexpr):
+    # Upcast right after a load: bf16 arithmetic is wrong under the CPU interpreter; fp64 stays fp64 (gradcheck).
     if FP64:
-        g = tl.load(G_ptr + offs, mask=mask, other=0.0).to(tl.float64)
-        u = tl.load(U_ptr + offs, mask=mask, other=0.0).to(tl.float64)
+        return x.to(tl.float64)
     else:
-        g = tl.load(G_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(U_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _swiglu_fwd_kernel(G_ptr, G_row_stride, U_ptr, U_row_stride, Y_ptr, H,
+                       BLOCK_SIZE: tl.constexpr, FP64: tl.constexpr):
+    # Grid (N, cdiv(H, BLOCK_SIZE)): program (row, j) owns BLOCK_SIZE columns of one row of the (N, H) tensors.
+    # Rows may be strided (gate and up are often two halves of one (N, 2H) projection): no copy needed.
+    row = tl.program_id(0).to(tl.int64)  # int64: row * stride overflows int32 for big N * H
+    cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = cols < H
+    g = _acc(tl.load(G_ptr + row * G_row_stride + cols, mask=mask, other=0.0), FP64)  # (BLOCK_SIZE,)
+    u = _acc(tl.load(U_ptr + row * U_row_stride + cols, mask=mask, other=0.0), FP64)
     sig = 1.0 / (1.0 + tl.exp(-g))  # sigmoid(g); exp(-g) -> inf gives sig = 0, no NaN
-    y = g * sig * u  # silu(g) * up: three reads+writes of HBM in total (g, u in; y out)
-    tl.store(Y_ptr + offs, y.to(Y_ptr.dtype.element_ty), mask=mask)
+    y = g * sig * u  # silu(g) * up: HBM sees gate and up read once, y written once
+    tl.store(Y_ptr + row * H + cols, y.to(Y_ptr.dtype.element_ty), mask=mask)  # y is contiguous (N, H)
 
 
 # Backward (the notebook derives it):  y = s(g) * u  with  s(g) = g * sig(g)
@@ -51,56 +57,57 @@ def _swiglu_fwd_kernel(G_ptr, U_ptr, Y_ptr, n_elements, BLOCK_SIZE: tl.constexpr
 #   dL/dg = dy * u * s'(g),   s'(g) = sig(g) + g * sig(g) * (1 - sig(g)) = sig(g) * (1 + g * (1 - sig(g)))
 # sig(g) is recomputed from the saved gate instead of being stored by the forward: one (N, H) tensor less.
 @triton.jit
-def _swiglu_bwd_kernel(DY_ptr, G_ptr, U_ptr, DG_ptr, DU_ptr, n_elements,
+def _swiglu_bwd_kernel(DY_ptr, DY_row_stride, G_ptr, G_row_stride, U_ptr, U_row_stride, DG_ptr, DU_ptr, H,
                        BLOCK_SIZE: tl.constexpr, FP64: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    mask = offs < n_elements
-    if FP64:  # gradcheck path
-        dy = tl.load(DY_ptr + offs, mask=mask, other=0.0).to(tl.float64)
-        g = tl.load(G_ptr + offs, mask=mask, other=0.0).to(tl.float64)
-        u = tl.load(U_ptr + offs, mask=mask, other=0.0).to(tl.float64)
-    else:
-        dy = tl.load(DY_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(G_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(U_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    sig = 1.0 / (1.0 + tl.exp(-g))  # recomputed: costs a few FLOPs, saves an (N, H) activation
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = cols < H
+    dy = _acc(tl.load(DY_ptr + row * DY_row_stride + cols, mask=mask, other=0.0), FP64)
+    g = _acc(tl.load(G_ptr + row * G_row_stride + cols, mask=mask, other=0.0), FP64)
+    u = _acc(tl.load(U_ptr + row * U_row_stride + cols, mask=mask, other=0.0), FP64)
+    sig = 1.0 / (1.0 + tl.exp(-g))  # recomputed: a few FLOPs instead of an (N, H) activation in memory
     silu = g * sig
     dsilu = sig * (1.0 + g * (1.0 - sig))  # d silu / d g
-    tl.store(DU_ptr + offs, (dy * silu).to(DU_ptr.dtype.element_ty), mask=mask)
-    tl.store(DG_ptr + offs, (dy * u * dsilu).to(DG_ptr.dtype.element_ty), mask=mask)
+    # dgate and dup are contiguous (N, H)
+    tl.store(DU_ptr + row * H + cols, (dy * silu).to(DU_ptr.dtype.element_ty), mask=mask)
+    tl.store(DG_ptr + row * H + cols, (dy * u * dsilu).to(DG_ptr.dtype.element_ty), mask=mask)
 
 
 # ------------------------------------------------------------------------------------------ 3. launchers
-def _block_size(n_elements: int) -> int:
-    # GPU: 1024 elements per program is enough to saturate HBM on an elementwise op (4 warps x 8 x 32 lanes).
+def _block_size(H: int) -> int:
+    # GPU: 1024 columns per program streams HBM well for an elementwise op (4 warps x 32 lanes x 8 elements).
     # CPU interpreter: every program costs ~0.5 ms of Python overhead, so fewer, larger programs.
-    cap = 8192 if interpreting() else 1024
-    return max(16, min(cap, triton.next_power_of_2(n_elements)))
+    return max(16, min(4096 if interpreting() else 1024, triton.next_power_of_2(H)))
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """(..., H) -> (N, H) with unit column stride; a view (no copy) whenever the rows are evenly strided."""
+    t2 = t.reshape(-1, t.shape[-1])  # (N, H)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
 def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """Launch the forward kernel. gate, up: (..., H) same shape/dtype -> y (..., H)."""
-    g, u = gate.contiguous(), up.contiguous()  # flat indexing needs contiguous memory
-    y = torch.empty_like(g)
-    n = g.numel()
-    if n == 0:
-        return y
-    bs = _block_size(n)
-    _swiglu_fwd_kernel[(triton.cdiv(n, bs),)](g, u, y, n, BLOCK_SIZE=bs, FP64=g.dtype == torch.float64)
-    return y
+    """Launch the forward kernel. gate, up: (..., H) same shape/dtype -> y (..., H), contiguous."""
+    g, u = _rows(gate), _rows(up)  # (N, H) each
+    N, H = g.shape
+    y = torch.empty((N, H), dtype=g.dtype, device=g.device)
+    if y.numel():
+        bs = _block_size(H)
+        _swiglu_fwd_kernel[(N, triton.cdiv(H, bs))](g, g.stride(0), u, u.stride(0), y, H,
+                                                     BLOCK_SIZE=bs, FP64=g.dtype == torch.float64)
+    return y.view(gate.shape)
 
 
 def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the backward kernel: (dy, gate, up) -> (dgate, dup), each shaped like gate."""
-    dy, g, u = dy.contiguous(), gate.contiguous(), up.contiguous()
-    dg, du = torch.empty_like(g), torch.empty_like(u)
-    n = g.numel()
-    if n == 0:
-        return dg, du
-    bs = _block_size(n)
-    _swiglu_bwd_kernel[(triton.cdiv(n, bs),)](dy, g, u, dg, du, n, BLOCK_SIZE=bs, FP64=g.dtype == torch.float64)
-    return dg, du
+    """Launch the backward kernel: (dy, gate, up) -> (dgate, dup), each shaped like gate (contiguous)."""
+    d, g, u = _rows(dy), _rows(gate), _rows(up)  # (N, H) each
+    N, H = g.shape
+    dg, du = torch.empty((N, H), dtype=g.dtype, device=g.device), torch.empty((N, H), dtype=u.dtype, device=u.device)
+    if dg.numel():
+        bs = _block_size(H)
+        _swiglu_bwd_kernel[(N, triton.cdiv(H, bs))](d, d.stride(0), g, g.stride(0), u, u.stride(0), dg, du, H,
+                                                     BLOCK_SIZE=bs, FP64=g.dtype == torch.float64)
+    return dg.view(gate.shape), du.view(gate.shape)
 
 
 # ------------------------------------------------------------------------------------ 4. autograd.Function

@@ -8,9 +8,21 @@ pattern comes from the format's stated overflow rule (torch's own choice has cha
 import pytest
 import torch
 
-from minite._triton import triton, tl
-from minite.formats.specs import (BF16, E4M3, E5M2, FP16, FP32, FormatSpec, bit_string, decode, decode_ref, encode,
-                                  encode_ref, round_to_format)
+from minite._triton import tl, triton
+from minite.formats.specs import (
+    BF16,
+    E4M3,
+    E5M2,
+    FP16,
+    FP32,
+    FormatSpec,
+    bit_string,
+    decode,
+    decode_ref,
+    encode,
+    encode_ref,
+    round_to_format,
+)
 
 SMALL = [FP16, BF16, E4M3, E5M2]            # the targets of an fp32 -> narrower encode
 ALL = [FP32] + SMALL

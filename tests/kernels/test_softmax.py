@@ -134,6 +134,19 @@ def test_bad_input_errors(x, dim, err, match):
         softmax(x, dim=dim)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4096, 4096), (1024, 32768), (65536, 7)], ids=str)
+def test_gpu_large_shapes_and_speed_smoke(shape):
+    # Realistic sizes (too slow for the interpreter): correctness, and no gross slowdown against torch.softmax.
+    from minite._triton import triton
+
+    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    assert check_op("softmax large", _triton, softmax_ref, x)
+    ms_minite = triton.testing.do_bench(lambda: _triton(x))
+    ms_torch = triton.testing.do_bench(lambda: torch.softmax(x, dim=-1))
+    assert ms_minite < 3 * ms_torch, f"minite {ms_minite:.3f} ms vs torch {ms_torch:.3f} ms"
+
+
 def test_unknown_backend_is_rejected():
     with pytest.raises(ValueError, match="unknown backend 'cuda'"):
         softmax(torch.randn(2, 3), backend="cuda")

@@ -61,7 +61,7 @@ def test_fp8_linear_matches_same_quantization_formula(shape, dtype):
         _step(m, x0, gy, recipe)                                   # step 0 fills the amax histories
         s = {k: v.scale.clone() for k, v in m.fp8_states.items()}  # the scales step 1 will use (delayed)
         outs[backend] = _step(m, x1, gy, recipe)
-        assert s["input"].item() == 448.0 / x0.abs().max().float().item()     # from step 0's amax only
+        assert s["input"].item() == pytest.approx(448.0 / x0.abs().max().item())   # from step 0's amax only
     # independent formula with the same scales: quantize with torch casts, multiply in fp32
     qx = _fake_q(x1.reshape(-1, K), s["input"], torch.float8_e4m3fn)
     qw = _fake_q(lin.weight, s["weight"], torch.float8_e4m3fn)
@@ -126,16 +126,16 @@ def test_fp8_linear_functional_errors():
 
 def test_fp8_mlp_trains():
     torch.manual_seed(0)
-    X = torch.randn(256, 16)
+    X = torch.randn(128, 16)
     Y = torch.sin(X[:, :4] * 2) + X[:, 4:8] ** 2
 
     def run(fp8: bool):
         torch.manual_seed(1)
         model = nn.Sequential(Linear(16, 64, backend="torch"), nn.GELU(), Linear(64, 4, backend="torch"))
-        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         recipe = DelayedScaling(amax_history_len=16)
         losses = []
-        for _ in range(150):
+        for _ in range(60):
             with fp8_autocast(enabled=fp8, recipe=recipe):
                 loss = F.mse_loss(model(X), Y)
             opt.zero_grad()

@@ -1,0 +1,69 @@
+"""Sample text from a minite.train checkpoint.
+
+    python -m minite.sample --ckpt out/ckpt.pt --prompt "ROMEO." --max_new_tokens 500 --temperature 0.8 --top_k 40
+
+The checkpoint carries the model configuration and the tokenizer, so no data directory is needed.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from minite.data import Tokenizer
+from minite.models.gpt import GPT, GPTConfig
+from minite.train import CheckpointError, load_checkpoint
+
+__all__ = ["load_model", "sample", "main"]
+
+
+def load_model(path: str, device: str = "cpu") -> tuple[GPT, Tokenizer]:
+    """(model in eval mode, tokenizer) from a checkpoint written by minite.train."""
+    state = load_checkpoint(path, map_location=device)
+    if "tokenizer" not in state:
+        raise CheckpointError(f"checkpoint {path} carries no tokenizer")
+    # backend "auto": a model trained with a forced backend (e.g. triton on a GPU) still samples anywhere.
+    model = GPT(GPTConfig(**{**state["config"]["model"], "backend": "auto"}))
+    model.load_state_dict(state["model"])
+    return model.to(device).eval(), Tokenizer.from_json(state["tokenizer"])
+
+
+def sample(model: GPT, tok: Tokenizer, prompt: str = "\n", *, max_new_tokens: int = 200, temperature: float = 0.8,
+           top_k: int | None = None, num_samples: int = 1, seed: int = 0) -> list[str]:
+    """Generate `num_samples` continuations of `prompt` (returned with the prompt in front)."""
+    dev = next(model.parameters()).device
+    ids = tok.encode(prompt or "\n")  # raises a clear error for characters the tokenizer does not know
+    idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=dev)  # (num_samples, T)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=g)
+    return [tok.decode(row.tolist()) for row in out]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m minite.sample", description=__doc__.split("\n\n")[0])
+    p.add_argument("--ckpt", default="out/ckpt.pt", help="checkpoint file (default: out/ckpt.pt)")
+    p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    p.add_argument("--max_new_tokens", type=int, default=500, help="tokens to generate (default: 500)")
+    p.add_argument("--temperature", type=float, default=0.8, help="<1 sharper, >1 flatter, 0 greedy (default: 0.8)")
+    p.add_argument("--top_k", type=int, default=None, help="sample only among the k most likely tokens")
+    p.add_argument("--num_samples", type=int, default=1, help="independent samples (default: 1)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+    try:
+        model, tok = load_model(args.ckpt, args.device)
+        texts = sample(model, tok, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       top_k=args.top_k, num_samples=args.num_samples, seed=args.seed)
+    except (CheckpointError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for i, text in enumerate(texts):
+        if len(texts) > 1:
+            print(f"--- sample {i + 1} ---")
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""The GPT built from minite parts: shapes, loss, GQA, padded vocabulary, tied head, init, generation, backends."""
+import math
+
+import pytest
+import torch
+
+from minite.layers.attention import CausalSelfAttention
+from minite.models.gpt import GPT, GPTConfig
+from minite.testing import assert_close, dtype_tols
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # One torch thread: on 2 shared cores (pytest-xdist workers, other jobs) two OpenMP threads per process
+    # oversubscribe the CPU and tiny ops become ~30x slower while the threads wait for each other.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# The reference backend everywhere except the Triton test: under TRITON_INTERPRET=1 "auto" would pick the
+# (slow) interpreted kernels.
+TINY = dict(vocab_size=65, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, backend="torch")
+
+
+def tiny(**kw):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**{**TINY, **kw}))
+
+
+def test_forward_shapes_and_initial_loss():
+    m = tiny()
+    idx, tgt = torch.randint(0, 65, (2, 3, 16))  # targets unrelated to inputs (tied weights favour tgt == idx)
+    logits, loss = m(idx, tgt)
+    assert logits.shape == (3, 16, 128)  # vocab 65 padded to 128
+    # At init the logits are near zero: the loss is close to ln(V_pad) (uniform over the padded vocabulary).
+    assert abs(loss.item() - math.log(128)) < 0.1
+    logits, loss = m(idx[:, :5])
+    assert logits.shape == (3, 1, 128) and loss is None  # inference: the last position only
+
+
+def test_config_defaults_and_errors():
+    c = GPTConfig(n_embd=96, n_head=6, n_kv_head=0, vocab_size=50257)
+    assert c.n_kv_head == 6 and c.mlp_hidden == 256  # 8/3 * 96 = 256
+    assert c.padded_vocab_size == 50304  # the GPT-2 lesson
+    with pytest.raises(ValueError, match="n_embd=100 must be divisible by n_head=3"):
+        GPTConfig(n_embd=100, n_head=3)
+    with pytest.raises(ValueError, match="n_head=4 must be divisible by n_kv_head=3"):
+        GPTConfig(n_head=4, n_kv_head=3)
+    with pytest.raises(ValueError, match="backend"):
+        GPTConfig(backend="cuda")
+
+
+def test_padded_vocab_never_sampled():
+    m = tiny()
+    assert m.wte.weight.shape == (128, 32) and m.config.padded_vocab_size == 128
+    with torch.no_grad():  # make the padded ids the most likely by far: generate must still skip them
+        m.wte.weight[65:] = 5.0
+    out = m.generate(torch.zeros(2, 1, dtype=torch.long), 20, temperature=1.0)
+    assert out.shape == (2, 21) and int(out.max()) < 65
+
+
+def test_tied_lm_head():
+    m = tiny()
+    names = [n for n, _ in m.named_parameters()]
+    assert not any("head" in n for n in names)  # no separate output matrix
+    hidden = {}
+    m.norm_f.register_forward_hook(lambda mod, inp, out: hidden.setdefault("x", out))
+    idx = torch.randint(0, 65, (2, 16))
+    logits, loss = m(idx, idx)
+    assert_close(logits, hidden["x"] @ m.wte.weight.T, name="logits vs x @ wte^T")
+    loss.backward()
+    assert m.wte.weight.grad[65:].abs().sum() > 0  # the head's gradient reaches the embedding matrix (all rows)
+
+
+def test_gqa_matches_mha_with_repeated_kv_heads():
+    torch.manual_seed(0)
+    C, H, KVH, T = 32, 4, 2, 8
+    D = C // H
+    gqa = CausalSelfAttention(C, H, KVH, max_seq_len=T)
+    assert gqa.qkv.weight.shape == ((H + 2 * KVH) * D, C)
+    mha = CausalSelfAttention(C, H, H, max_seq_len=T)
+    wq, wk, wv = gqa.qkv.weight.split([H * D, KVH * D, KVH * D])
+    rep = lambda w: w.view(KVH, D, C).repeat_interleave(H // KVH, dim=0).reshape(H * D, C)  # (H*D, C)
+    with torch.no_grad():
+        mha.qkv.weight.copy_(torch.cat([wq, rep(wk), rep(wv)]))
+        mha.proj.weight.copy_(gqa.proj.weight)
+    x = torch.randn(2, T, C)
+    y = gqa(x)
+    assert y.shape == (2, T, C)
+    assert_close(y, mha(x), name="GQA vs MHA with duplicated K/V heads")
+
+
+def test_attention_is_causal():
+    m = tiny()
+    idx = torch.randint(0, 65, (1, 16))
+    idx2 = idx.clone()
+    idx2[0, 10:] = (idx2[0, 10:] + 1) % 65  # change the future
+    h = []
+    m.norm_f.register_forward_hook(lambda mod, inp, out: h.append(out))
+    m(idx, idx), m(idx2, idx2)
+    assert_close(h[0][:, :10], h[1][:, :10], name="past positions")
+    assert not torch.allclose(h[0][:, 10:], h[1][:, 10:])
+
+
+def test_sequence_longer_than_block_size():
+    m = tiny()
+    with pytest.raises(ValueError, match="length 17: block_size is only 16"):
+        m(torch.zeros(1, 17, dtype=torch.long))
+    out = m.generate(torch.zeros(1, 16, dtype=torch.long), 3)  # generate crops the context instead
+    assert out.shape == (1, 19)
+
+
+def test_scaled_residual_init():
+    m = tiny(n_layer=8)
+    std = lambda name: dict(m.named_parameters())[name].std().item()
+    assert abs(std("blocks.0.attn.qkv.weight") - 0.02) < 0.003
+    assert abs(std("blocks.0.mlp.down.weight") - 0.02 / math.sqrt(16)) < 0.001
+    assert abs(std("blocks.0.attn.proj.weight") - 0.02 / math.sqrt(16)) < 0.001
+
+
+def test_generate_options():
+    m = tiny()
+    p = torch.zeros(1, 2, dtype=torch.long)
+    g1 = m.generate(p, 10, temperature=0)
+    assert torch.equal(g1, m.generate(p, 10, temperature=0))  # greedy is deterministic
+    gen = lambda s: m.generate(p, 10, top_k=3, generator=torch.Generator().manual_seed(s))
+    assert torch.equal(gen(1), gen(1))
+    with pytest.raises(ValueError, match="top_k"):
+        m.generate(p, 1, top_k=0)
+
+
+def _train_losses(backend, steps=3):
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(vocab_size=50, block_size=8, n_layer=1, n_head=2, n_kv_head=1, n_embd=16, backend=backend))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x = torch.randint(0, 50, (2, 8), generator=g)
+        _, loss = m(x, torch.roll(x, -1, dims=1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def test_loss_decreases_over_30_steps():
+    torch.manual_seed(0)
+    m = tiny()
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+    x = torch.randint(0, 65, (4, 16))
+    y = (x * 7 + 3) % 65  # a learnable per-token mapping
+    losses = []
+    for _ in range(30):
+        _, loss = m(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+@pytest.mark.triton
+def test_triton_backend_matches_torch_over_3_training_steps():
+    ref = _train_losses("torch")
+    tri = _train_losses("triton")
+    # Three AdamW steps amplify per-op fp32 rounding differences a little (Adam divides by sqrt(v)),
+    # so allow 10x the fp32 single-op tolerance.
+    tol = {k: 10 * v for k, v in dtype_tols(torch.float32).items()}
+    assert_close(tri, ref, name="losses triton vs torch", **tol)

@@ -1,0 +1,212 @@
+"""minite.train / minite.sample: configs and their errors, exact resume, atomic checkpoints, precisions, the CLI."""
+import json
+import random
+
+import pytest
+import torch
+
+from minite import sample as msample
+from minite import train as mtrain
+from minite.config import ConfigError, make_config, valid_keys
+from minite.train import CheckpointError, load_checkpoint, main, parse_cli, save_checkpoint, train
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # One torch thread: two OpenMP threads per process oversubscribe 2 shared cores (~30x slower tiny ops).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_corpus(path, n_chars=6000, seed=0):
+    rng = random.Random(seed)
+    words = "the king and queen of night shall speak to thee my lord what art thou sweet love".split()
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 9))).capitalize() + "."
+             for _ in range(n_chars // 30)]
+    path.write_text("\n".join(lines)[:n_chars] + "\n", encoding="utf-8")
+
+
+TINY = {"model.n_layer": 1, "model.n_head": 2, "model.n_embd": 16, "model.block_size": 16, "model.backend": "torch",
+        "train.batch_size": 4, "train.max_iters": 12, "train.eval_interval": 4, "train.eval_iters": 2,
+        "train.warmup_iters": 2, "train.log_interval": 1, "train.threads": 1, "train.progress": False,
+        "train.sample_tokens": 0, "train.lr": 1e-2}
+
+
+@pytest.fixture
+def run_cfg(tmp_path):
+    make_corpus(tmp_path / "corpus.txt")
+
+    def build(**over):
+        o = {**TINY, "data.path": str(tmp_path / "corpus.txt"), "data.data_dir": str(tmp_path / "data"),
+             "train.out_dir": str(tmp_path / "out"), **over}
+        return make_config("cpu", o)
+    return build
+
+
+# ------------------------------------------------------------------------------------------------ configs
+def test_unknown_key_lists_valid_keys():
+    with pytest.raises(ConfigError, match=r"unknown config key 'train.max_iter'\. Did you mean train\.max_iters") as e:
+        make_config("cpu", {"train.max_iter": "5"})
+    assert all(k in str(e.value) for k in valid_keys())
+    with pytest.raises(ConfigError, match="unknown config key 'nosection'"):
+        make_config("cpu", {"nosection": "1"})
+
+
+def test_bad_type_and_preset():
+    with pytest.raises(ConfigError, match=r"--train.lr: expected float, got 'fast'"):
+        make_config("cpu", {"train.lr": "fast"})
+    with pytest.raises(ConfigError, match=r"--model.n_layer: expected int, got '2.5'"):
+        make_config("cpu", {"model.n_layer": "2.5"})
+    with pytest.raises(ConfigError, match="--train.progress: expected bool"):
+        make_config("cpu", {"train.progress": "maybe"})
+    with pytest.raises(ConfigError, match="n_head=4 must be divisible by n_kv_head=3"):
+        make_config("cpu", {"model.n_kv_head": "3"})
+    with pytest.raises(ConfigError, match="unknown preset 'tpu'; valid: cpu, gpu"):
+        make_config("tpu", {})
+    c = make_config("gpu", {"model.n_embd": "192", "train.progress": "false"})
+    assert c.model.n_embd == 192 and c.model.mlp_hidden == 512 and c.train.progress is False  # derived after overrides
+
+
+def test_parse_cli():
+    preset, over, resume = parse_cli(["--preset", "cpu", "--data", "a.txt", "--out_dir=o", "--train.lr=0.1",
+                                      "--resume"])
+    assert (preset, resume) == ("cpu", True)
+    assert over == {"data.path": "a.txt", "train.out_dir": "o", "train.lr": "0.1"}
+    with pytest.raises(ConfigError, match="unexpected argument"):
+        parse_cli(["stray"])
+
+
+def test_help_lists_every_field(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for key in valid_keys():
+        assert f"--{key}=" in out, key
+    assert "peak learning rate" in out and "preset cpu:" in out
+
+
+def test_cli_errors(tmp_path, capsys):
+    assert main(["--data", str(tmp_path / "nope.txt"), "--train.threads=1"]) == 2
+    assert "data file not found" in capsys.readouterr().err
+    assert main(["--model.n_layers=3"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown config key 'model.n_layers'" in err and "model.n_layer" in err
+
+
+def test_block_size_larger_than_model(run_cfg):
+    with pytest.raises(ConfigError, match="data.block_size=32 is larger than the model's block_size=16"):
+        train(run_cfg(**{"data.block_size": 32}))
+
+
+# ------------------------------------------------------------------------------------------------ training
+def test_train_writes_log_plot_checkpoint_and_samples(run_cfg, tmp_path, capsys):
+    s = train(run_cfg(**{"train.sample_tokens": 20, "train.max_iters": 8}))
+    out = tmp_path / "out"
+    assert s["steps"] == 8 and len(s["losses"]) == 8 and len(s["sample"]) >= 20
+    rows = [json.loads(r) for r in (out / "log.jsonl").read_text().splitlines()]
+    val = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert [r["step"] for r in rows if "val_loss" in r] == [0, 4, 8]
+    assert val[-1] == pytest.approx(s["val_loss"], abs=1e-5) and val[-1] < val[0] - 0.3  # it learns
+    assert {"loss", "lr", "tokens_per_s"} <= set(rows[1])
+    assert (out / "loss.png").stat().st_size > 1000
+    ck = load_checkpoint(out / "ckpt.pt")
+    assert ck["step"] == 8 and ck["config"]["model"]["vocab_size"] == s["config"].model.vocab_size
+    assert msample.main(["--ckpt", str(out / "ckpt.pt"), "--prompt", "The king", "--max_new_tokens", "15",
+                         "--num_samples", "2"]) == 0
+    text = capsys.readouterr().out
+    assert text.count("The king") == 2
+
+
+class Interrupt(Exception):
+    pass
+
+
+def test_resume_reproduces_the_uninterrupted_run_exactly(run_cfg, tmp_path):
+    over = {"model.dropout": 0.1}  # dropout draws from torch's RNG: its state must be restored too
+    full = train(run_cfg(**over, **{"train.out_dir": str(tmp_path / "full")}))
+
+    def crash(step, loss):
+        if step == 6:  # two steps past the checkpoint at step 4: those are lost and redone
+            raise Interrupt
+    cfg = run_cfg(**over, **{"train.out_dir": str(tmp_path / "cut")})
+    with pytest.raises(Interrupt):
+        train(cfg, callback=crash)
+    assert load_checkpoint(tmp_path / "cut" / "ckpt.pt")["step"] == 4
+    resumed = train(cfg, resume=True, resume_overrides={"train.out_dir": str(tmp_path / "cut")})
+    assert sorted(resumed["losses"]) == list(range(5, 13))
+    for step, loss in resumed["losses"].items():
+        assert loss == full["losses"][step], (step, loss, full["losses"][step])  # bit-for-bit
+    assert resumed["val_loss"] == full["val_loss"]
+    a, b = load_checkpoint(tmp_path / "full" / "ckpt.pt"), load_checkpoint(tmp_path / "cut" / "ckpt.pt")
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    rows = [json.loads(r) for r in (tmp_path / "cut" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 13))  # no duplicated lines from steps 5-6
+
+
+def test_resume_refuses_model_changes_and_missing_checkpoint(run_cfg, tmp_path):
+    cfg = run_cfg(**{"train.max_iters": 4})
+    with pytest.raises(CheckpointError, match="checkpoint not found: .*ckpt.pt"):
+        train(cfg, resume=True)
+    train(cfg)
+    with pytest.raises(ConfigError, match=r"cannot change model fields \['n_layer'\]"):
+        train(cfg, resume=True, resume_overrides={"train.out_dir": cfg.train.out_dir, "model.n_layer": "2"})
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+def test_checkpoint_save_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt.pt"
+    good = {"model": {"w": torch.ones(3)}, "config": {}, "step": 1}
+    save_checkpoint(path, good)
+    real_save = torch.save
+
+    def dying_save(obj, f, *a, **k):  # writes part of the new checkpoint, then the process "dies"
+        f.write(b"PK\x03\x04 half a checkpoint")
+        raise OSError("killed mid-write")
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(OSError, match="killed mid-write"):
+        save_checkpoint(path, {"model": {"w": torch.zeros(3)}, "config": {}, "step": 2})
+    monkeypatch.setattr(torch, "save", real_save)
+    ck = load_checkpoint(path)  # the previous checkpoint is intact
+    assert ck["step"] == 1 and torch.equal(ck["model"]["w"], torch.ones(3))
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # the temp file was cleaned up
+
+
+def test_corrupt_or_truncated_checkpoint_names_the_file(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, {"model": {"w": torch.randn(1000)}, "config": {}, "step": 3})
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"checkpoint .*ckpt.pt is corrupt or truncated"):
+        load_checkpoint(path)
+    torch.save({"weights": 1}, path)
+    with pytest.raises(CheckpointError, match="not a minite.train checkpoint"):
+        load_checkpoint(path)
+    assert msample.main(["--ckpt", str(path)]) == 2
+
+
+# ------------------------------------------------------------------------------------------------ precisions
+def _formats_has(*names):
+    try:
+        import minite.formats as f
+    except Exception:
+        return False
+    return all(getattr(f, n, None) is not None for n in names)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp8"])
+def test_reduced_precision_trains(run_cfg, precision):
+    needs = {"fp16": ("DynamicLossScaler",), "fp8": ("fp8_autocast", "DelayedScaling"), "bf16": ()}[precision]
+    if not _formats_has(*needs):
+        pytest.skip(f"minite.formats.{'/'.join(needs)} not available yet")
+    s = train(run_cfg(**{"train.precision": precision, "train.max_iters": 4, "train.eval_interval": 4}))
+    losses = list(s["losses"].values())
+    assert all(torch.isfinite(torch.tensor(losses))) and s["val_loss"] < 4.0, losses
+
+
+def test_fp16_without_scaler_is_a_clear_error(run_cfg, monkeypatch):
+    import minite.formats as f
+    monkeypatch.setattr(f, "DynamicLossScaler", None)
+    with pytest.raises(ConfigError, match="DynamicLossScaler"):
+        mtrain._precision(run_cfg(**{"train.precision": "fp16"}), torch.device("cpu"))

@@ -1,0 +1,480 @@
+"""Build notebooks/02_fp8.ipynb (lesson) and solutions/02_fp8.ipynb (graded).
+
+    .venv/bin/python tools/build_nb_02.py
+    .venv/bin/python tools/nbtool.py execute notebooks/02_fp8.ipynb solutions/02_fp8.ipynb
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tools.nbtool import check, code, md, write  # noqa: E402
+
+SETUP = code('''
+import os, torch
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton or minite kernels
+import inspect, math
+import matplotlib.pyplot as plt
+import minite
+from minite._triton import triton, tl
+from minite.formats import (E4M3, E5M2, BF16, Format, DelayedScaling, CurrentScaling, fp8_autocast,
+                            Float8Tensor, quantize, dequantize)
+from minite.testing import check_op, assert_close
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+_ = torch.manual_seed(0)
+''')
+
+# ------------------------------------------------------------------------------------------------ lesson
+lesson = [
+    md(r'''
+# 02 — FP8: E4M3 and E5M2, scaling recipes, an FP8 GEMM, FP8 training
+
+Chapter 01 built floating-point formats from their bits. This chapter trains with the smallest ones the
+hardware multiplies: the two 8-bit formats of *FP8 Formats for Deep Learning* (Micikevicius et al., 2022,
+[arXiv:2209.05433](https://arxiv.org/abs/2209.05433)), used the way NVIDIA's
+[TransformerEngine](https://github.com/NVIDIA/TransformerEngine) uses them.
+
+**Why bother — the arithmetic.** Take one linear layer of a large model, $Y = XW^\top$ with
+$M = N = K = 8192$. It costs $2MNK = 1.1\cdot10^{12}$ FLOP. An H100 SXM does 989 TFLOP/s dense in bf16 and
+**1979 TFLOP/s in fp8**: 1.11 ms becomes 0.56 ms. The operands shrink from 2 bytes to 1, and so does the input
+saved for the backward pass (activation memory). The price: 3 or 2 mantissa bits and a tiny range, so every
+tensor needs its own **scale**, and producing the fp8 copy is one more pass over memory:
+reading $X$ in bf16 and writing it in fp8 moves $8192^2 \times 3$ B = 201 MB, 0.06 ms at 3.35 TB/s, about 10 %
+of the fp8 GEMM. A recipe that needs a *second* pass (to find the tensor's max first) doubles that. Keeping this
+overhead to one fused pass is what **delayed scaling** is about.
+
+Plan: the two formats and why each tensor gets the one it gets → scaling math and the backward → quantize in
+PyTorch, then in Triton (one pass, amax included) → the recipes, and what delayed scaling risks → the FP8 GEMM
+kernel → `minite.nn.Linear` under `fp8_autocast` → training a GPT in FP32 vs BF16 vs FP8.
+'''),
+    SETUP,
+    md(r'''
+## 1. Two formats, two jobs
+
+Both are $(-1)^s\,2^{e-\text{bias}}(1.m)$ with the fields from chapter 01. **E4M3** (`torch.float8_e4m3fn`) has
+one more mantissa bit; it gives up infinities (only `S.1111.111` is NaN) to reach 448. **E5M2**
+(`torch.float8_e5m2`) is IEEE-like: a truncated fp16, with fp16's range.
+'''),
+    code('''
+def binades(spec):                       # dynamic range: how many powers of two from the smallest subnormal to max
+    return math.log2(spec.max / spec.min_subnormal)
+print(f"{'format':>6} {'max':>9} {'min normal':>11} {'min subnormal':>14} {'eps':>7} {'binades':>8}")
+for s in (E4M3, E5M2, BF16):
+    print(f"{s.name:>6} {s.max:>9.4g} {s.min_normal:>11.3g} {s.min_subnormal:>14.3g} {s.eps:>7.3g} {binades(s):>8.1f}")
+''', tags=["nbval-check-output"]),
+    md(r'''
+E4M3 resolves $2^{-3}$ steps (relative error $\le 2^{-4}$ after rounding) over ~18 binades; E5M2 only
+$2^{-2}$ steps but over ~32 binades. Which matters depends on the tensor:
+
+* **activations and weights** live in a narrow band (a normalized activation is ~N(0, 1), a weight ~N(0, 0.02)),
+  so once a per-tensor scale puts the band under the maximum, precision is what counts: **E4M3**.
+* **gradients** span many orders of magnitude within one tensor (a few tokens carry most of the loss), so
+  range is what counts: with E4M3 the small ones underflow to zero. **E5M2**.
+
+That is TransformerEngine's `Format.HYBRID`. Measured on one "activation-like" and one "gradient-like" tensor,
+each scaled so that its max lands on the format's max:
+'''),
+    code('''
+def fp8_error(t, fp8_dtype):
+    q = quantize(t, fp8_dtype=fp8_dtype, backend="torch")        # scale=None: current scaling, amax -> max
+    back = q.dequantize()
+    nz = t != 0
+    rel = ((back - t)[nz].norm() / t[nz].norm()).item()            # relative RMS error
+    flushed = ((back == 0) & nz).float().mean().item()              # nonzeros that underflowed to 0
+    return rel, flushed
+
+g = torch.Generator().manual_seed(0)
+act = torch.randn(1 << 16, generator=g)                                            # ~N(0, 1)
+grad = torch.randn(1 << 16, generator=g) * 10 ** (-7 * torch.rand(1 << 16, generator=g))   # 7 decades
+print(f"{'tensor':>10} {'format':>6} {'rel. error':>10} {'flushed to 0':>13}")
+for name, t in (("activation", act), ("gradient", grad)):
+    for f8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        rel, fl = fp8_error(t, f8)
+        print(f"{name:>10} {str(f8)[11:]:>6} {rel:>10.4f} {100 * fl:>12.1f}%")
+''', tags=["nbval-check-output"]),
+    md(r'''
+The activation is twice as accurate in E4M3. The gradient's relative error looks fine in both (it is dominated
+by the large entries), but E4M3 silently zeroes a large share of its entries — those are the gradients of the
+tokens the model already predicts well, and losing them biases the update. E5M2 keeps them.
+
+## 2. The math: per-tensor scaling, the GEMM, the backward
+
+A tensor $x$ is stored as fp8 bits $q$ and one fp32 number $s^{-1}$:
+
+$$q = \operatorname{rne}_{8}\big(\operatorname{clamp}(s\,x,\,-m,\,m)\big), \qquad \hat x = q\,s^{-1},
+\qquad s = \frac{m}{\operatorname{amax}(x)\;2^{\text{margin}}}$$
+
+with $m$ = 448 (E4M3) or 57344 (E5M2) and $\operatorname{rne}_8$ the round-to-nearest-even encoding of chapter 01.
+The clamp comes first because torch's E5M2 cast (like fp16's) overflows to inf instead of saturating.
+
+**Forward.** $Y = \hat X \hat W^\top$, and since $s_x, s_w$ are constants of the whole tensors they leave the sum:
+
+$$y_{nj} = \sum_k \frac{q^x_{nk}}{s_x}\frac{q^w_{jk}}{s_w} = \frac{1}{s_x s_w}\sum_k q^x_{nk}\,q^w_{jk}.$$
+
+The kernel multiplies raw fp8 values with an fp32 accumulator and applies $1/(s_x s_w)$ once, in the epilogue.
+
+**Backward, step by step.** Quantization is a step function (zero derivative almost everywhere), so like
+TransformerEngine we differentiate the layer as if $\hat X = X$, $\hat W = W$ (straight-through) and quantize the
+incoming gradient $G = \partial L/\partial Y$ too:
+
+1. $\dfrac{\partial L}{\partial x_{nk}} = \sum_j \dfrac{\partial L}{\partial y_{nj}}\dfrac{\partial y_{nj}}{\partial x_{nk}}
+   = \sum_j g_{nj}\,\hat w_{jk}$, i.e. **dgrad** $dX = \hat G\,\hat W$ — an $(N, O)\times(O, K)$ FP8 GEMM;
+2. $\dfrac{\partial L}{\partial w_{jk}} = \sum_n g_{nj}\,\hat x_{nk}$, i.e. **wgrad** $dW = \hat G^\top \hat X$ —
+   $(O, N)\times(N, K)$;
+3. $\dfrac{\partial L}{\partial b_j} = \sum_n g_{nj}$ (full precision, it is a cheap reduction);
+
+with $\hat G = Q_{E5M2}(s_g G)/s_g$. The backward multiplies the **same fp8 copies** $\hat X, \hat W$ that the
+forward multiplied, saved at 1 byte per element. Three GEMMs per layer, all in FP8.
+
+## 3. Quantize in PyTorch, and count the passes
+'''),
+    code('''
+from minite.formats.fp8 import quantize_ref
+print(inspect.getsource(quantize_ref))
+'''),
+    md(r'''
+With the scale known in advance this is one read of $x$ (2 B/element in bf16) and one 1-byte write — if fused.
+Eagerly it is several passes (multiply, clamp, cast, abs, amax each read and write a full tensor). And with
+*current* scaling the scale depends on $\operatorname{amax}(x)$ itself, so the amax must be a separate, earlier
+pass: at least 2 reads + 1 write. The Triton kernel below does **1 read + 1 write and produces the amax in the
+same pass**, as a per-program partial max reduced by the launcher. It encodes with chapter 01's integer
+`encode_bits_tl` (round to nearest even, saturate, subnormals), because the interpreter's own fp32→fp8 cast is
+wrong on a few percent of values; on a GPU with fp8 units (sm_89+) it uses the hardware cast after the same clamp.
+'''),
+    code('''
+from minite.formats import fp8 as fp8_mod
+print(inspect.getsource(fp8_mod._fp8_quantize_kernel.fn))
+'''),
+    code('''
+g = torch.Generator().manual_seed(1)
+for dtype in (torch.float32, torch.bfloat16):
+    for f8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        x = (torch.randn(37, 129, generator=g) * torch.logspace(-5, 3, 129)).to(dtype)
+        x[0, :3] = torch.tensor([float("inf"), -1e9, 0.0]).to(dtype)     # saturation and zero
+        a = quantize(x, 7.5, fp8_dtype=f8, backend="triton")
+        b = quantize(x, 7.5, fp8_dtype=f8, backend="torch")
+        assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and torch.equal(a.amax, b.amax)
+        print(f"PASS: quantize triton == torch, bit for bit [{str(dtype)[6:]} -> {str(f8)[6:]}]")
+''', tags=["nbval-check-output"]),
+    md(r'''
+## 4. Recipes: current vs delayed scaling
+
+`CurrentScaling` computes $s$ from this tensor's amax: always right, two passes. `DelayedScaling`
+(TransformerEngine's default) quantizes with the scale computed from the **amax history** of previous steps and
+records this step's amax from the same pass:
+
+```python
+recipe = DelayedScaling(margin=0, amax_history_len=1024, amax_compute_algo="max", fp8_format=Format.HYBRID)
+# per tensor, every step:  q = Q(x * scale);  history = roll(history); history[0] = amax(x)
+#                          scale = 448 / max(history) / 2**margin   (keep the old scale if that amax is 0 or inf)
+```
+
+What it buys: one pass. What it risks: the scale lags. If a tensor's amax **spikes**, the spike step is quantized
+with yesterday's scale and everything above $448/s$ is clamped; with `"max"` the spike then stays in the history
+for `amax_history_len` steps and the scale stays small (precision lost at the bottom) until it rolls out.
+Simulated below: a tensor whose amax is ~1 except for a 30x spike at step 40 and a 4x level shift at step 60.
+'''),
+    code('''
+from minite.formats.recipe import ScalingState
+g = torch.Generator().manual_seed(2)
+steps = 80
+level = torch.ones(steps); level[40] = 30.0; level[60:] = 4.0
+xs = [torch.randn(4096, generator=g) * lv / 4 for lv in level]          # amax ~ level
+recipes = {"current": CurrentScaling(), "delayed, max (16)": DelayedScaling(amax_history_len=16),
+           "delayed, most_recent": DelayedScaling(amax_history_len=16, amax_compute_algo="most_recent")}
+curves = {}
+for name, r in recipes.items():
+    st = r.new_state(torch.float8_e4m3fn)
+    err, clipped = [], []
+    for x in xs:
+        s = r.scale_for(st, x)                                               # the scale this step uses
+        q = quantize(x, s, backend="torch")
+        r.update(st, q.amax)                                                 # record amax, next scale
+        clipped.append((x.abs() * s > 448).float().mean().item() * 100)
+        err.append(((q.dequantize() - x).norm() / x.norm()).item())
+    curves[name] = (err, clipped)
+fig, ax = plt.subplots(1, 3, figsize=(15, 3.6))
+ax[0].plot([x.abs().max().item() for x in xs], "k"); ax[0].set_title("amax of the tensor"); ax[0].set_yscale("log")
+for name, (err, clipped) in curves.items():
+    ax[1].plot(err, label=name); ax[2].plot(clipped, label=name)
+ax[1].set_yscale("log"); ax[1].set_title("relative quantization error"); ax[1].legend()
+ax[2].set_title("% of elements clamped (overflow)"); ax[2].set_xlabel("step"); ax[1].set_xlabel("step")
+plt.tight_layout(); plt.show()
+for name, (err, clipped) in curves.items():
+    print(f"{name:>22}: step 40 error {err[40]:.3f}, clamped {clipped[40]:.1f}%; "
+          f"steps 41-56 mean error {sum(err[41:57]) / 16:.4f}")
+'''),
+    md(r'''
+Current scaling never clamps. Both delayed variants clamp a large share of the spike step (its error jumps by
+~an order of magnitude) and again at the level shift. Afterwards `"max"` keeps the spike's small scale for 16
+steps: no overflow, but the values sit ~5 binades lower, into E4M3's subnormals, so the error stays elevated
+until the spike rolls out; `"most_recent"` recovers at once but would overflow on every oscillation. In training,
+amaxes move slowly from step to step (weights change by a learning rate, activations are normalized), which is
+why the one-pass delayed recipe works in practice — and why `margin` exists as headroom for the spikes.
+
+## 5. The FP8 GEMM kernel
+
+A plain tiled matmul (pointer arithmetic, masks on every ragged edge, grouped tile order for L2 reuse): the
+operands stay fp8 in registers, `tl.dot` accumulates in fp32, the two scales are applied in the epilogue, and the
+output is rounded once to bf16 / fp16 / fp32. The reference dequantizes both operands and multiplies in fp32.
+'''),
+    code('''
+from minite.kernels import fp8_gemm as gemm_mod
+from minite.kernels.fp8_gemm import fp8_gemm, fp8_gemm_ref
+print(inspect.getsource(gemm_mod._fp8_gemm_kernel.fn))
+'''),
+    code('''
+g = torch.Generator().manual_seed(3)
+for (M, K, N) in ((33, 65, 17), (64, 64, 64)):
+    for out_dtype in (torch.float32, torch.bfloat16):
+        a = quantize(torch.randn(M, K, generator=g), backend="torch")                  # E4M3
+        w = quantize(torch.randn(N, K, generator=g), fp8_dtype=torch.float8_e5m2, backend="torch")
+        out = fp8_gemm(a, w.t(), out_dtype=out_dtype, backend="triton")             # (M, K) @ (K, N)
+        assert_close(out, fp8_gemm_ref(a, w.t(), out_dtype), name="fp8_gemm", atol=0.1 if out_dtype != torch.float32 else 1e-4)
+        print(f"PASS: fp8_gemm triton vs dequantize+fp32 matmul [{M}x{K}x{N} -> {str(out_dtype)[6:]}]")
+''', tags=["nbval-check-output"]),
+    md(r'''
+## 6. `minite.nn.Linear` under `fp8_autocast`
+
+`minite.nn.Linear` is an `nn.Linear` (same constructor and `state_dict`). Outside `fp8_autocast` it is a plain
+linear; inside, it quantizes its input and weight to E4M3 with its own per-tensor scaling states, runs the FP8 GEMM,
+saves the fp8 copies, and in the backward quantizes the gradient to E5M2 (under `HYBRID`) for the dgrad and wgrad
+GEMMs. `fp8_autocast` is a class-based context manager: it restores the previous state on exit even when the body
+raises, and regions nest. The backward pass may run outside the region: each layer remembers its recipe.
+'''),
+    code('''
+from minite.layers.linear import fp8_linear
+g = torch.Generator().manual_seed(4)
+for shape in ((3, 7, 33), (16, 64)):
+    x = torch.randn(*shape, generator=g)
+    w = torch.randn(24, shape[-1], generator=g) * 0.1
+    assert check_op("fp8_linear triton vs torch (same quantization math)",
+                    lambda x, w: fp8_linear(x, w, recipe=CurrentScaling(), backend="triton"),
+                    lambda x, w: fp8_linear(x, w, recipe=CurrentScaling(), backend="torch"), x, w)
+''', tags=["nbval-check-output"]),
+    code('''
+lin = minite.nn.Linear(64, 32)
+x = torch.randn(16, 64)
+with fp8_autocast(recipe=DelayedScaling(amax_history_len=4)):
+    for _ in range(3):
+        y8 = lin(x)
+y32 = lin(x)                                        # outside the region: a plain fp32 linear again
+print("relative error of the FP8 layer:", round(((y8 - y32).norm() / y32.norm()).item(), 3))
+print(lin.fp8_states)
+'''),
+    md(r'''
+## 7. Training a GPT in FP32, BF16 and FP8
+
+The course's GPT (`minite.models.gpt`, 2 layers, width 64) on a synthetic character corpus of additions
+(`"17+45=62;"`), 120 AdamW steps from the same seed and batches, three ways:
+
+* **FP32**;
+* **BF16**: `torch.autocast` (matmuls in bf16, fp32 master weights);
+* **FP8**: `fp8_autocast(recipe=DelayedScaling(...))` — every projection of the model runs its three GEMMs on
+  HYBRID fp8 operands; the tied LM head stays in higher precision (it feeds the softmax over the vocabulary).
+
+On this CPU the FP8 run uses the **torch reference GEMM path** (`minite.use_backend("torch")`): exactly the same
+quantization math (the same fp8 bits, same scales, same history updates), but the product is computed by
+torch on the dequantized operands instead of by the interpreted Triton kernel, which would take minutes for a
+few hundred steps. On a GPU the same cell runs the Triton kernels.
+'''),
+    code('''
+import contextlib, random
+from minite.models.gpt import GPT, GPTConfig
+rng = random.Random(0)
+text = "".join(f"{a}+{b}={a + b};" for a, b in ((rng.randint(0, 99), rng.randint(0, 99)) for _ in range(6000)))
+chars = sorted(set(text))
+data = torch.tensor([chars.index(c) for c in text])
+train_ids, val_ids = data[: int(0.9 * len(data))], data[int(0.9 * len(data)):]
+T, B, STEPS = 32, 16, 120
+
+def batch(src, g):
+    ix = torch.randint(len(src) - T - 1, (B,), generator=g)
+    return torch.stack([src[i:i + T] for i in ix]), torch.stack([src[i + 1:i + T + 1] for i in ix])   # (B, T)
+
+def train(precision):
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=len(chars), block_size=T, n_layer=2, n_head=4, n_embd=64, vocab_multiple=16)
+    model = GPT(cfg).to(DEVICE)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    recipe = DelayedScaling(amax_history_len=16)
+    ctx = {"FP32": contextlib.nullcontext, "BF16": lambda: torch.autocast(DEVICE, dtype=torch.bfloat16),
+           "FP8": lambda: fp8_autocast(recipe=recipe)}[precision]
+    g, losses = torch.Generator().manual_seed(1), []
+    with minite.use_backend("torch" if DEVICE == "cpu" else "auto"):
+        for _ in range(STEPS):
+            x, y = batch(train_ids, g)
+            with ctx():
+                _, loss = model(x.to(DEVICE), y.to(DEVICE))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        gv = torch.Generator().manual_seed(2)
+        with torch.no_grad(), ctx():
+            val = sum(model(*(t.to(DEVICE) for t in batch(val_ids, gv)))[1].item() for _ in range(8)) / 8
+    return losses, val
+
+runs = {p: train(p) for p in ("FP32", "BF16", "FP8")}
+'''),
+    code('''
+def smooth(v, k=10):
+    return [sum(v[max(0, i - k + 1):i + 1]) / len(v[max(0, i - k + 1):i + 1]) for i in range(len(v))]
+plt.figure(figsize=(7, 4))
+for p, (losses, val) in runs.items():
+    plt.plot(smooth(losses), label=f"{p} (val {val:.3f})")
+plt.xlabel("step"); plt.ylabel("train loss (10-step mean)"); plt.title("tiny GPT: FP32 vs BF16 vs FP8"); plt.legend()
+plt.show()
+for p, (losses, val) in runs.items():
+    print(f"{p}: final train loss {sum(losses[-10:]) / 10:.4f}, val loss {val:.4f}")
+print(f"FP8 - BF16 val-loss gap: {runs['FP8'][1] - runs['BF16'][1]:+.4f}")
+'''),
+    md(r'''
+The three curves lie on top of each other: at this scale FP8 with delayed scaling trains like BF16. (At scale the
+known failure modes are the ones of section 4: amax spikes, and outlier features in a few channels, which is why
+newer recipes scale per block of 32 or 128 values instead of per tensor.)
+
+## 8. Benchmark (GPU only)
+
+`benchmarks/bench_fp8_gemm.py` compares the FP8 GEMM with `torch.matmul` in bf16 at $4096^3$ and $8192^3$
+(TFLOP/s and % of the fp8 / bf16 peaks), plus the whole FP8 `Linear` forward and forward+backward.
+'''),
+    code('''
+if torch.cuda.is_available():
+    from triton.testing import do_bench
+    S = 4096
+    a16, w16 = torch.randn(S, S, device="cuda", dtype=torch.bfloat16), torch.randn(S, S, device="cuda", dtype=torch.bfloat16)
+    qa, qw = quantize(a16), quantize(w16)
+    for name, fn in (("fp8 triton", lambda: fp8_gemm(qa, qw.t())), ("bf16 torch", lambda: a16 @ w16.t())):
+        ms = do_bench(fn)
+        print(f"{name}: {ms:.3f} ms, {2 * S**3 / ms / 1e9:.0f} TFLOP/s")
+else:
+    print("no GPU: run `python benchmarks/bench_fp8_gemm.py` on one")
+'''),
+    md(r'''
+## 9. Where it is used
+
+* `minite/models/gpt.py`: every projection (qkv, attention output, SwiGLU gate/up, down) is a
+  `minite.nn.Linear`, so wrapping the forward in `fp8_autocast` runs all of them in FP8; the tied LM head uses
+  `F.linear` on purpose and stays in higher precision.
+* `minite/train.py`: `--train.precision=fp8` wraps each forward in `fp8_autocast(recipe=DelayedScaling())`.
+* Library: `minite.formats` (`Format`, `DelayedScaling`, `CurrentScaling`, `fp8_autocast`, `Float8Tensor`,
+  `quantize`, `dequantize`), `minite.ops.fp8_gemm`, `minite.ops.fp8_linear`, `minite.nn.Linear`.
+'''),
+]
+
+# ------------------------------------------------------------------------------------------------ solutions
+solutions = [
+    md(r'''
+# 02 — FP8: graded exercises
+
+Two tasks. Fill in the code between the markers, run the cell, then run the check cell right after it.
+
+1. the **delayed-scaling update**: roll the amax history, compute the next scale, keep the old one when the amax
+   is 0 or not finite;
+2. the body of the **FP8 quantize kernel**: per-tensor scale, saturate, encode with `encode_bits_tl`, and the
+   block's partial amax.
+'''),
+    SETUP,
+    md(r'''
+## Task 1 — delayed scaling
+
+`amax_history` is a 1-D fp32 tensor, newest first. One step: roll it by one (the oldest entry falls off the
+end), put this step's `amax` in slot 0, reduce it (`"max"`: the max over the history; `"most_recent"`: slot 0),
+and return `(new_history, new_scale)` with
+
+$$\text{new\_scale} = \frac{\text{fp8\_max}}{\text{amax}_r}\,2^{-\text{margin}},$$
+
+except that the previous `scale` is kept where $\text{amax}_r$ is 0 or not finite. Use tensor ops only (no
+`.item()`): on a GPU this runs every step without synchronising with the host.
+'''),
+    code('''
+def delayed_scaling_update(amax_history, scale, amax, *, fp8_max, margin=0, algo="max"):
+    """One delayed-scaling step: returns (new amax history, new scale)."""
+    ### BEGIN SOLUTION
+    hist = torch.roll(amax_history, 1)
+    hist[0] = amax
+    amax_r = hist.max() if algo == "max" else hist[0]
+    new_scale = fp8_max / amax_r / 2.0 ** margin
+    ok = (amax_r > 0) & torch.isfinite(amax_r)
+    return hist, torch.where(ok, new_scale, scale)
+    ### END SOLUTION
+'''),
+    check("delayed_scaling_update", '''
+amaxes = [1.0, 2.0, 8.0, 4.0, 0.0, 1.0, float("inf"), 1.0, 1.0, 1.0, 0.5]
+for algo, margin, f8 in (("max", 0, torch.float8_e4m3fn), ("most_recent", 1, torch.float8_e5m2)):
+    r = DelayedScaling(amax_history_len=3, amax_compute_algo=algo, margin=margin)
+    st = r.new_state(f8)
+    hist, scale = torch.zeros(3), torch.ones(())
+    for a in amaxes:
+        r.update(st, torch.tensor(a))
+        hist, scale = delayed_scaling_update(hist, scale, torch.tensor(a), fp8_max=st.fp8_max, margin=margin, algo=algo)
+        assert torch.equal(hist, st.amax_history), f"history {hist.tolist()} != {st.amax_history.tolist()}"
+        assert torch.allclose(scale, st.scale, rtol=1e-6), f"scale {scale.item()} != {st.scale.item()} (amax {a})"
+    print(f"PASS: delayed_scaling_update [{algo}, margin {margin}]")
+assert len(amaxes) == 11
+'''),
+    md(r'''
+## Task 2 — the FP8 quantize kernel
+
+One program handles `BLOCK_SIZE` consecutive elements of the flattened input. It must
+
+1. load its block (masked, `other=0.0`) and convert it to fp32 at once;
+2. store the block's `max(|x|)` to `Amax_ptr + pid` (the launcher reduces these partial maxima);
+3. multiply by the per-tensor scale (an fp32 scalar at `Scale_ptr`);
+4. encode to fp8 bits with chapter 01's `encode_bits_tl(x, EXP_BITS, MAN_BITS, SATURATE, FN)` — saturating, so
+   overflow becomes ±max like the clamp of the reference — and store them as `tl.uint8`.
+
+The launcher is given; compare with `minite/formats/fp8.py` only after trying.
+'''),
+    code('''
+from minite.formats.specs import encode_bits_tl
+FORMATS = {torch.float8_e4m3fn: (4, 3, True), torch.float8_e5m2: (5, 2, False)}   # (EXP_BITS, MAN_BITS, FN)
+
+def my_quantize(x, scale, fp8_dtype, BLOCK_SIZE=256):
+    """Launch quantize_kernel: returns (fp8 data shaped like x, amax)."""
+    E, M, FN = FORMATS[fp8_dtype]
+    x = x.contiguous()
+    n = x.numel()
+    grid = triton.cdiv(n, BLOCK_SIZE)
+    bits = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    partial = torch.empty(grid, dtype=torch.float32, device=x.device)
+    scale_t = torch.tensor([float(scale)], dtype=torch.float32, device=x.device)
+    quantize_kernel[(grid,)](x, scale_t, bits, partial, n, EXP_BITS=E, MAN_BITS=M, FN=FN, BLOCK_SIZE=BLOCK_SIZE)
+    return bits.view(fp8_dtype), partial.max()
+'''),
+    code('''
+@triton.jit
+def quantize_kernel(X_ptr, Scale_ptr, Y_ptr, Amax_ptr, N, EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr,
+                    FN: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    ### BEGIN SOLUTION
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offs < N
+    x = tl.load(X_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Amax_ptr + pid, tl.max(tl.abs(x), axis=0))
+    y = x * tl.load(Scale_ptr)
+    bits = encode_bits_tl(y, EXP_BITS, MAN_BITS, True, FN)
+    tl.store(Y_ptr + offs, bits.to(tl.uint8), mask=mask)
+    ### END SOLUTION
+'''),
+    check("quantize_kernel", '''
+g = torch.Generator().manual_seed(5)
+for dtype in (torch.float32, torch.bfloat16):
+    for f8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        x = (torch.randn(9, 131, generator=g) * torch.logspace(-6, 4, 131)).to(dtype)
+        x[0, :2] = torch.tensor([-float("inf"), 0.0]).to(dtype)
+        for scale in (1.0, 13.0):
+            data, amax = my_quantize(x, scale, f8)
+            want = quantize(x, scale, fp8_dtype=f8, backend="torch")
+            diff = (data.view(torch.uint8) != want.data.view(torch.uint8)).sum().item()
+            assert data.dtype == f8 and diff == 0, f"{diff} fp8 patterns differ ({dtype}, {f8}, scale {scale})"
+            assert torch.equal(amax, want.amax), f"amax {amax.item()} != {want.amax.item()}"
+        print(f"PASS: quantize_kernel [{str(dtype)[6:]} -> {str(f8)[6:]}]")
+'''),
+]
+
+if __name__ == "__main__":
+    root = Path(__file__).resolve().parent.parent
+    print(write(root / "notebooks/02_fp8.ipynb", lesson))
+    print(write(root / "solutions/02_fp8.ipynb", solutions))
