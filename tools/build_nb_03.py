@@ -302,9 +302,9 @@ else:
 ## 9. Where it runs in the GPT
 
 `minite/models/gpt.py` builds every block as `x = x + attn(norm1(x))`, `x = x + mlp(norm2(x))`, plus a final
-norm before the LM head, with `minite.nn.RMSNorm` (or `LayerNorm` for a GPT-2-style config): 2L + 1 norms per
-forward pass. The module's `state_dict` holds just `weight` (and `bias`), so checkpoints do not depend on the
-backend. The lines that use it:
+norm before the LM head, all `minite.nn.RMSNorm` (`minite.nn.LayerNorm` is the drop-in for a GPT-2-style
+model): 2L + 1 norms per forward pass. The module's `state_dict` holds just `weight` (and `bias`), so checkpoints
+do not depend on the backend. The lines that use it:
 '''),
     code('''
 import pathlib, minite

@@ -279,17 +279,20 @@ else:
     md(r'''
 ## 8. Where it runs in the GPT
 
-`minite/models/gpt.py` holds one `RotaryEmbedding(head_dim, block_size)`; every attention layer projects q, k, v,
-rotates q and k (never v), then calls attention. Its cos/sin buffers are non-persistent: they are rebuilt from
-(head_dim, max_seq_len, base), never saved in a checkpoint, and follow the model to its device. The KV-cache
-chapter decodes one token at a time and passes `offset` = the number of tokens already cached.
+Every block of `minite/models/gpt.py` holds a `CausalSelfAttention` (`minite/layers/attention.py`) which projects
+q, k, v with one matmul, views them as (B, H, T, D) (strided views, no copy: the kernel reads them in place),
+rotates q and k (never v) with the first T rows of its cos/sin tables, then calls attention. The tables are
+non-persistent buffers: rebuilt from (head_dim, max_seq_len, base), never saved in a checkpoint, and they follow
+the model to its device. The KV-cache chapter decodes one token at a time and uses the rows at `offset` = the
+number of tokens already cached (`RotaryEmbedding.forward(x, offset)` does that slicing).
 '''),
     code('''
 import pathlib, re, minite
-gpt = pathlib.Path(minite.__file__).parent / "models" / "gpt.py"
-lines = gpt.read_text().splitlines() if gpt.exists() else []
-hits = [f"gpt.py:{i}: {ln.strip()}" for i, ln in enumerate(lines, 1) if re.search(r"\\brope|rotary", ln, re.I)]
-print("\\n".join(hits) if hits else "minite/models/gpt.py does not use RoPE yet")
+for rel in ("models/gpt.py", "layers/attention.py"):
+    path = pathlib.Path(minite.__file__).parent / rel
+    lines = path.read_text().splitlines() if path.exists() else []
+    hits = [f"{rel}:{i}: {ln.strip()}" for i, ln in enumerate(lines, 1) if re.search(r"\\brope|rotary", ln, re.I)]
+    print("\\n".join(hits) if hits else f"minite/{rel}: no RoPE call yet")
 print(RotaryEmbedding(64, 1024), "state_dict keys:", list(RotaryEmbedding(64, 1024).state_dict()))
 '''),
 ]
