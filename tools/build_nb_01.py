@@ -73,7 +73,7 @@ for s in FORMATS:
     code('''
 for v in [1.0, -2.5, 0.1, 448.0, 65504.0, 1e-7, 3e38]:
     x = torch.tensor([v])
-    row = [f"{s.name}: {bit_string(encode(x, s).item(), s):>20} = {decode(encode(x, s), s).item():<11.6g}"
+    row = [f"{s.name}: {bit_string(encode(x, s).item(), s):<18} = {decode(encode(x, s), s).item():<11.6g}"
            for s in (FP16, BF16, E4M3)]
     print(f"{v:>8g} | " + " | ".join(row))
 ''', tags=["nbval-check-output"]),
@@ -172,7 +172,7 @@ for i, v in enumerate(vals):
     acc = np.float16(acc + v); run16[i] = acc            # fp16 accumulator
 run32 = np.cumsum(vals.astype(np.float32))              # fp16 inputs, fp32 accumulator
 print(f"sum of 10,000 x fp16(0.1): fp16 accumulator {run16[-1]:g}, fp32 accumulator {run32[-1]:.2f},"
-      f" torch.sum on fp16 {torch.from_numpy(vals).sum().item():.0f}")
+      f" torch.sum on fp16 {torch.from_numpy(vals).sum().item():.2f}")
 plt.figure(figsize=(7, 3))
 plt.plot(run16, label="fp16 accumulator"); plt.plot(run32, label="fp32 accumulator")
 plt.xlabel("terms added"); plt.ylabel("running sum"); plt.legend(); plt.title("Summing 0.1 in fp16"); plt.show()
@@ -180,7 +180,7 @@ plt.xlabel("terms added"); plt.ylabel("running sum"); plt.legend(); plt.title("S
     md(r'''
 So every serious kernel keeps **inputs** narrow (bandwidth) but **accumulates in FP32**: tensor cores multiply
 FP16/BF16/FP8 and add into FP32 (`tl.dot(a, b, acc)` with an FP32 `acc`), `torch.sum` of an FP16 tensor
-accumulates in FP32 (it printed 1000 above: 10,000 × fp16(0.1) = 999.76), and the minite kernels load then
+accumulates in FP32 and rounds once at the end (1000.00 above: the FP16 nearest to 999.76), and the minite kernels load then
 `.to(tl.float32)` at once. The same goes for weights: an update of $10^{-4}$ to a weight of 1.0 is below half an
 FP16 ulp ($2^{-11}$) and is lost, which is why optimizers keep **FP32 master weights**:
 '''),
@@ -235,7 +235,7 @@ plt.xlabel("log2 |activation gradient|"); plt.legend(); plt.title("Gradients und
     md(r'''
 Scaling the loss by $S$ scales every gradient by $S$ (the backward is linear in the upstream gradient), shifting
 the histogram into FP16's range. Divide by $S$ (in FP32) before the optimizer step and nothing else changes.
-$S$ is picked **dynamically**: start high ($2^{16}$ here $2^{40}$, to watch it work); if any gradient is inf/NaN,
+$S$ is picked **dynamically**: start high ($2^{16}$ by default; $2^{34}$ here, to watch it work); if any gradient is inf/NaN,
 skip the step and halve $S$; after `growth_interval` clean steps, double it. `DynamicLossScaler` follows
 Megatron-LM and `torch.amp.GradScaler`:
 '''),
@@ -263,7 +263,7 @@ def train(dtype, scaler=None, steps=40):
     return losses, scales
 
 runs = {"fp32": train(torch.float32), "fp16, no scaling": train(torch.float16),
-        "fp16 + loss scaler": train(torch.float16, DynamicLossScaler(init_scale=2.0 ** 40, growth_interval=10)),
+        "fp16 + loss scaler": train(torch.float16, DynamicLossScaler(init_scale=2.0 ** 34, growth_interval=10)),
         "bf16, no scaling": train(torch.bfloat16)}
 for name, (losses, _) in runs.items():
     print(f"{name:20} loss {losses[0]:.2f} -> {losses[-1]:.2f}")
@@ -278,7 +278,7 @@ plt.tight_layout(); plt.show()
 ''', tags=["nbval-check-output"]),
     md(r'''
 FP16 without scaling learns slowly (most gradients are zero); with the scaler it follows FP32: the first steps
-overflow and are skipped while $S$ backs off from $2^{40}$, then $S$ doubles every 10 clean steps. BF16 needs none
+overflow and are skipped while $S$ backs off from $2^{34}$, then $S$ doubles every 10 clean steps. BF16 needs none
 of this: its exponent range is FP32's. That is why BF16 is the default for LLM training, and FP16 + a loss
 scaler the fallback on GPUs without BF16.
 

@@ -90,7 +90,7 @@ print(f"{'tensor':>10} {'format':>6} {'rel. error':>10} {'flushed to 0':>13}")
 for name, t in (("activation", act), ("gradient", grad)):
     for f8 in (torch.float8_e4m3fn, torch.float8_e5m2):
         rel, fl = fp8_error(t, f8)
-        print(f"{name:>10} {str(f8)[11:]:>6} {rel:>10.4f} {100 * fl:>12.1f}%")
+        print(f"{name:>10} {('e4m3' if f8 == torch.float8_e4m3fn else 'e5m2'):>6} {rel:>10.4f} {100 * fl:>12.1f}%")
 ''', tags=["nbval-check-output"]),
     md(r'''
 The activation is twice as accurate in E4M3. The gradient's relative error looks fine in both (it is dominated
@@ -185,22 +185,26 @@ recipes = {"current": CurrentScaling(), "delayed, max (16)": DelayedScaling(amax
 curves = {}
 for name, r in recipes.items():
     st = r.new_state(torch.float8_e4m3fn)
-    err, clipped = [], []
+    err, clipped, used = [], [], []
     for x in xs:
         s = r.scale_for(st, x)                                               # the scale this step uses
         q = quantize(x, s, backend="torch")
         r.update(st, q.amax)                                                 # record amax, next scale
         clipped.append((x.abs() * s > 448).float().mean().item() * 100)
         err.append(((q.dequantize() - x).norm() / x.norm()).item())
-    curves[name] = (err, clipped)
-fig, ax = plt.subplots(1, 3, figsize=(15, 3.6))
+        used.append(min(1.0, (q.amax * s / 448).item()))                    # share of the fp8 range used
+    curves[name] = (err, clipped, used)
+fig, ax = plt.subplots(1, 4, figsize=(17, 3.4))
 ax[0].plot([x.abs().max().item() for x in xs], "k"); ax[0].set_title("amax of the tensor"); ax[0].set_yscale("log")
-for name, (err, clipped) in curves.items():
-    ax[1].plot(err, label=name); ax[2].plot(clipped, label=name)
+for (name, (err, clipped, used)), style in zip(curves.items(), ("-", "--", ":")):
+    ax[1].plot(err, style, label=name); ax[2].plot(clipped, style, label=name); ax[3].plot(used, style, label=name)
 ax[1].set_yscale("log"); ax[1].set_title("relative quantization error"); ax[1].legend()
-ax[2].set_title("% of elements clamped (overflow)"); ax[2].set_xlabel("step"); ax[1].set_xlabel("step")
+ax[2].set_title("% of elements clamped (overflow)"); ax[3].set_title("amax * scale / 448 (range used)")
+ax[3].set_yscale("log")
+for a in ax:
+    a.set_xlabel("step")
 plt.tight_layout(); plt.show()
-for name, (err, clipped) in curves.items():
+for name, (err, clipped, used) in curves.items():
     print(f"{name:>22}: step 40 error {err[40]:.3f}, clamped {clipped[40]:.1f}%; "
           f"steps 41-56 mean error {sum(err[41:57]) / 16:.4f}")
 '''),
@@ -210,7 +214,8 @@ an order of magnitude) and a third of the step where the level shifts. Afterward
 scale for 16 steps: the tensor then uses only the bottom 1/30 of the fp8 range. Here that costs little, because
 E4M3's precision is *relative* and flat over its normal range — it only hurts the values pushed into the
 subnormals, which is what a larger spike (or an E4M3 gradient) would do. `"most_recent"` recovers at once but
-overflows again on every upward wiggle of the amax. In training,
+overflows again on every upward wiggle of the amax. (Step 0 of both delayed runs: no history yet, so the scale
+is 1, as in TransformerEngine, and the tensor uses 1/448 of the range.) In training,
 amaxes move slowly from step to step (weights change by a learning rate, activations are normalized), which is
 why the one-pass delayed recipe works in practice — and why `margin` exists as headroom for the spikes.
 

@@ -310,7 +310,7 @@ do not depend on the backend. The lines that use it:
 import pathlib, minite
 gpt = pathlib.Path(minite.__file__).parent / "models" / "gpt.py"
 lines = gpt.read_text().splitlines() if gpt.exists() else []
-hits = [f"gpt.py:{i}: {ln.strip()}" for i, ln in enumerate(lines, 1) if "Norm" in ln or "norm(" in ln]
+hits = [f"gpt.py:{i}: {ln.strip()}" for i, ln in enumerate(lines, 1) if "Norm(" in ln or "norm(" in ln]
 print("\\n".join(hits) if hits else "minite/models/gpt.py does not use the norms yet")
 print(minite.nn.RMSNorm(8), list(minite.nn.RMSNorm(8).state_dict()))
 '''),

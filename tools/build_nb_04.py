@@ -291,8 +291,9 @@ import pathlib, re, minite
 for rel in ("models/gpt.py", "layers/attention.py"):
     path = pathlib.Path(minite.__file__).parent / rel
     lines = path.read_text().splitlines() if path.exists() else []
-    hits = [f"{rel}:{i}: {ln.strip()}" for i, ln in enumerate(lines, 1) if re.search(r"\\brope|rotary", ln, re.I)]
-    print("\\n".join(hits) if hits else f"minite/{rel}: no RoPE call yet")
+    calls = re.compile(r"\\b(rope|rope_cos_sin|RotaryEmbedding)\\(")
+    hits = [f"{rel}:{i}: {ln.strip()}" for i, ln in enumerate(lines, 1) if calls.search(ln)]
+    print("\\n".join(hits or [f"minite/{rel}: (no direct RoPE call)"]))
 print(RotaryEmbedding(64, 1024), "state_dict keys:", list(RotaryEmbedding(64, 1024).state_dict()))
 '''),
 ]
