@@ -263,7 +263,8 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
             if (fresh and step % t.eval_interval == 0) or step == t.max_iters:
                 val_loss = evaluate(model, val_ids, cfg, block, dev, ctx)
                 best_val = min(best_val, val_loss)
-                log.write(json.dumps({"step": step, "val_loss": round(val_loss, 6)}) + "\n")
+                log.write(json.dumps({"step": step, "val_loss": round(val_loss, 6), "elapsed_s": round(
+                    time.perf_counter() - t0, 2), "train_time_s": round(train_time, 2)}) + "\n")
                 log.flush()
             if fresh and step > 0 and (step % ckpt_every == 0 or step == t.max_iters):
                 checkpoint()

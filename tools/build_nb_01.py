@@ -180,9 +180,9 @@ plt.xlabel("terms added"); plt.ylabel("running sum"); plt.legend(); plt.title("S
     md(r'''
 So every serious kernel keeps **inputs** narrow (bandwidth) but **accumulates in FP32**: tensor cores multiply
 FP16/BF16/FP8 and add into FP32 (`tl.dot(a, b, acc)` with an FP32 `acc`), `torch.sum` of an FP16 tensor
-accumulates in FP32 and rounds once at the end (1000.00 above: the FP16 nearest to 999.76), and the minite kernels load then
-`.to(tl.float32)` at once. The same goes for weights: an update of $10^{-4}$ to a weight of 1.0 is below half an
-FP16 ulp ($2^{-11}$) and is lost, which is why optimizers keep **FP32 master weights**:
+accumulates in FP32 and rounds once at the end (1000.00 above: the FP16 nearest to 999.76), and
+the minite kernels load then `.to(tl.float32)` at once. The same goes for weights: an update of $10^{-4}$ to
+a weight of 1.0 is below half an FP16 ulp ($2^{-11}$) and is lost, which is why optimizers keep **FP32 master weights**:
 '''),
     code('''
 w16, w32 = torch.tensor(1.0, dtype=torch.float16), torch.tensor(1.0)
@@ -231,13 +231,13 @@ plt.hist((g32.abs() * 2 ** 16).log2().numpy(), bins=60, color="C2", alpha=0.5, l
 for v, t in [(-24, "fp16 min subnormal"), (-14, "fp16 min normal"), (math.log2(65504), "fp16 max")]:
     plt.axvline(v, color="k", ls="--", lw=0.8); plt.text(v + 0.3, 10, t, rotation=90, fontsize=8)
 plt.xlabel("log2 |activation gradient|"); plt.legend(); plt.title("Gradients underflow in fp16"); plt.show()
-''', tags=["nbval-check-output"]),
+'''),
     md(r'''
 Scaling the loss by $S$ scales every gradient by $S$ (the backward is linear in the upstream gradient), shifting
 the histogram into FP16's range. Divide by $S$ (in FP32) before the optimizer step and nothing else changes.
-$S$ is picked **dynamically**: start high ($2^{16}$ by default; $2^{34}$ here, to watch it work); if any gradient is inf/NaN,
-skip the step and halve $S$; after `growth_interval` clean steps, double it. `DynamicLossScaler` follows
-Megatron-LM and `torch.amp.GradScaler`:
+$S$ is picked **dynamically**: start high ($2^{16}$ by default; $2^{34}$ here, to watch it work); if any
+gradient is inf/NaN, skip the step and halve $S$; after `growth_interval` clean steps, double it.
+`DynamicLossScaler` follows Megatron-LM and `torch.amp.GradScaler`:
 '''),
     code('print(inspect.getsource(DynamicLossScaler.update))'),
     md('Training for 40 steps (Adam) in FP32, FP16 without scaling, FP16 with the scaler, and BF16 without one:'),
@@ -275,7 +275,7 @@ for name, (losses, _) in runs.items():
 a1.set(xlabel="step", ylabel="loss", title="Training loss"); a1.legend()
 a2.plot(np.log2(scales)); a2.set(xlabel="step", ylabel="log2 scale", title="Dynamic loss scale (fp16)")
 plt.tight_layout(); plt.show()
-''', tags=["nbval-check-output"]),
+'''),
     md(r'''
 FP16 without scaling learns slowly (most gradients are zero); with the scaler it follows FP32: the first steps
 overflow and are skipped while $S$ backs off from $2^{34}$, then $S$ doubles every 10 clean steps. BF16 needs none

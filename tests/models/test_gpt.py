@@ -8,6 +8,7 @@ from minite.layers.attention import CausalSelfAttention
 from minite.models.gpt import GPT, GPTConfig
 from minite.testing import assert_close, dtype_tols
 
+
 @pytest.fixture(autouse=True)
 def _one_thread():
     # One torch thread: on 2 shared cores (pytest-xdist workers, other jobs) two OpenMP threads per process

