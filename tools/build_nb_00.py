@@ -246,27 +246,13 @@ its tensor inputs (reads) and outputs (writes). On the `meta` device nothing is 
 this works for any size instantly.
 '''),
     code('''
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+import inspect
+from minite.bytecount import CountBytes, nbytes  # the counter, kept in minite for later chapters
 
-
-def _nbytes(tree):
-    return sum(t.numel() * t.element_size() for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor))
-
-
-class CountBytes(TorchDispatchMode):
-    """Log each aten op run inside the `with` block: (name, bytes read, bytes written). Views move no data."""
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if not func.is_view:
-            self.ops.append((func.__name__.split(".")[0], _nbytes((args, kwargs)), _nbytes(out)))
-        return out
-
-
+print(inspect.getsource(nbytes))
+print(inspect.getsource(CountBytes))
+'''),
+    code('''
 def passes(fn, *shapes_and_dtype, dtype=torch.float32):
     """Run fn on meta tensors; return (per-op table, total bytes / (N*C*element size))."""
     ts = [torch.empty(s, device="meta", dtype=dtype) for s in shapes_and_dtype]

@@ -22,25 +22,8 @@ _ = torch.manual_seed(0)
 ''')
 
 COUNTER = code('''
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
-
-def _nbytes(tree):
-    return sum(t.numel() * t.element_size() for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor))
-
-class CountBytes(TorchDispatchMode):
-    """Log every aten op eager PyTorch runs (forward AND autograd's backward) with the bytes it reads (tensor
-    inputs) and writes (outputs). Views move no data and are skipped. Works on the 'meta' device: no compute."""
-    def __init__(self):
-        super().__init__()
-        self.ops = []  # (op name, bytes read, bytes written)
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if not func.is_view:
-            self.ops.append((func.__name__.split(".")[0], _nbytes((args, kwargs)), _nbytes(out)))
-        return out
-    def total(self):
-        return sum(r + w for _, r, w in self.ops)
+# Counts bytes each aten op reads and writes (chapter 00 builds this counter; it lives in minite.bytecount).
+from minite.bytecount import CountBytes
 ''')
 
 

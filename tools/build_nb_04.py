@@ -126,24 +126,7 @@ As in chapter 03, a `TorchDispatchMode` on the `meta` device lists every aten op
 backward) and the bytes it reads and writes.
 '''),
     code('''
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
-
-def _nbytes(tree):
-    return sum(t.numel() * t.element_size() for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor))
-
-class CountBytes(TorchDispatchMode):
-    """Every aten op eager PyTorch runs, with bytes read (tensor inputs) and written (outputs); views skipped."""
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if not func.is_view:
-            self.ops.append((func.__name__.split(".")[0], _nbytes((args, kwargs)), _nbytes(out)))
-        return out
-    def total(self):
-        return sum(r + w for _, r, w in self.ops)
+from minite.bytecount import CountBytes  # built in chapter 00; logs each aten op's bytes read and written
 
 def naive_rope(x, cos, sin):
     x1, x2 = x.float().chunk(2, dim=-1)              # upcast: read bf16, write fp32 (views for the halves)

@@ -23,45 +23,8 @@ _ = torch.manual_seed(0)
 ''')
 
 COUNTERS = code('''
-import weakref
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
-
-def _nbytes(tree):
-    return sum(t.numel() * t.element_size() for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor))
-
-class CountBytes(TorchDispatchMode):
-    """Log every aten op (forward and backward) with the bytes it reads and writes. Views are skipped."""
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if not func.is_view:
-            self.ops.append((func.__name__.split(".")[0], _nbytes((args, kwargs)), _nbytes(out)))
-        return out
-
-class PeakBytes(TorchDispatchMode):
-    """Bytes of every tensor storage created inside the block; .peak = the most alive at once. Storages are
-    freed when their last tensor dies (a weakref finalizer), views are counted once. Works on 'meta' too."""
-    def __init__(self):
-        super().__init__()
-        self.now = self.peak = 0
-        self.live = set()
-    def _free(self, key, n):
-        self.live.discard(key)
-        self.now -= n
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                if st._cdata not in self.live:
-                    self.live.add(st._cdata)
-                    self.now += st.nbytes()
-                    self.peak = max(self.peak, self.now)
-                    weakref.finalize(st, self._free, st._cdata, st.nbytes())
-        return out
+# Counts bytes each aten op reads and writes (chapter 00 builds this counter; it lives in minite.bytecount).
+from minite.bytecount import CountBytes, PeakBytes
 ''')
 
 lesson = [

@@ -1,13 +1,10 @@
 """Cross-entropy and fused linear-cross-entropy (chapter 06): kernels vs reference, reference vs F.cross_entropy,
 gradcheck, counted peak memory, bad input."""
-import weakref
-
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from minite.bytecount import PeakBytes
 from minite.kernels.cross_entropy import (
     LinearCrossEntropy,
     cross_entropy,
@@ -159,32 +156,6 @@ def test_linear_ce_frozen_weight_and_module():
     linear_cross_entropy_ref(x2, head.weight, t).backward()
     assert_close(x.grad, x2.grad, name="dx with a frozen head")
     assert "vocab=21" in repr(head)
-
-
-class PeakBytes(TorchDispatchMode):
-    """Counts the bytes of every tensor storage created inside the block; `peak` = most alive at once.
-    Works on the meta device, so GPT-2-sized shapes cost no memory."""
-
-    def __init__(self):
-        super().__init__()
-        self.now = self.peak = 0
-        self.live = set()
-
-    def _free(self, key, n):
-        self.live.discard(key)
-        self.now -= n
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                if st._cdata not in self.live:  # views share a storage: count it once
-                    self.live.add(st._cdata)
-                    self.now += st.nbytes()
-                    self.peak = max(self.peak, self.now)
-                    weakref.finalize(st, self._free, st._cdata, st.nbytes())
-        return out
 
 
 def _peak(fn, N, C, V, dtype=torch.bfloat16, device="meta"):
