@@ -140,10 +140,16 @@ def test_saved_wrong_answer_fails_on_chapter_00(tmp_path):
     e = next(i for i, x in enumerate(lines) if x.strip() == END)
     indent = lines[b][: len(lines[b]) - len(lines[b].lstrip())]
     body = lines[b + 1:e]
-    # the same answer with every '+' turned into '-' (vector add -> subtract) is wrong but still runs
-    wrong = [ln.replace(" + ", " - ") for ln in body]
-    assert wrong != body, "test needs a '+' in the first task's answer"
+    # the same answer storing x - y instead of x + y: wrong, but it runs
+    wrong = [ln.replace("x + y", "x - y") for ln in body]
+    assert wrong != body, "test needs 'x + y' in the first task's answer (the vector add)"
     task.source = "\n".join(lines[: b + 1] + wrong + [f"{indent}{END}"] + lines[e + 1:])
+    # ... and rewrite the check cell that follows to print its stored PASS output without checking anything.
+    i = nb.cells.index(task)
+    chk = next(c for c in nb.cells[i + 1:] if "nbval-check-output" in c.metadata.get("tags", []))
+    stored = "".join(o.get("text", "") for o in chk.outputs)
+    assert "PASS" in stored
+    chk.source = chk.source.splitlines()[0] + f"\nprint({stored!r}, end='')"
     path = tmp_path / solution.name
     nbformat.write(nb, path)
     rep = grade(path, solution)
