@@ -77,10 +77,10 @@ class RunConfig:
 # Presets. `cpu`: sized to finish `make train` in under 5 minutes on 2 cores (measured, see benchmarks/).
 # `gpu`: nanoGPT's shakespeare-char shape (6 x 384, context 256) with a GQA twist, bf16, minutes on one GPU.
 PRESETS: dict[str, dict[str, object]] = {
-    "cpu": {"model.n_layer": 4, "model.n_head": 4, "model.n_embd": 128,
-            "model.block_size": 64, "model.dropout": 0.0, "train.batch_size": 32, "train.max_iters": 2500,
-            "train.lr": 2e-3, "train.min_lr": 2e-4, "train.warmup_iters": 100, "train.eval_interval": 250,
-            "train.eval_iters": 20},
+    "cpu": {"model.n_layer": 4, "model.n_head": 4, "model.n_kv_head": 2, "model.n_embd": 128,
+            "model.mlp_hidden": 256, "model.block_size": 128, "model.dropout": 0.0, "train.batch_size": 16,
+            "train.max_iters": 1500, "train.lr": 2e-3, "train.min_lr": 2e-4, "train.warmup_iters": 100,
+            "train.eval_interval": 250, "train.eval_iters": 20},
     "gpu": {"model.n_layer": 6, "model.n_head": 6, "model.n_kv_head": 2, "model.n_embd": 384,
             "model.block_size": 256, "model.dropout": 0.1, "train.batch_size": 64, "train.max_iters": 5000,
             "train.lr": 1e-3, "train.min_lr": 1e-4, "train.warmup_iters": 200, "train.eval_interval": 500,

@@ -210,3 +210,12 @@ def test_fp16_without_scaler_is_a_clear_error(run_cfg, monkeypatch):
     monkeypatch.setattr(f, "DynamicLossScaler", None)
     with pytest.raises(ConfigError, match="DynamicLossScaler"):
         mtrain._precision(run_cfg(**{"train.precision": "fp16"}), torch.device("cpu"))
+
+
+def test_pick_threads_leaves_the_rng_alone(run_cfg):
+    from minite.models.gpt import GPT, GPTConfig
+    cfg = run_cfg()
+    model = GPT(GPTConfig(**{**cfg.model.to_dict(), "vocab_size": 40}))
+    state = torch.get_rng_state()
+    n = mtrain._pick_threads(model, cfg.train, 16)
+    assert n >= 1 and torch.equal(state, torch.get_rng_state())  # timing must not change the run
