@@ -40,8 +40,9 @@ setup: $(STAMP)
 train: $(STAMP)
 	$(PY) -m minite.train $(ARGS)
 
+# One OpenMP thread per process: pytest-xdist already runs one worker (and its notebook kernels) per core.
 test: $(STAMP)
-	$(PY) -m pytest -n $(PYTEST_JOBS) --dist loadfile -p no:cacheprovider \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(PYTEST_JOBS) --dist loadfile -p no:cacheprovider \
 		tests notebooks --nbval-lax --nbval-current-env --nbval-cell-timeout=600 $(ARGS)
 
 test-lib: $(STAMP)
@@ -66,7 +67,7 @@ grade: $(STAMP)
 	$(PY) -m minite.grading grade $(NB)
 
 bench: $(STAMP)
-	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
+	for b in benchmarks/bench_*.py; do $(PY) $$b $(ARGS) || exit 1; done
 
 clean-venv:
 	rm -rf $(VENV)
