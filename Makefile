@@ -21,7 +21,6 @@ TRITON_PIN := $(if $(filter Linux,$(UNAME)),triton==3.7.1,)
 NPROC := $(shell nproc 2>/dev/null || echo 2)
 # Library tests + notebooks, spread over the cores; notebooks stay whole per worker (--dist loadfile).
 PYTEST_JOBS ?= $(NPROC)
-export MPLBACKEND := Agg
 
 .PHONY: setup train test test-lib test-notebooks check-fast lab exercises grade bench clean-venv
 

@@ -9,7 +9,6 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("MPLBACKEND", "Agg")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # pytest-xdist runs one worker per core: a second OpenMP thread per worker only oversubscribes the cores
     # (measured: a tiny training test went from 0.26 s to 9.6 s with 2 threads x 2 workers on 2 cores).
