@@ -274,7 +274,9 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
     train_time, pbar = 0.0, None
     if t.progress:
         from tqdm import tqdm
-        pbar = tqdm(total=t.max_iters, initial=step, unit="step", dynamic_ncols=True, file=sys.stderr)
+        tty = sys.stderr.isatty()  # in a log file (CI, nohup) redraw every 15 s, not every step
+        pbar = tqdm(total=t.max_iters, initial=step, unit="step", dynamic_ncols=True, file=sys.stderr,
+                    mininterval=0.1 if tty else 15.0)
     try:
         while True:
             fresh = step != start_step or not resume  # the resumed step was evaluated before the interruption
@@ -318,7 +320,7 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
                                       "elapsed_s": round(time.perf_counter() - t0, 2)}) + "\n")
             if pbar is not None:
                 pbar.update(1)
-                pbar.set_postfix(loss=f"{loss_f:.3f}", val=f"{val_loss:.3f}", tok_s=f"{tps:,.0f}")
+                pbar.set_postfix(loss=f"{loss_f:.3f}", val=f"{val_loss:.3f}", tok_s=f"{tps:,.0f}", refresh=False)
             if callback is not None:
                 callback(step, loss_f)
     finally:
