@@ -14,26 +14,14 @@ Two tables, saved as JSON to benchmarks/results/cross_entropy_<device-name-slug>
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-PEAK_BW = [("H200", 4.8e12), ("H100", 3.35e12), ("A100", 2.0e12), ("L40S", 0.864e12)]
-
-
-def peak_bw(name: str) -> tuple[float, str]:
-    for key, bw in PEAK_BW:
-        if key in name:
-            return bw, key
-    return 3.35e12, "H100 (default; device not in the table)"
-
-
-def slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py, also under python -m
+import common  # noqa: E402
 
 
 def _liger(name: str):
@@ -65,9 +53,9 @@ def run_ce(rows: int, vocabs: list[int], do_bench) -> list[dict]:
         for name, fn in impls.items():
             xi = x.detach().clone().requires_grad_()
             torch.testing.assert_close(fn(xi, t).float(), ref, atol=1e-2, rtol=1e-3)  # never time a wrong op
+            times = common.fwd_bwd_ms(lambda: fn(xi, t), lambda: fn(xi, t).backward(), [xi], do_bench)
             for mode, passes in (("fwd", 1), ("fwd+bwd", 3)):
-                step = (lambda f=fn: f(xi, t)) if mode == "fwd" else (lambda f=fn: f(xi, t).backward())
-                ms = do_bench(step, grad_to_none=[xi])
+                ms = times[mode]
                 out.append({"table": "cross_entropy", "impl": name, "N": rows, "V": V, "mode": mode, "ms": ms,
                             "GBs": passes * rows * V * 2 / (ms * 1e-3) / 1e9})
     return out
@@ -100,13 +88,8 @@ def run_linear_ce(rows: int, dim: int, vocab: int, do_bench) -> list[dict]:
 
 
 def print_tables(results: list[dict], bw: float) -> None:
-    print(f"{'N':>6} {'V':>6} {'mode':>8} {'impl':>14} {'ms':>8} {'GB/s':>7} {'% peak':>7} {'vs eager':>9}")
-    eager = {(r["V"], r["mode"]): r["ms"] for r in results if r["impl"] == "torch eager"}
-    for r in (r for r in results if r["table"] == "cross_entropy"):
-        r["pct_peak"] = 100 * r["GBs"] * 1e9 / bw
-        r["speedup_vs_eager"] = eager[(r["V"], r["mode"])] / r["ms"]
-        print(f"{r['N']:>6} {r['V']:>6} {r['mode']:>8} {r['impl']:>14} {r['ms']:>8.3f} {r['GBs']:>7.0f} "
-              f"{r['pct_peak']:>6.1f}% {r['speedup_vs_eager']:>8.2f}x")
+    common.print_bandwidth_table([r for r in results if r["table"] == "cross_entropy"], [("N", 6), ("V", 6)], bw,
+                                 rate="GBs", base_impl="torch eager", ms_fmt="8.3f", rate_width=7)
     lin = [r for r in results if r["table"] == "linear_ce"]
     if lin:
         naive = lin[0]["peak_GiB"]
@@ -123,21 +106,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, nargs="+", default=[50304, 50257], help="V (padded and GPT-2's raw)")
     p.add_argument("--dim", type=int, default=768, help="C, the model width, for the linear-CE table")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_cross_entropy: no CUDA device here; this benchmark runs on a GPU only (nothing to do).")
+    if not common.require_cuda("bench_cross_entropy"):
         return 0
-    from triton.testing import do_bench  # GPU only: do_bench needs an active driver
-
-    name = torch.cuda.get_device_name()
-    bw, key = peak_bw(name)
+    name = common.device_name()
+    bw, key = common.peak_bandwidth(name)
+    do_bench = common.do_bench
     results = run_ce(args.rows, args.vocab, do_bench) + run_linear_ce(args.rows, args.dim, args.vocab[0], do_bench)
     print(f"device: {name} (peak HBM bandwidth from {key}: {bw / 1e12:.2f} TB/s)")
     print_tables(results, bw)
-    path = Path(__file__).resolve().parent / "results" / f"cross_entropy_{slug(name)}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"device": name, "torch": torch.__version__, "peak_bw": bw, "peak_key": key,
-                                "results": results}, indent=1))
-    print(f"saved {path}")
+    common.save_results("cross_entropy", results, device=name, peak_bw=bw, peak_from=key)
     return 0
 
 

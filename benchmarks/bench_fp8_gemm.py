@@ -15,12 +15,13 @@ benchmarks/results/fp8_gemm_<device-name-slug>.json with the device name.
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py, also under python -m
+import common  # noqa: E402
 
 # Dense tensor-core peaks (FLOP/s) by device-name substring: (bf16, fp8). H100 SXM / H200: 989 / 1979 TFLOP/s.
 PEAK = [("H200", 989e12, 1979e12), ("H100", 989e12, 1979e12), ("L40S", 362e12, 733e12)]
@@ -31,10 +32,6 @@ def peaks(device_name: str) -> tuple[float, float, str]:
         if key in device_name:
             return bf16, fp8, key
     return 989e12, 1979e12, "H100 (default; device not in the table)"
-
-
-def slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 def run_gemm(sizes: list[int], do_bench) -> list[dict]:
@@ -108,27 +105,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192], help="M = N = K")
     p.add_argument("--no-linear", action="store_true", help="only the GEMM table")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_fp8_gemm: no CUDA device here; this benchmark runs on a GPU only (nothing to do).")
+    if not common.require_cuda("bench_fp8_gemm"):
         return 0
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) < (8, 9):
         print(f"bench_fp8_gemm: fp8 tensor cores need sm_89+ (Ada/Hopper); this GPU is sm_{major}{minor}.")
         return 0
-    from triton.testing import do_bench  # GPU only: do_bench needs an active driver
-
-    name = torch.cuda.get_device_name()
+    do_bench = common.do_bench
+    name = common.device_name()
     peak_bf16, peak_fp8, peak_key = peaks(name)
     results = run_gemm(args.sizes, do_bench)
     if not args.no_linear:
         results += run_linear(args.sizes, do_bench)
     print(f"device: {name} (peaks from {peak_key}: bf16 {peak_bf16 / 1e12:.0f}, fp8 {peak_fp8 / 1e12:.0f} TFLOP/s)")
     print_table(results, peak_bf16, peak_fp8)
-    path = Path(__file__).resolve().parent / "results" / f"fp8_gemm_{slug(name)}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"device": name, "torch": torch.__version__, "peak_key": peak_key,
-                                "results": results}, indent=1))
-    print(f"saved {path}")
+    common.save_results("fp8_gemm", results, device=name, peak_bf16=peak_bf16, peak_fp8=peak_fp8, peak_from=peak_key)
     return 0
 
 

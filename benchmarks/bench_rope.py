@@ -15,26 +15,13 @@ kernel, bhtd only, when importable). JSON goes to benchmarks/results/rope_<devic
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import sys
 from pathlib import Path
 
 import torch
 
-PEAK_BW = [("H200", 4.8e12), ("H100", 3.35e12), ("A100", 2.039e12)]  # bytes/s by device-name substring
-DEFAULT_PEAK = 3.35e12  # unknown device: report against the H100 number, and say so in the JSON
-
-
-def peak_bandwidth(device_name: str) -> tuple[float, str]:
-    for key, bw in PEAK_BW:
-        if key in device_name:
-            return bw, key
-    return DEFAULT_PEAK, "H100 (default; device not in the table)"
-
-
-def slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py, also under python -m
+import common  # noqa: E402
 
 
 def implementations(layout: str, compile_ok: bool) -> dict:
@@ -86,23 +73,13 @@ def run(B: int, T: int, H: int, KVH: int, head_dims: list[int], dtype, device: s
             for name, fn in impls.items():
                 def fwd_bwd(fn=fn):
                     torch.autograd.backward(fn(qg, kg, cos, sin), (dq, dk))
-                ms_f = do_bench(lambda fn=fn: fn(q, k, cos, sin))
-                ms_fb = do_bench(fwd_bwd, grad_to_none=[qg, kg])
-                for mode, ms, nbytes in (("fwd", ms_f, 2 * n * elem), ("fwd+bwd", ms_fb, 4 * n * elem)):
+                times = common.fwd_bwd_ms(lambda fn=fn: fn(q, k, cos, sin), fwd_bwd, [qg, kg], do_bench)
+                for mode, nbytes in (("fwd", 2 * n * elem), ("fwd+bwd", 4 * n * elem)):
+                    ms = times[mode]
                     results.append({"layout": layout, "impl": name, "mode": mode, "B": B, "T": T, "H": H,
                                     "KVH": KVH, "D": D, "dtype": str(dtype)[6:], "ms": ms, "bytes": nbytes,
                                     "GBps": nbytes / (ms * 1e-3) / 1e9})
     return results
-
-
-def print_table(results: list[dict], peak: float) -> None:
-    print(f"{'layout':>6} {'D':>4} {'mode':>8} {'impl':>14} {'ms':>9} {'GB/s':>8} {'% peak':>7} {'vs eager':>9}")
-    base = {(r["layout"], r["D"], r["mode"]): r["ms"] for r in results if r["impl"] == "eager"}
-    for r in results:
-        r["pct_peak"] = 100 * r["GBps"] * 1e9 / peak
-        r["speedup_vs_eager"] = base[(r["layout"], r["D"], r["mode"])] / r["ms"]
-        print(f"{r['layout']:>6} {r['D']:>4} {r['mode']:>8} {r['impl']:>14} {r['ms']:>9.4f} {r['GBps']:>8.0f} "
-              f"{r['pct_peak']:>6.1f}% {r['speedup_vs_eager']:>8.2f}x")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,25 +93,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/rope_<device>.json)")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_rope: no CUDA device found; this benchmark needs a GPU (nothing to do on CPU).")
+    if not common.require_cuda("bench_rope"):
         return 0
-    from minite._triton import triton  # GPU only: triton.testing.do_bench needs an active driver
-
-    name = torch.cuda.get_device_name()
-    peak, peak_from = peak_bandwidth(name)
+    name = common.device_name()
+    peak, peak_from = common.peak_bandwidth(name)
     dtype = getattr(torch, args.dtype)
     print(f"RoPE benchmark on {name}: B={args.batch} T={args.seq} H={args.heads} KVH={args.kv_heads}, "
           f"dtype={args.dtype}, peak {peak / 1e12:.2f} TB/s ({peak_from})")
     results = run(args.batch, args.seq, args.heads, args.kv_heads, args.head_dims, dtype, "cuda",
-                  triton.testing.do_bench, not args.no_compile)
-    print_table(results, peak)
-    out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"rope_{slug(name)}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"device": name, "peak_bytes_per_s": peak, "peak_from": peak_from, "torch": torch.__version__,
-            "triton": triton.__version__}
-    out.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
-    print(f"saved {out}")
+                  common.do_bench, not args.no_compile)
+    common.print_bandwidth_table(results, [("layout", 6), ("D", 4)], peak)
+    common.save_results("rope", results, device=name, out=args.out, peak_bw=peak, peak_from=peak_from)
     return 0
 
 

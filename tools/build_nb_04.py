@@ -7,19 +7,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tools.nbtool import check, code, md, write  # noqa: E402
+from tools.nbtool import check, code, md, setup_cell, write  # noqa: E402
 
-SETUP = code('''
-import os, torch
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton or minite kernels
-import inspect, math
-import matplotlib.pyplot as plt
-from minite._triton import triton, tl
-from minite.testing import check_op, assert_close
-from minite.kernels.rope import rope_cos_sin, rope_ref
-_ = torch.manual_seed(0)
-''')
+SETUP = setup_cell("import inspect, math", "import matplotlib.pyplot as plt", "from minite._triton import triton, tl",
+                   "from minite.testing import check_op, assert_close",
+                   "from minite.kernels.rope import rope_cos_sin, rope_ref", device=False)
 
 COMPLEX_REF = code('''
 def complex_rope(x, positions, base=10000.0):

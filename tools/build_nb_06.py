@@ -7,20 +7,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tools.nbtool import check, code, md, write  # noqa: E402
+from tools.nbtool import check, code, md, setup_cell, write  # noqa: E402
 
-SETUP = code('''
-import os, torch
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton or minite kernels
-import inspect
-import matplotlib.pyplot as plt
-import torch.nn.functional as F
-from minite._triton import triton, tl
-from minite.testing import check_op, assert_close
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-_ = torch.manual_seed(0)
-''')
+SETUP = setup_cell("import inspect", "import matplotlib.pyplot as plt", "import torch.nn.functional as F",
+                   "from minite._triton import triton, tl", "from minite.testing import check_op, assert_close")
 
 COUNTERS = code('''
 # Counts bytes each aten op reads and writes (chapter 00 builds this counter; it lives in minite.bytecount).

@@ -5,8 +5,9 @@
 executes each notebook in place (fresh kernel from this environment, cwd = the notebook's folder) and stores its
 outputs, printing the wall time. In a build script::
 
-    from tools.nbtool import md, code, check, write
-    write("solutions/03_rmsnorm.ipynb", [md("# ..."), code("import torch"), check("rmsnorm_kernel", "assert ...")])
+    from tools.nbtool import md, code, check, setup_cell, write
+    SETUP = setup_cell("import inspect", "from minite.testing import check_op")   # the first code cell
+    write("solutions/03_rmsnorm.ipynb", [md("# ..."), SETUP, check("rmsnorm_kernel", "assert ...")])
 """
 from __future__ import annotations
 
@@ -34,6 +35,25 @@ def code(text: str, tags: list[str] | None = None):
 def check(name: str, text: str):
     """A graded check cell: first line '# CHECK: name', tagged nbval-check-output."""
     return code(f"# CHECK: {name}\n" + text.strip("\n"), tags=["nbval-check-output"])
+
+
+def setup_text(*lines: str, device: bool = True, seed: bool = True,
+               note: str = "before anything imports triton or minite kernels") -> str:
+    """The text of a notebook's first code cell: turn the Triton CPU interpreter on when there is no GPU (before
+    anything imports triton or minite kernels), then `lines` (imports), then DEVICE and a fixed seed."""
+    head = ["import os, torch", "if not torch.cuda.is_available():",
+            f'    os.environ["TRITON_INTERPRET"] = "1"  # {note}']
+    tail = []
+    if device:
+        tail.append('DEVICE = "cuda" if torch.cuda.is_available() else "cpu"')
+    if seed:
+        tail.append("_ = torch.manual_seed(0)")
+    return "\n".join([*head, *lines, *tail])
+
+
+def setup_cell(*lines: str, **kwargs):
+    """A code cell with `setup_text(*lines, **kwargs)`."""
+    return code(setup_text(*lines, **kwargs))
 
 
 def write(path: str | Path, cells: list) -> Path:

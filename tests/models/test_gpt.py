@@ -8,15 +8,7 @@ from minite.layers.attention import CausalSelfAttention
 from minite.models.gpt import GPT, GPTConfig
 from minite.testing import assert_close, dtype_tols
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # One torch thread: on 2 shared cores (pytest-xdist workers, other jobs) two OpenMP threads per process
-    # oversubscribe the CPU and tiny ops become ~30x slower while the threads wait for each other.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread, tiny ops on shared cores
 
 
 # The reference backend everywhere except the Triton test: under TRITON_INTERPRET=1 "auto" would pick the

@@ -1,0 +1,116 @@
+"""Shared pieces of the benchmark scripts: device name and slug, peak HBM bandwidth, timing, tables, JSON results.
+
+Every ``bench_<concept>.py`` imports it as ``import common`` after putting its own folder on ``sys.path``, so
+``python benchmarks/bench_x.py`` (from any folder) and ``python -m benchmarks.bench_x`` both work. The name does
+not start with ``bench_``: ``make bench`` runs every ``benchmarks/bench_*.py``.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import re
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+# HBM bandwidth peaks (bytes/s) by device-name substring; the first match wins. H100 SXM: 3.35 TB/s.
+PEAK_BW = [("H200", 4.8e12), ("H100", 3.35e12), ("A100", 2.039e12), ("L40S", 0.864e12)]
+DEFAULT_PEAK = 3.35e12  # unknown device: report against the H100 number, and say so in the JSON
+
+
+def slug(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3' (for result file names)."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def device_name(dev: str = "cuda") -> str:
+    """The GPU's name for a CUDA device; for the CPU its model name (from /proc/cpuinfo) and torch's threads."""
+    if dev.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(dev))
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name} ({torch.get_num_threads()} threads)"
+
+
+def peak_bandwidth(name: str) -> tuple[float, str]:
+    """(peak HBM bytes/s, the table key it came from) for a device name."""
+    for key, bw in PEAK_BW:
+        if key in name:
+            return bw, key
+    return DEFAULT_PEAK, "H100 (default; device not in the table)"
+
+
+def require_cuda(script: str) -> bool:
+    """True on a CUDA machine; elsewhere print why the benchmark does nothing (the caller then exits 0)."""
+    if torch.cuda.is_available():
+        return True
+    print(f"{script}: no CUDA device found; this benchmark runs on a GPU only (nothing to do on CPU).")
+    return False
+
+
+# ------------------------------------------------------------------------------------------------- timing
+def do_bench(fn, grad_to_none=None) -> float:
+    """Milliseconds per call of fn (triton.testing.do_bench with its defaults: warm-up, then the mean of ~100 ms
+    of repetitions, L2 flushed between them). `grad_to_none`: tensors whose .grad is reset before each call."""
+    from triton.testing import do_bench as _do_bench  # GPU only: needs an active driver, so imported on use
+
+    return _do_bench(fn, grad_to_none=grad_to_none)
+
+
+def fwd_bwd_ms(fwd, fwd_bwd, grads: list, bench=do_bench) -> dict[str, float]:
+    """{"fwd": ms of fwd(), "fwd+bwd": ms of fwd_bwd()}; the .grad of `grads` is reset before each backward."""
+    return {"fwd": bench(fwd), "fwd+bwd": bench(fwd_bwd, grad_to_none=grads)}
+
+
+# ------------------------------------------------------------------------------------------------- output
+def print_bandwidth_table(results: list[dict], key_cols: list[tuple[str, int]], peak: float, *, rate: str = "GBps",
+                          base_impl: str = "eager", base_label: str = "eager", ms_fmt: str = "9.4f",
+                          rate_width: int = 8) -> None:
+    """Print one line per result of a memory-bound op: key columns, mode, impl, ms, GB/s, % of `peak` (bytes/s)
+    and the speedup over `base_impl` at the same key columns and mode.
+
+    key_cols: [(result key, column width)], e.g. [("C", 6)]; `rate`: the result key holding GB/s. Adds
+    r["pct_peak"] and r[f"speedup_vs_{base_label}"] to every result, so they are saved in the JSON too.
+    """
+    cols = [*key_cols, ("mode", 8), ("impl", 14)]
+    ms_width = int(ms_fmt.split(".")[0])
+    speedup = f"speedup_vs_{base_label}"
+    base = {tuple(r[k] for k, _ in cols[:-1]): r["ms"] for r in results if r["impl"] == base_impl}
+    print(" ".join(f"{k:>{w}}" for k, w in cols)
+          + f" {'ms':>{ms_width}} {'GB/s':>{rate_width}} {'% peak':>7} {'vs ' + base_label:>9}")
+    for r in results:
+        r["pct_peak"] = 100 * r[rate] * 1e9 / peak
+        r[speedup] = base[tuple(r[k] for k, _ in cols[:-1])] / r["ms"]
+        print(" ".join(f"{r[k]:>{w}}" for k, w in cols)
+              + f" {r['ms']:>{ms_fmt}} {r[rate]:>{rate_width}.0f} {r['pct_peak']:>6.1f}% {r[speedup]:>8.2f}x")
+
+
+def results_path(concept: str, device: str, out: str | Path | None = None) -> Path:
+    """`out` if given, else benchmarks/results/<concept>_<device-name-slug>.json."""
+    return Path(out) if out else RESULTS / f"{concept}_{slug(device)}.json"
+
+
+def write_json(path: Path, payload: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+    return path
+
+
+def save_results(concept: str, results: list[dict], *, device: str, out: str | Path | None = None,
+                 **meta) -> Path:
+    """Save {"device", "torch", "triton", **meta, "results"} as JSON (see `results_path`) and print where."""
+    from minite._triton import triton
+
+    payload = {"device": device, "torch": torch.__version__, "triton": getattr(triton, "__version__", None),
+               **meta, "results": results}
+    path = write_json(results_path(concept, device, out), payload)
+    print(f"saved {path}")
+    return path
