@@ -61,7 +61,8 @@ class TrainConfig:
     log_interval: int = _doc("write a log.jsonl line every N steps", 10)
     seed: int = _doc("seed for torch, numpy, python and the batch sampler", 1337)
     device: str = _doc("auto | cpu | cuda | cuda:N (auto = cuda if available)", "auto")
-    precision: str = _doc("auto | fp32 | bf16 | fp16 | fp8 (auto = bf16 on CUDA, fp32 on CPU)", "auto")
+    precision: str = _doc("auto | fp32 | bf16 | fp16 | fp8 (auto = bf16 on CUDA, fp32 on CPU); also --precision P",
+                          "auto")
     threads: int = _doc("CPU threads for torch (0 = all cores this process may use)", 0)
     sample_tokens: int = _doc("characters of text to sample at the end (0 = none)", 300)
     progress: bool = _doc("show a tqdm progress bar", True)

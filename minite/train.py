@@ -342,14 +342,14 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
 
 
 # ----------------------------------------------------------------------------------------------- CLI
-USAGE = """usage: python -m minite.train [--preset cpu|gpu] [--data FILE] [--out_dir DIR] [--resume]
+USAGE = """usage: python -m minite.train [--preset cpu|gpu] [--data FILE] [--out_dir DIR] [--precision P] [--resume]
                               [--section.field=value ...] [--help]"""
 
 
 def parse_cli(argv: list[str]) -> tuple[str | None, dict[str, str], bool]:
     """-> (preset or None, {"section.field": raw value}, resume)."""
     preset, overrides, resume = None, {}, False
-    aliases = {"data": "data.path", "out_dir": "train.out_dir"}
+    aliases = {"data": "data.path", "out_dir": "train.out_dir", "precision": "train.precision"}
     i = 0
     while i < len(argv):
         arg = argv[i]

@@ -55,9 +55,9 @@ def test_bad_type_and_preset():
 
 def test_parse_cli():
     preset, over, resume = parse_cli(["--preset", "cpu", "--data", "a.txt", "--out_dir=o", "--train.lr=0.1",
-                                      "--resume"])
+                                      "--precision", "fp8", "--resume"])
     assert (preset, resume) == ("cpu", True)
-    assert over == {"data.path": "a.txt", "train.out_dir": "o", "train.lr": "0.1"}
+    assert over == {"data.path": "a.txt", "train.out_dir": "o", "train.lr": "0.1", "train.precision": "fp8"}
     with pytest.raises(ConfigError, match="unexpected argument"):
         parse_cli(["stray"])
 
