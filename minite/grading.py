@@ -6,16 +6,25 @@ Conventions (DESIGN.md §8)
   ``### BEGIN SOLUTION`` and ``### END SOLUTION`` in a code cell.
 * A *check cell* is a code cell tagged ``nbval-check-output`` whose first line is ``# CHECK: <name>``.
   It ends with an ``assert`` and prints ``PASS: ...``; nbval compares that output with the stored one.
-* ``exercises/NN_topic.ipynb`` is generated: every solution region becomes ``raise NotImplementedError()``
+* ``exercises/NN_topic.ipynb`` is generated: every solution region becomes ::
+
+      ### BEGIN YOUR CODE
+      raise NotImplementedError()
+      ### END YOUR CODE
+
   at the same indentation; stored outputs are kept.
 
 Grading
 -------
 nbval compares against the outputs stored *in the file it runs*, so a student could save a wrong answer with a
-PASS output, or edit a check cell. ``grade`` therefore rebuilds the notebook: the solution notebook's cells
-(narrative, set-up and check cells, with their pristine outputs) plus the student's *task cells* only (the cells
-that hold a solution region, matched by cell id), with nbval's skip / raises-exception markers stripped from
-them. It runs that with ``pytest --nbval-lax`` in a fresh kernel and scores the check cells: ``score: k/n``.
+PASS output, or edit a check cell. ``grade`` therefore rebuilds the notebook from the solution notebook (every
+cell, with its pristine outputs) and splices in only the student's *answers*: the code between
+``### BEGIN YOUR CODE`` / ``### END YOUR CODE`` in each task cell (matched by cell id), with nbval's skip /
+raises-exception comment markers stripped. Launchers and wrappers around an answer stay the solution's own, and
+each check cell first reloads ``minite.testing`` (undoing a patched ``check_op``). It runs that with
+``pytest --nbval-lax`` in a fresh kernel and scores the check cells: ``score: k/n``, with the reason of each
+failure. Limits: the answers run in the same Python process as the checks, so deliberate monkeypatching of torch
+itself is not prevented; review submitted code where that matters.
 
 CLI::
 
@@ -42,7 +51,10 @@ import nbformat
 __all__ = ["make_exercise", "generate_all", "assemble", "grade", "GradeReport", "check_cells"]
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+BEGIN_YOURS, END_YOURS = "### BEGIN YOUR CODE", "### END YOUR CODE"
 STUB = "raise NotImplementedError()"
+# Put at the top of every check cell of the graded notebook: a fresh minite.testing, whatever the answers did.
+_RELOAD = "import importlib as _il, minite.testing as _mt; _mt = _il.reload(_mt); from minite.testing import *"
 CHECK_TAG = "nbval-check-output"
 _CHECK_RE = re.compile(r"^\s*#\s*CHECK:\s*(.+?)\s*$")
 # Tags / comment markers that would let a task cell opt out of being run or checked.
@@ -51,24 +63,52 @@ _ESCAPE_COMMENTS = re.compile(r"^\s*#\s*(NBVAL_\w+)\s*$", re.MULTILINE)
 
 
 # --------------------------------------------------------------------------------------------- generation
-def _stub_source(source: str, where: str) -> str:
-    out, inside, indent = [], False, ""
-    for lineno, line in enumerate(source.splitlines(), 1):
+def _regions(source: str, where: str, markers=((BEGIN, END),)) -> list[tuple[int, int]]:
+    """(first, last) line index of each answer region's markers, for any of the marker pairs."""
+    out, start, pair = [], None, None
+    lines = source.splitlines()
+    for i, line in enumerate(lines):
         stripped = line.strip()
-        if stripped == BEGIN:
-            if inside:
-                raise ValueError(f"{where}: line {lineno}: nested '{BEGIN}'")
-            inside, indent = True, line[: len(line) - len(line.lstrip())]
-            out.append(f"{indent}{STUB}")
-        elif stripped == END:
-            if not inside:
-                raise ValueError(f"{where}: line {lineno}: '{END}' without '{BEGIN}'")
-            inside = False
-        elif not inside:
-            out.append(line)
-    if inside:
-        raise ValueError(f"{where}: '{BEGIN}' is never closed")
-    return "\n".join(out)
+        for b, e in markers:
+            if stripped == b:
+                if start is not None:
+                    raise ValueError(f"{where}: line {i + 1}: '{b}' inside another region")
+                start, pair = i, (b, e)
+            elif stripped == e:
+                if start is None or pair[1] != e:
+                    raise ValueError(f"{where}: line {i + 1}: '{e}' without '{b}'")
+                out.append((start, i))
+                start = None
+    if start is not None:
+        raise ValueError(f"{where}: '{pair[0]}' is never closed")
+    return out
+
+
+def _stub_source(source: str, where: str) -> str:
+    """Each solution region -> BEGIN YOUR CODE / raise NotImplementedError() / END YOUR CODE."""
+    lines = source.splitlines()
+    out, prev = [], 0
+    for b, e in _regions(source, where):
+        indent = lines[b][: len(lines[b]) - len(lines[b].lstrip())]
+        out += lines[prev:b] + [f"{indent}{BEGIN_YOURS}", f"{indent}{STUB}", f"{indent}{END_YOURS}"]
+        prev = e + 1
+    return "\n".join(out + lines[prev:])
+
+
+def _splice(solution_src: str, student_src: str, where: str) -> str:
+    """The solution cell with each region's body replaced by the student's answer for that region."""
+    sol_lines, stu_lines = solution_src.splitlines(), student_src.splitlines()
+    sol_reg = _regions(solution_src, where)
+    stu_reg = _regions(student_src, where, ((BEGIN_YOURS, END_YOURS), (BEGIN, END)))
+    if len(stu_reg) != len(sol_reg):
+        raise ValueError(f"{where}: expected {len(sol_reg)} answer region(s) between '{BEGIN_YOURS}' and "
+                         f"'{END_YOURS}', found {len(stu_reg)}")
+    out, prev = [], 0
+    for (b, e), (sb, se) in zip(sol_reg, stu_reg):
+        answer = [ln for ln in stu_lines[sb + 1:se] if not _ESCAPE_COMMENTS.fullmatch(ln)]
+        out += sol_lines[prev:b + 1] + answer + [sol_lines[e]]
+        prev = e + 1
+    return "\n".join(out + sol_lines[prev:])
 
 
 def is_task_cell(cell) -> bool:
@@ -132,30 +172,30 @@ def generate_all(solutions: Path, exercises: Path, check: bool = False) -> list[
 
 
 # ---------------------------------------------------------------------------------------------- grading
-def _sanitize_task_cell(cell):
-    cell = copy.deepcopy(cell)
-    tags = [t for t in cell.get("metadata", {}).get("tags", []) if t not in _ESCAPE_TAGS]
-    cell.setdefault("metadata", {})["tags"] = tags
-    cell.source = _ESCAPE_COMMENTS.sub("", cell.source)
-    cell.outputs = []
-    return cell
+def assemble(student_nb, solution_nb, notes: list[str] | None = None):
+    """The notebook that is actually graded: the solution notebook with the student's answers spliced in.
 
-
-def assemble(student_nb, solution_nb):
-    """The notebook that is actually graded: the solution's cells, with the student's task cells swapped in.
-
-    A task cell missing from the student's notebook stays stubbed (it scores nothing)."""
-    student_tasks = {c.get("id"): c for c in student_nb.cells if c.cell_type == "code" and c.get("id")}
+    A task cell missing from the student's notebook, or whose answer markers were removed, stays stubbed (it
+    scores nothing) and a line saying so is appended to `notes`."""
+    notes = [] if notes is None else notes
+    student_cells = {c.get("id"): c for c in student_nb.cells if c.cell_type == "code" and c.get("id")}
     graded = copy.deepcopy(solution_nb)
     for i, cell in enumerate(graded.cells):
+        if is_check_cell(cell):
+            first, _, rest = cell.source.partition("\n")
+            cell.source = f"{first}\n{_RELOAD}\n{rest}"
         if not is_task_cell(cell):
             continue
-        mine = student_tasks.get(cell.get("id"))
-        if mine is None:
-            mine = copy.deepcopy(cell)
-            mine.source = _stub_source(cell.source, f"cell {i}")
-        graded.cells[i] = _sanitize_task_cell(mine)
-        graded.cells[i]["id"] = cell.get("id")
+        where = f"task cell {cell.get('id')} (cell {i})"
+        mine = student_cells.get(cell.get("id"))
+        try:
+            if mine is None:
+                raise ValueError(f"{where} not found in your notebook (deleted, or re-created with a new id?)")
+            cell.source = _splice(cell.source, mine.source, where)
+        except ValueError as err:
+            notes.append(str(err))
+            cell.source = _splice(cell.source, _stub_source(cell.source, where), where)
+        cell.outputs, cell.execution_count = [], None
     return graded
 
 
@@ -164,7 +204,8 @@ class GradeReport:
     notebook: str
     passed: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)  # non-check cells that raised (hints for the student)
+    reasons: dict[str, str] = field(default_factory=dict)  # failed check -> why (the exception's last line)
+    errors: list[str] = field(default_factory=list)  # notes, and non-check cells that raised (hints)
 
     @property
     def score(self) -> int:
@@ -177,7 +218,7 @@ class GradeReport:
     def summary(self) -> str:
         lines = [f"{self.notebook}"]
         lines += [f"  PASS  {n}" for n in self.passed]
-        lines += [f"  FAIL  {n}" for n in self.failed]
+        lines += [f"  FAIL  {n}" + (f": {self.reasons[n]}" if self.reasons.get(n) else "") for n in self.failed]
         lines += [f"  note: {e}" for e in self.errors]
         lines.append(f"score: {self.score}/{self.total}")
         return "\n".join(lines)
@@ -198,7 +239,8 @@ def grade(student: str | Path, solution: str | Path | None = None, *, timeout: i
         raise FileNotFoundError(f"notebook to grade not found: {student}")
     solution = Path(solution) if solution else _default_solution(student)
     sol_nb = nbformat.read(solution, as_version=4)
-    graded = assemble(nbformat.read(student, as_version=4), sol_nb)
+    notes: list[str] = []
+    graded = assemble(nbformat.read(student, as_version=4), sol_nb, notes)
     checks = dict(check_cells(graded))
     if not checks:
         raise ValueError(f"{solution} has no check cells (code cells tagged {CHECK_TAG!r})")
@@ -220,21 +262,31 @@ def grade(student: str | Path, solution: str | Path | None = None, *, timeout: i
         for case in ET.parse(junit).getroot().iter("testcase"):
             m = re.search(r"Cell (\d+)", case.get("name", ""))
             if m:
-                bad = any(case.find(t) is not None for t in ("failure", "error", "skipped"))
-                msg = ""
-                for tag in ("failure", "error"):
-                    el = case.find(tag)
-                    if el is not None:
-                        msg = (el.get("message") or "").splitlines()[0][:200] if el.get("message") else tag
-                results[int(m.group(1))] = (not bad, msg)
-    report = GradeReport(notebook=str(student))
+                bad = [el for t in ("failure", "error", "skipped") if (el := case.find(t)) is not None]
+                results[int(m.group(1))] = (not bad, _reason(bad[0]) if bad else "")
+    report = GradeReport(notebook=str(student), errors=notes)
     for idx, name in sorted(checks.items()):
-        ok, _ = results.get(idx, (False, "not run"))
+        ok, why = results.get(idx, (False, "not run"))
         (report.passed if ok else report.failed).append(name)
+        if not ok:
+            report.reasons[name] = why
     for idx, (ok, msg) in sorted(results.items()):
         if not ok and idx not in checks:
             report.errors.append(f"code cell {idx} failed: {msg}")
     return report
+
+
+_ANSI = re.compile(r"(?:#x1B|\x1b)\[[0-9;]*m")
+_EXC = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b.*)$")
+
+
+def _reason(el) -> str:
+    """One readable line from nbval's junit failure: the exception's last line, or 'output differs'."""
+    text = _ANSI.sub("", (el.get("message") or "") + "\n" + (el.text or ""))
+    if "Cell outputs differ" in text:
+        return "its output differs from the expected one"
+    excs = [m.group(1).strip() for line in text.splitlines() if (m := _EXC.match(line.strip()))]
+    return (excs[-1].rstrip(":") if excs else el.tag)[:200]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -217,12 +217,15 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
             raise ConfigError(f"cannot change model fields {changed} when resuming from {ckpt_path}")
     t = cfg.train
     dev = _device(t.device)
-    torch.manual_seed(t.seed)
-    random.seed(t.seed)
-    np.random.seed(t.seed)
+    torch.manual_seed(t.seed), random.seed(t.seed), np.random.seed(t.seed)
 
     data = prepare(cfg.data.path or None, data_dir=cfg.data.data_dir, tokenizer=cfg.data.tokenizer)
     tok = data.tokenizer
+    if state is not None and state.get("tokenizer") not in (None, tok.to_json()):  # same padded V is not enough
+        old, src = state["tokenizer"], state["config"]["data"].get("path") or "the default corpus"
+        raise ConfigError(f"checkpoint {ckpt_path} was trained with a {old['kind']} vocab of {old['vocab_size']} "
+                          f"symbols from {src}; --data {cfg.data.path or '(default corpus)'} has a different vocab "
+                          f"({tok.vocab_size} symbols); resume with the same data or start a new --out_dir")
     if cfg.model.vocab_size != tok.vocab_size:  # the data decides the vocabulary
         cfg = apply_overrides(cfg, {"model.vocab_size": tok.vocab_size})
     block = cfg.data.block_size or cfg.model.block_size
@@ -237,14 +240,14 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
         torch.set_num_threads(t.threads or _pick_threads(model, t, block))
     opt = _optimizer(model, t, dev)
     ctx, scaler = _precision(cfg, dev)
-    step, best_val = 0, float("inf")
+    step, best_val, el0 = 0, float("inf"), 0.0  # el0: seconds the run had taken before a resume
     if state is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         if scaler is not None and state.get("scaler") is not None:
             scaler.load_state_dict(state["scaler"])
         _set_rng_state(state["rng"], sampler)
-        step, best_val = state["step"], state.get("best_val", best_val)
+        step, best_val, el0 = state["step"], state.get("best_val", best_val), state.get("elapsed_s", 0.0)
         # Forget log lines written after this checkpoint (the steps about to be redone).
         if log_path.exists():
             rows = [r for r in log_path.read_text().splitlines() if r.strip() and json.loads(r)["step"] <= step]
@@ -265,11 +268,10 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
         save_checkpoint(ckpt_path, {
             "model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "best_val": best_val,
             "config": {"model": cfg.model.to_dict(), "data": vars(cfg.data).copy(), "train": vars(t).copy()},
-            "tokenizer": tok.to_json(), "rng": _rng_state(sampler),
+            "tokenizer": tok.to_json(), "rng": _rng_state(sampler), "elapsed_s": el0 + time.perf_counter() - t0,
             "scaler": scaler.state_dict() if scaler is not None else None})
 
-    losses: dict[int, float] = {}
-    val_loss = float("nan")
+    losses, val_loss = {}, float("nan")  # {step: train loss}
     tokens_per_step = t.batch_size * t.grad_accum * block
     train_time, pbar = 0.0, None
     if t.progress:
@@ -284,14 +286,13 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
                 val_loss = evaluate(model, val_ids, cfg, block, dev, ctx)
                 best_val = min(best_val, val_loss)
                 log.write(json.dumps({"step": step, "val_loss": round(val_loss, 6), "elapsed_s": round(
-                    time.perf_counter() - t0, 2), "train_time_s": round(train_time, 2)}) + "\n")
+                    el0 + time.perf_counter() - t0, 2), "train_time_s": round(train_time, 2)}) + "\n")
                 log.flush()
             if fresh and step > 0 and (step % ckpt_every == 0 or step == t.max_iters):
                 checkpoint()
             if step >= t.max_iters:
                 break
-            ts = time.perf_counter()
-            lr = _lr_at(step, t)
+            ts, lr = time.perf_counter(), _lr_at(step, t)
             for g in opt.param_groups:
                 g["lr"] = lr
             for _ in range(t.grad_accum):
@@ -310,14 +311,13 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
             else:
                 opt.step()
             opt.zero_grad(set_to_none=True)
-            step += 1
-            loss_f = loss.item() * t.grad_accum
+            step, loss_f = step + 1, loss.item() * t.grad_accum
             train_time += time.perf_counter() - ts
             losses[step] = loss_f
             tps = tokens_per_step * (step - start_step) / max(train_time, 1e-9)
             if step % t.log_interval == 0 or step == t.max_iters:
                 log.write(json.dumps({"step": step, "loss": round(loss_f, 6), "lr": lr, "tokens_per_s": round(tps),
-                                      "elapsed_s": round(time.perf_counter() - t0, 2)}) + "\n")
+                                      "elapsed_s": round(el0 + time.perf_counter() - t0, 2)}) + "\n")
             if pbar is not None:
                 pbar.update(1)
                 pbar.set_postfix(loss=f"{loss_f:.3f}", val=f"{val_loss:.3f}", tok_s=f"{tps:,.0f}", refresh=False)

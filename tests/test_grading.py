@@ -5,13 +5,23 @@ each solution must score n/n, each blank exercise 0/n, and a saved wrong answer 
 """
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import nbformat
 import pytest
 
-from minite.grading import BEGIN, END, STUB, assemble, check_cells, generate_all, grade, make_exercise
+from minite.grading import (
+    BEGIN,
+    BEGIN_YOURS,
+    END,
+    END_YOURS,
+    STUB,
+    assemble,
+    check_cells,
+    generate_all,
+    grade,
+    make_exercise,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
@@ -34,11 +44,15 @@ def _tiny_solution():
         _code("# CHECK: double\nassert double(21) == 42\nprint('PASS: double')", ["nbval-check-output"]),
         _code(f"def area(r):\n    {BEGIN}\n    return math.pi * r * r\n    {END}"),
         _code("# CHECK: area\nassert round(area(2.0), 6) == 12.566371\nprint('PASS: area')", ["nbval-check-output"]),
+        _code(f"import torch\nfrom minite.testing import check_op\n{BEGIN}\nSCALE = 3.0\n{END}"),
+        _code("# CHECK: scale\nassert check_op('scale', lambda t: t * SCALE, lambda t: t * 3, torch.arange(4.0))",
+              ["nbval-check-output"]),
     ]
     for c in nb.cells:  # the stored outputs nbval compares against
         if c.cell_type == "code" and "CHECK" in c.source:
             name = c.source.splitlines()[0].split(":")[1].strip()
-            c.outputs = [nbformat.v4.new_output("stream", name="stdout", text=f"PASS: {name}\n")]
+            text = f"PASS: {name}\n" if name != "scale" else "PASS: scale [float32 (4,)]: output, grad[0]\n"
+            c.outputs = [nbformat.v4.new_output("stream", name="stdout", text=text)]
             c.execution_count = 1
     return nb
 
@@ -54,10 +68,10 @@ def tiny(tmp_path):
 def test_make_exercise_stubs_regions_and_keeps_the_rest():
     sol = _tiny_solution()
     ex = make_exercise(sol)
-    assert ex.cells[2].source == f"def double(x):\n    {STUB}"
+    assert ex.cells[2].source == f"def double(x):\n    {BEGIN_YOURS}\n    {STUB}\n    {END_YOURS}"
     assert BEGIN not in ex.cells[4].source and STUB in ex.cells[4].source
     assert ex.cells[3].source == sol.cells[3].source and ex.cells[3].outputs == sol.cells[3].outputs
-    assert [n for _, n in check_cells(ex)] == ["double", "area"]
+    assert [n for _, n in check_cells(ex)] == ["double", "area", "scale"]
 
 
 def test_make_exercise_rejects_unbalanced_markers():
@@ -80,38 +94,59 @@ def test_course_exercises_are_in_sync_with_solutions():
     assert stale == [], f"run `make exercises`: {stale}"
 
 
-def test_assemble_keeps_only_student_task_cells(tiny):
+def test_assemble_takes_only_the_answers(tiny):
     sol = nbformat.read(tiny, as_version=4)
     student = make_exercise(sol)
     student.cells[3].source = "# CHECK: double\nprint('PASS: double')"  # tampered check cell
     student.cells[2].metadata["tags"] = ["nbval-skip", "raises-exception"]
-    student.cells[2].source = "# NBVAL_SKIP\n" + student.cells[2].source
-    graded = assemble(student, sol)
-    assert graded.cells[3].source == sol.cells[3].source  # pristine check cell is back
-    assert graded.cells[2].metadata["tags"] == [] and "NBVAL_SKIP" not in graded.cells[2].source
+    # an answer, a skip marker inside it, and a replacement of the function after the region
+    student.cells[2].source = (f"def double(x):\n    {BEGIN_YOURS}\n    # NBVAL_SKIP\n    return x + x\n"
+                               f"    {END_YOURS}\ndouble = lambda x: 42")
+    notes = []
+    graded = assemble(student, sol, notes)
+    assert graded.cells[3].source.startswith("# CHECK: double\n")
+    assert "assert double(21) == 42" in graded.cells[3].source
+    assert graded.cells[2].metadata.get("tags", []) == []
+    assert graded.cells[2].source == f"def double(x):\n    {BEGIN}\n    return x + x\n    {END}"
+    assert notes == []
+    # a task cell whose markers were deleted, and one that is gone: stubbed, with a note saying why
+    student.cells[4].source = "def area(r):\n    return 3.14159 * r * r"
+    del student.cells[6]
+    notes = []
+    graded = assemble(student, sol, notes)
+    assert STUB in graded.cells[4].source and STUB in graded.cells[6].source
+    assert "expected 1 answer region(s)" in notes[0] and "not found in your notebook" in notes[1]
 
 
 @pytest.mark.notebook
 def test_grading_rules_on_a_tiny_notebook(tmp_path, tiny):
     sol = nbformat.read(tiny, as_version=4)
     full = grade(tiny, tiny)
-    assert (full.score, full.total, full.failed) == (2, 2, [])
+    assert (full.score, full.total, full.failed) == (3, 3, []), full.summary()
 
     blank = tmp_path / "blank.ipynb"
     nbformat.write(make_exercise(sol), blank)
     rep = grade(blank, tiny)
-    assert (rep.score, rep.failed) == (0, ["double", "area"])
+    assert (rep.score, rep.failed) == (0, ["double", "area", "scale"])
+    assert rep.reasons["double"].startswith("NotImplementedError")
+    assert "FAIL  double: NotImplementedError" in rep.summary()
 
-    # A wrong answer whose (fake) PASS output was saved, a check cell rewritten to always pass, and a
-    # skip marker on the task: none of it helps.
-    wrong = copy.deepcopy(sol)
-    wrong.cells[2].source = f"def double(x):\n    {BEGIN}\n    return x + 1\n    {END}"
+    # A wrong answer whose (fake) PASS output was saved, a check cell rewritten to always pass, a skip marker on
+    # the task, a wrapper that bypasses the answer, and an answer that patches check_op: none of it helps.
+    wrong = make_exercise(sol)
+    wrong.cells[2].source = (f"def double(x):\n    {BEGIN_YOURS}\n    return x + 1\n    {END_YOURS}\n"
+                             "double = lambda x: 42")
     wrong.cells[2].metadata["tags"] = ["nbval-skip"]
     wrong.cells[3].source = "# CHECK: double\nprint('PASS: double')"
+    wrong.cells[4].source = wrong.cells[4].source.replace(STUB, "return math.pi * r * r")
+    wrong.cells[6].source = ("import torch\n"
+                             f"{BEGIN_YOURS}\nimport minite.testing as mt\nSCALE = 2.0\nmt.check_op = check_op = lambda *a, **k: "
+                             f"print('PASS: scale [float32 (4,)]: output, grad[0]') or True\n{END_YOURS}")
     tampered = tmp_path / "tampered.ipynb"
     nbformat.write(wrong, tampered)
     rep = grade(tampered, tiny)
-    assert (rep.score, rep.failed) == (1, ["double"])
+    assert (rep.score, rep.failed) == (1, ["double", "scale"]), rep.summary()
+    assert rep.reasons["double"].startswith("AssertionError")
 
 
 @pytest.mark.notebook

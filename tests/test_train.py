@@ -127,6 +127,9 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(run_cfg, tmp_path):
         assert torch.equal(a["model"][k], b["model"][k]), k
     rows = [json.loads(r) for r in (tmp_path / "cut" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, 13))  # no duplicated lines from steps 5-6
+    # elapsed_s carries across the resume: it keeps counting from the checkpoint's time instead of restarting
+    elapsed = [r["elapsed_s"] for r in rows]
+    assert elapsed == sorted(elapsed) and b["elapsed_s"] >= elapsed[0] > 0
 
 
 def test_resume_refuses_model_changes_and_missing_checkpoint(run_cfg, tmp_path):
@@ -136,6 +139,22 @@ def test_resume_refuses_model_changes_and_missing_checkpoint(run_cfg, tmp_path):
     train(cfg)
     with pytest.raises(ConfigError, match=r"cannot change model fields \['n_layer'\]"):
         train(cfg, resume=True, resume_overrides={"train.out_dir": cfg.train.out_dir, "model.n_layer": "2"})
+
+
+def test_resume_refuses_data_with_another_vocab(run_cfg, tmp_path, make_corpus):
+    # Another character set with the same padded vocabulary (64) would load fine and silently train with the
+    # wrong tokenizer: the resume must compare the data's tokenizer with the checkpoint's.
+    make_corpus(tmp_path / "other.txt", n_chars=6000, marks=".,;!?")
+    cfg = run_cfg(**{"train.max_iters": 4})
+    train(cfg)
+    over = {"train.out_dir": cfg.train.out_dir, "data.path": str(tmp_path / "other.txt")}
+    with pytest.raises(ConfigError, match=r"checkpoint .*ckpt.pt was trained with a char vocab of \d+ symbols from "
+                       r".*corpus.txt; --data .*other.txt has a different vocab \(\d+ symbols\); resume with the "
+                       r"same data or start a new --out_dir"):
+        train(cfg, resume=True, resume_overrides=over)
+    assert load_checkpoint(tmp_path / "out" / "ckpt.pt")["step"] == 4  # nothing was overwritten
+    s = train(cfg, resume=True, resume_overrides={"train.out_dir": cfg.train.out_dir, "train.max_iters": "5"})
+    assert s["steps"] == 5  # the same data resumes fine
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints

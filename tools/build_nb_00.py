@@ -407,7 +407,11 @@ Even fused, that softmax reads and writes the whole $T \times T$ matrix: at $T =
 it is 400 MB per sequence per layer. **Flash attention (chapter 07)** removes it: it streams blocks of $K$ and
 $V$ through the online max/sum recurrence of section 6 and never materializes the scores. The same recurrence
 gives the fused cross-entropy over a 50k-token vocabulary (chapter 06), a row far longer than one block.
-`minite/models/gpt.py` builds its attention from those kernels (`minite.ops.attention`).
+
+Softmax is the heart of attention, but the GPT does not call this softmax kernel directly: for now the
+attention of `minite/models/gpt.py` runs PyTorch's `scaled_dot_product_attention` through `minite.ops.attention`
+(a reference path). Chapter 07 replaces it with a flash-attention kernel that fuses this very softmax (the online
+max/sum of section 6) into the attention tiles.
 '''),
     code('''
 import minite

@@ -138,16 +138,18 @@ print(inspect.getsource(sw.SwiGLUFunction))
 from minite.kernels.swiglu import swiglu, swiglu_ref
 fused = lambda g, u: swiglu(g, u, backend="triton")
 gen = torch.Generator().manual_seed(0)
+ok = True
 for dtype in (torch.float32, torch.float16, torch.bfloat16):
     for shape in ((5, 37), (4, 256)):
         gate = (3 * torch.randn(shape, generator=gen)).to(dtype).to(DEVICE)
         up = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
-        assert check_op("swiglu", fused, swiglu_ref, gate, up)
+        ok &= check_op("swiglu", fused, swiglu_ref, gate, up)
 gate = torch.randn(3, 7, dtype=torch.float64, device=DEVICE, requires_grad=True)
 up = torch.randn(3, 7, dtype=torch.float64, device=DEVICE, requires_grad=True)
 assert torch.autograd.gradcheck(fused, (gate, up))
 assert_close(swiglu_ref(gate, up), F.silu(gate) * up, name="reference vs F.silu * up")
-print("PASS: fp64 gradcheck and reference vs torch")
+assert ok
+print("PASS: swiglu kernel vs reference, fp64 gradcheck, reference vs torch")
 '''),
     md(r'''
 ## 5. Memory saved, measured
@@ -274,7 +276,9 @@ def silu_grad(g: torch.Tensor) -> torch.Tensor:
     check("silu_grad", '''
 g = torch.linspace(-10, 10, 401, dtype=torch.float64, requires_grad=True)
 (expected,) = torch.autograd.grad(F.silu(g).sum(), g)
-assert_close(silu_grad(g.detach()), expected, name="silu_grad")
+got = silu_grad(g.detach())
+assert_close(got, expected, name="silu_grad")
+assert got.shape == g.shape and got.dtype == torch.float64
 print("PASS: silu_grad")
 '''),
     md(r'''
@@ -308,10 +312,13 @@ def my_swiglu_fwd(gate, up):
 '''),
     check("swiglu forward kernel", '''
 gen = torch.Generator().manual_seed(0)
+ok = True
 for dtype in (torch.float32, torch.float16, torch.bfloat16):
     gu = (2 * torch.randn(6, 2 * 37, generator=gen)).to(dtype).to(DEVICE)
     gate, up = gu.chunk(2, dim=-1)  # strided halves, as in the GPT
-    assert check_op("my_swiglu_fwd", my_swiglu_fwd, swiglu_ref, gate, up, grad=False)
+    ok &= check_op("my_swiglu_fwd", my_swiglu_fwd, swiglu_ref, gate, up, grad=False)
+assert ok
+print("PASS: swiglu forward kernel")
 '''),
     md(r'''
 ## Task 3 — the backward kernel body (recompute, don't store)
@@ -354,11 +361,14 @@ class MySwiGLU(torch.autograd.Function):
 '''),
     check("swiglu backward kernel", '''
 gen = torch.Generator().manual_seed(1)
+ok = True
 for dtype in (torch.float32, torch.float16, torch.bfloat16):
     for shape in ((5, 37), (2, 3, 64)):
         gate = (3 * torch.randn(shape, generator=gen)).to(dtype).to(DEVICE)
         up = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
-        assert check_op("MySwiGLU fwd+bwd", MySwiGLU.apply, swiglu_ref, gate, up)
+        ok &= check_op("MySwiGLU fwd+bwd", MySwiGLU.apply, swiglu_ref, gate, up)
+assert ok
+print("PASS: swiglu backward kernel")
 '''),
 ]
 

@@ -1,16 +1,21 @@
 """Attention. Chapter 07 brings the flash-attention kernels; until then only the reference exists, and every
-backend resolves to it (a forced "triton" says so).
+backend runs it: a forced "triton" that could run Triton warns once and uses the reference (so a whole model can
+run with backend="triton"); a forced "triton" where Triton cannot run raises like every other op.
 
 Layout (B, H, T, D) like SDPA; k/v may have fewer heads (grouped-query attention, H % KVH == 0).
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
-from minite.backend import resolve_backend
+from minite.backend import get_backend, resolve_backend
 
 __all__ = ["attention_ref", "attention"]
+
+_warned = False  # the "no Triton kernel yet" warning is given once per process
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -43,9 +48,14 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 # ------------------------------------------------------------------------------------------ 5. functional
 def attention(q, k, v, *, causal: bool = True, scale: float | None = None, backend: str | None = None):
-    """Scaled dot-product attention; q (B, H, T, D), k/v (B, KVH, T, D). No Triton kernel yet (chapter 07)."""
+    """Scaled dot-product attention; q (B, H, T, D), k/v (B, KVH, T, D). No Triton kernel yet (chapter 07):
+    a forced "triton" (argument, use_backend() or $MINITE_BACKEND) warns once and runs the reference."""
+    global _warned
     _check(q, k, v)
-    if backend == "triton":
-        raise RuntimeError("backend='triton' was forced but attention has no Triton kernel yet (chapter 07)")
-    resolve_backend(q, backend)  # validates the name; "auto" falls back to the reference
+    # Validates the name (unknown -> ValueError) and raises the usual RuntimeError when a forced "triton"
+    # cannot run here at all; "auto" never raises.
+    if resolve_backend(q, backend) == "triton" and (backend or get_backend()) == "triton" and not _warned:
+        _warned = True
+        warnings.warn("attention has no Triton kernel yet (chapter 07): backend='triton' runs the PyTorch "
+                      "reference for it", stacklevel=2)
     return attention_ref(q, k, v, causal, scale)

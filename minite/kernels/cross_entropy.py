@@ -19,14 +19,12 @@ from minite.backend import resolve_backend
 __all__ = ["cross_entropy_ref", "cross_entropy", "CrossEntropyFunction", "linear_cross_entropy_ref",
            "linear_cross_entropy", "LinearCrossEntropyFunction", "LinearCrossEntropy"]
 
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_REDUCTIONS = ("mean", "sum", "none")
+_FLOATS, _REDUCTIONS = (torch.float16, torch.bfloat16, torch.float32, torch.float64), ("mean", "sum", "none")
 MAX_VOCAB = 2**31 - 1  # column offsets inside a row are int32 in the kernels
 
 
 # ----------------------------------------------------------------------------------------- 1. reference
-def cross_entropy_ref(logits, target, ignore_index: int = -100, reduction: str = "mean",
-                      label_smoothing: float = 0.0):
+def cross_entropy_ref(logits, target, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.):
     """The spec, from the formula (tested against F.cross_entropy). logits (N, V), target (N,) -> fp32 loss."""
     x = logits.double() if logits.dtype == torch.float64 else logits.float()  # (N, V)
     valid = target != ignore_index  # (N,)
@@ -119,8 +117,7 @@ def cross_entropy_fwd(logits, target, ignore_index: int, label_smoothing: float)
     """Per-row loss and logsumexp, both (N,) fp32 (fp64 for fp64 logits). logits (N, V) with unit column stride."""
     N, V = logits.shape
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    loss = torch.empty(N, device=logits.device, dtype=acc)
-    lse = torch.empty(N, device=logits.device, dtype=acc)
+    loss, lse = (torch.empty(N, device=logits.device, dtype=acc) for _ in range(2))
     if N:
         _ce_fwd_kernel[(N,)](logits, logits.stride(0), target, loss, lse, V, ignore_index, float(label_smoothing),
                              BLOCK_SIZE=_block_size(V), FP64=acc == torch.float64)
@@ -152,18 +149,18 @@ def _ce_chunk_torch(logits, target, dl, ignore_index, label_smoothing):
 def linear_cross_entropy_fwd(x, weight, target, ignore_index, reduction, label_smoothing, chunk_size, use_triton,
                              need_dx=True, need_dw=True):
     """Loss, and dx (N, C) / dW (V, C) for an upstream gradient of 1, never holding more than (chunk_size, V)."""
-    N, C = x.shape
-    valid = (target != ignore_index).sum()  # a tensor: no host sync
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    one = torch.ones(1, dtype=acc, device=x.device)  # the same upstream gradient for every row, shape (1,)
-    dl = one / valid.clamp(min=1) if reduction == "mean" else one
+    N, valid, acc = len(x), (target != ignore_index).sum(), torch.float64 if x.dtype == torch.float64 else torch.float32
+    dl = torch.ones(1, dtype=acc, device=x.device) / (valid.clamp(min=1) if reduction == "mean" else 1)  # every row
     rows = torch.empty(N, dtype=acc, device=x.device)  # per-row loss
     dx = torch.empty_like(x) if need_dx else None  # (N, C)
     dw = torch.zeros(weight.shape, dtype=acc, device=x.device) if need_dw else None  # (V, C) fp32
     for s in range(0, N, chunk_size):
         xc, tc = x[s:s + chunk_size], target[s:s + chunk_size]  # (n, C), (n,)
         logits = xc @ weight.t()  # (n, V): the only vocabulary-sized tensor alive
-        if use_triton:
+        if not (need_dx or need_dw):  # no_grad / inference: the loss only, no dlogits, dx or dW work
+            rows[s:s + chunk_size] = (cross_entropy_fwd(logits, tc, ignore_index, label_smoothing)[0] if use_triton
+                                      else cross_entropy_ref(logits, tc, ignore_index, "none", label_smoothing))
+        elif use_triton:
             rows[s:s + chunk_size], lse = cross_entropy_fwd(logits, tc, ignore_index, label_smoothing)
             cross_entropy_bwd(dl, logits, tc, lse, ignore_index, label_smoothing, out=logits)  # in place
         else:
@@ -196,9 +193,10 @@ class CrossEntropyFunction(torch.autograd.Function):
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, target, ignore_index, reduction, label_smoothing, chunk_size, use_triton):
+    def forward(ctx, x, weight, target, ignore_index, reduction, label_smoothing, chunk_size, use_triton, needs):
+        # needs = (dx, dW) wanted, from the caller: ctx.needs_input_grad ignores torch.no_grad() (grad mode)
         loss, dx, dw = linear_cross_entropy_fwd(x, weight, target, ignore_index, reduction, label_smoothing,
-                                                chunk_size, use_triton, *ctx.needs_input_grad[:2])
+                                                chunk_size, use_triton, *needs)
         ctx.save_for_backward(dx, dw)  # the gradients, computed in the forward while each chunk was at hand
         ctx.weight_dtype = weight.dtype
         return loss
@@ -208,7 +206,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         dx, dw = ctx.saved_tensors
         dx = None if dx is None else dx * dloss.to(dx.dtype)  # chain rule with the scalar upstream gradient
         dw = None if dw is None else (dw * dloss).to(ctx.weight_dtype)
-        return dx, dw, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None
 
 
 # -------------------------------------------------------------------------------------------- 5. functional
@@ -235,8 +233,7 @@ def _check_ce(logits, target, reduction, label_smoothing, name="logits"):
 def _check_targets(target, V, ignore_index):
     if V > MAX_VOCAB:
         raise ValueError(f"cross_entropy: vocabulary V={V} is too large (max {MAX_VOCAB}: int32 column offsets)")
-    # Range check only where it is free: on the CPU. On CUDA it would cost a device->host sync per call, so
-    # the kernels mask out-of-range targets instead (as torch, which raises a device-side assert there).
+    # Range check only where it is free, on the CPU (on CUDA: a host sync per call; the kernels mask instead).
     if target.device.type == "cpu" and target.numel():
         bad = (target != ignore_index) & ((target < 0) | (target >= V))
         if bool(bad.any()):
@@ -248,7 +245,10 @@ def _check_targets(target, V, ignore_index):
 def cross_entropy(logits, target, *, ignore_index: int = -100, reduction: str = "mean",
                   label_smoothing: float = 0.0, backend: str | None = None):
     """Cross-entropy of logits (N, V) against class indices target (N,). Returns an fp32 loss (fp64 for fp64):
-    a scalar for reduction "mean" (over non-ignored rows) / "sum", or (N,) for "none"."""
+    a scalar for reduction "mean" (over non-ignored rows) / "sum", or (N,) for "none".
+
+    Out-of-range targets (not ignore_index, outside [0, V)): the CPU path raises a ValueError naming the row; on
+    CUDA they are masked, not checked (a check costs a host sync): that row's loss is its logsumexp, no error."""
     _check_ce(logits, target, reduction, label_smoothing)
     _check_targets(target, logits.shape[1], ignore_index)
     if resolve_backend(logits, backend) == "triton":
@@ -275,10 +275,10 @@ def linear_cross_entropy(x, weight, target, *, ignore_index: int = -100, reducti
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"linear_cross_entropy: chunk_size={chunk_size!r} must be a positive int")
     _check_targets(target, weight.shape[0], ignore_index)
-    use_triton = resolve_backend(x, backend) == "triton"
+    use_triton, grad = resolve_backend(x, backend) == "triton", torch.is_grad_enabled()
     return LinearCrossEntropyFunction.apply(x.contiguous(), weight.contiguous(), target.long().contiguous(),
                                             int(ignore_index), reduction, float(label_smoothing), chunk_size,
-                                            use_triton)
+                                            use_triton, (grad and x.requires_grad, grad and weight.requires_grad))
 
 
 # ------------------------------------------------------------------------------------------------ 6. Module

@@ -134,6 +134,7 @@ def _norm_fwd(x, weight, bias, eps: float):
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()  # the kernel needs unit stride along C
     N = x2d.shape[0]
+    weight, bias = weight.contiguous(), bias.contiguous() if bias is not None else None  # kernel reads W_ptr + cols
     y = torch.empty((N, C), dtype=x.dtype, device=x.device)  # (N, C)
     stat_dtype = _compute_dtype(x)
     rstd = torch.empty(N, dtype=stat_dtype, device=x.device)  # (N,)
@@ -151,7 +152,7 @@ def _norm_bwd(dy, x, weight, mean, rstd, *, n_programs: int | None = None):
     C = x.shape[-1]
     x2d = x.reshape(-1, C).contiguous()  # (N, C)
     dy2d = dy.reshape(-1, C).contiguous()  # (N, C); autograd may hand us a non-contiguous gradient
-    N = x2d.shape[0]
+    N, weight = x2d.shape[0], weight.contiguous()  # a strided weight (w[::2]) would be read wrongly otherwise
     P = n_programs or _n_programs(x2d)
     rows_per_program = triton.cdiv(N, P) if N else 0
     dx = torch.empty_like(x2d)  # (N, C)

@@ -59,15 +59,17 @@ def _softmax_fwd_kernel(
     else:
         # Pass 1, online statistics: after each block, m = max so far and d = sum of exp(x - m) so far.
         # A new block with a larger max rescales the old sum: d' = d * exp(m - m') + sum(exp(x_blk - m')).
-        # m starts at a finite "minus infinity": from -inf, a block of only -inf (a masked stretch of the row)
-        # would give exp(-inf - (-inf)) = NaN; from -3e38 it gives exp(-inf + 3e38) = 0. Any start is exact.
-        m = tl.full([], -3.0e38, ACC_DTYPE)
+        # m starts at -inf (a finite start such as -3e38 breaks fp64 rows whose values are all below it). While
+        # every value seen is -inf, m_new is -inf and exp(-inf - (-inf)) would be NaN: shift by 0 instead, which
+        # gives exp(-inf) = 0 for the old (empty) sum and for the -inf lanes. Any finite shift is exact.
+        m = tl.full([], -float("inf"), ACC_DTYPE)
         d = tl.full([], 0.0, ACC_DTYPE)
         for start in range(0, n_cols, BLOCK_SIZE):
             mask = start + cols < n_cols
             x = tl.load(X_ptr + start + cols, mask=mask, other=-float("inf")).to(ACC_DTYPE)
             m_new = tl.maximum(m, tl.max(x, axis=0))
-            d = d * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+            shift = tl.where(m_new == -float("inf"), 0.0, m_new)  # the guard: never -inf - (-inf)
+            d = d * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
             m = m_new
         # Pass 2: read x again, normalise with the final statistics, write y.
         inv_d = 1.0 / d

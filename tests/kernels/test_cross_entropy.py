@@ -158,6 +158,44 @@ def test_linear_ce_frozen_weight_and_module():
     assert "vocab=21" in repr(head)
 
 
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.triton), "torch"])
+def test_linear_ce_under_no_grad_skips_the_gradient_work(backend, monkeypatch):
+    # ctx.needs_input_grad follows requires_grad, not grad mode: under no_grad (evaluation) the fused head must
+    # not compute dlogits, dx or dW. Count the backward work and look at what the forward produced.
+    import minite.kernels.cross_entropy as CE
+    seen = {"cross_entropy_bwd": 0, "_ce_chunk_torch": 0, "grads": []}
+
+    def counted(name):
+        real = getattr(CE, name)
+
+        def wrapper(*a, **k):
+            seen[name] += 1
+            return real(*a, **k)
+        monkeypatch.setattr(CE, name, wrapper)
+    counted("cross_entropy_bwd"), counted("_ce_chunk_torch")
+    real_fwd = CE.linear_cross_entropy_fwd
+
+    def fwd(*a, **k):
+        out = real_fwd(*a, **k)
+        seen["grads"].append(out[1:])  # (dx, dW) as the forward computed them
+        return out
+    monkeypatch.setattr(CE, "linear_cross_entropy_fwd", fwd)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(7, 8, generator=g, requires_grad=True)
+    w = torch.randn(21, 8, generator=g, requires_grad=True)
+    t = torch.randint(0, 21, (7,), generator=g)
+    t[2] = -100
+    with torch.no_grad():
+        loss = linear_cross_entropy(x, w, t, chunk_size=3, label_smoothing=0.1, backend=backend)
+    assert seen["cross_entropy_bwd"] == seen["_ce_chunk_torch"] == 0 and seen["grads"] == [(None, None)], seen
+    assert not loss.requires_grad
+    assert_close(loss, linear_cross_entropy_ref(x.detach(), w.detach(), t, label_smoothing=0.1), name="no_grad loss")
+    with_grad = linear_cross_entropy(x, w, t, chunk_size=3, label_smoothing=0.1, backend=backend)
+    # grad mode on: one dlogits computation per chunk (3 chunks of 3, 3, 1 rows), dx and dW computed
+    assert seen["cross_entropy_bwd"] + seen["_ce_chunk_torch"] == 3 and all(d is not None for d in seen["grads"][1])
+    assert_close(loss, with_grad.detach(), name="no_grad vs grad-mode loss")
+
+
 def _peak(fn, N, C, V, dtype=torch.bfloat16, device="meta"):
     x = torch.randn(N, C, dtype=dtype, device=device, requires_grad=True)
     w = torch.randn(V, C, dtype=dtype, device=device, requires_grad=True)

@@ -94,6 +94,28 @@ def test_non_contiguous_input_and_modules():
     assert_close(ln(x), F.layer_norm(x, (40,)), name="layernorm module")
 
 
+@pytest.mark.triton
+@pytest.mark.parametrize("op", ["rmsnorm", "layernorm"])
+def test_strided_weight_and_bias(op):
+    # weight/bias as every-other-element views (stride 2): the kernels index W_ptr + cols, so the launchers
+    # must hand them a contiguous copy. Forward and the grads that flow back into the strided parents.
+    g = torch.Generator().manual_seed(3)
+    C = 37
+    x0 = torch.randn(5, C, generator=g)
+    wb0, bb0 = 1 + 0.5 * torch.randn(2 * C, generator=g), 0.5 * torch.randn(2 * C, generator=g)
+    dy = torch.randn(5, C, generator=g)
+    outs = {}
+    for backend in ("triton", "torch"):
+        x, wb, bb = (t.clone().requires_grad_() for t in (x0, wb0, bb0))
+        w, b = wb[::2], bb[1::2]  # (C,) each, stride 2
+        assert w.stride() == (2,) and b.stride() == (2,)
+        y = (rmsnorm(x, w, backend=backend) if op == "rmsnorm" else layernorm(x, w, b, backend=backend))
+        y.backward(dy)
+        outs[backend] = (y, x.grad, wb.grad, bb.grad if op == "layernorm" else torch.zeros(1))
+    for name, a, r in zip(("y", "dx", "dweight", "dbias"), outs["triton"], outs["torch"]):
+        assert_close(a, r, name=f"{op} strided {name}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_reference_matches_torch_builtins(dtype):
     x, w, b = _inputs((5, 48), dtype, seed=2)

@@ -81,6 +81,22 @@ def test_minus_inf_and_large_magnitudes_stay_finite(max_block, monkeypatch):
 
 
 @pytest.mark.triton
+@pytest.mark.parametrize("max_block", [S.MAX_BLOCK_SIZE, 16], ids=["single", "looped"])
+def test_fp64_rows_far_below_fp32_range(max_block, monkeypatch):
+    # fp64 holds -1e300; the looped path's running max must not start above such values (a -3e38 start made
+    # every row below it 0 / 0 = NaN). Row 1 also begins with a block of -inf only (the guard against -inf - -inf).
+    monkeypatch.setattr(S, "MAX_BLOCK_SIZE", max_block)
+    x = -1e300 + 1e299 * _randn((3, 40), torch.float64, scale=1.0, seed=5)  # every value around -1e300
+    x[1, :20] = -float("inf")
+    x = x.requires_grad_()
+    y = _triton(x)
+    y.backward(torch.randn_like(y))
+    ref = softmax_ref(x.detach())
+    assert torch.isfinite(ref).all() and torch.isfinite(y).all() and torch.isfinite(x.grad).all()
+    assert_close(y, ref, name="softmax of fp64 rows around -1e300")
+
+
+@pytest.mark.triton
 def test_empty_and_noncontiguous_inputs():
     assert _triton(torch.empty(0, 5, device=DEVICE)).shape == (0, 5)
     x = _randn((6, 10), torch.float32).t()  # (10, 6), non-contiguous
