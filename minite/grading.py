@@ -205,6 +205,7 @@ class GradeReport:
     passed: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     reasons: dict[str, str] = field(default_factory=dict)  # failed check -> why (the exception's last line)
+    order: list[str] = field(default_factory=list)  # every check, in notebook order
     errors: list[str] = field(default_factory=list)  # notes, and non-check cells that raised (hints)
 
     @property
@@ -217,8 +218,9 @@ class GradeReport:
 
     def summary(self) -> str:
         lines = [f"{self.notebook}"]
-        lines += [f"  PASS  {n}" for n in self.passed]
-        lines += [f"  FAIL  {n}" + (f": {self.reasons[n]}" if self.reasons.get(n) else "") for n in self.failed]
+        for n in self.order or self.passed + self.failed:
+            why = f": {self.reasons[n]}" if self.reasons.get(n) else ""
+            lines.append(f"  PASS  {n}" if n in self.passed else f"  FAIL  {n}{why}")
         lines += [f"  note: {e}" for e in self.errors]
         lines.append(f"score: {self.score}/{self.total}")
         return "\n".join(lines)
@@ -268,6 +270,7 @@ def grade(student: str | Path, solution: str | Path | None = None, *, timeout: i
     for idx, name in sorted(checks.items()):
         ok, why = results.get(idx, (False, "not run"))
         (report.passed if ok else report.failed).append(name)
+        report.order.append(name)
         if not ok:
             report.reasons[name] = why
     for idx, (ok, msg) in sorted(results.items()):
