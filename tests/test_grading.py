@@ -140,7 +140,8 @@ def test_grading_rules_on_a_tiny_notebook(tmp_path, tiny):
     wrong.cells[3].source = "# CHECK: double\nprint('PASS: double')"
     wrong.cells[4].source = wrong.cells[4].source.replace(STUB, "return math.pi * r * r")
     wrong.cells[6].source = ("import torch\n"
-                             f"{BEGIN_YOURS}\nimport minite.testing as mt\nSCALE = 2.0\nmt.check_op = check_op = lambda *a, **k: "
+                             f"{BEGIN_YOURS}\nimport minite.testing as mt\nSCALE = 2.0\n"
+                             "mt.check_op = check_op = lambda *a, **k: "
                              f"print('PASS: scale [float32 (4,)]: output, grad[0]') or True\n{END_YOURS}")
     tampered = tmp_path / "tampered.ipynb"
     nbformat.write(wrong, tampered)
