@@ -7,7 +7,7 @@
 #   make lab         JupyterLab on the course notebooks
 #   make exercises   regenerate exercises/ from solutions/
 #   make grade NB=exercises/00_triton_from_zero.ipynb    score a student's notebook
-#   make bench       GPU benchmarks (CUDA only), results in benchmarks/results/
+#   make bench       every benchmark: kernel ones need CUDA (they say so and exit on CPU); bench_train also runs on CPU
 
 SHELL := /bin/bash
 PYTHON ?= python3

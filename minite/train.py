@@ -62,13 +62,13 @@ def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
 
 def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
     """Read a checkpoint written by save_checkpoint; a clear CheckpointError naming the file otherwise."""
-    path = Path(path)
-    if not path.is_file():
+    if not (path := Path(path)).is_file():
         raise CheckpointError(f"checkpoint not found: {path}")
     try:  # weights_only: a checkpoint is data (tensors, numbers, strings), never code to run
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"checkpoint {path} is corrupt or truncated ({type(e).__name__}: {e})") from e
+        why = (str(e).strip().splitlines() or [""])[0][:200]  # torch's first line, not its long weights_only essay
+        raise CheckpointError(f"checkpoint {path} is corrupt or truncated ({type(e).__name__}: {why})") from e
     missing = [k for k in ("model", "config", "step") if not isinstance(state, dict) or k not in state]
     if missing:
         raise CheckpointError(f"checkpoint {path} is not a minite.train checkpoint (missing {missing})")
