@@ -271,3 +271,17 @@ def test_gpu_linear_ce_peak_memory():
         peaks.append(torch.cuda.max_memory_allocated() - base)
         x.grad = w.grad = None
     assert peaks[0] >= 3 * peaks[1], peaks
+
+
+def test_linear_ce_module_state_dict_keys_and_round_trip():
+    # The exact key set (a rename breaks checkpoints): one weight (V, C), the layout of nn.Linear(C, V).weight.
+    sd = LinearCrossEntropy(8, 21).state_dict()
+    assert list(sd) == ["weight"] and sd["weight"].shape == (21, 8)
+    torch.manual_seed(0)
+    a = LinearCrossEntropy(8, 21, backend="torch")
+    torch.manual_seed(1)
+    b = LinearCrossEntropy(8, 21, backend="torch")
+    x, t = torch.randn(5, 8), torch.randint(0, 21, (5,))
+    assert a(x, t) != b(x, t)  # different init: the round trip below has something to do
+    b.load_state_dict(a.state_dict())
+    assert torch.equal(a(x, t), b(x, t))

@@ -136,3 +136,20 @@ def test_gpu_large_hidden(dtype):
     gate = torch.randn(512, 4096, device="cuda", dtype=dtype)
     up = torch.randn(512, 4096, device="cuda", dtype=dtype)
     assert check_op("swiglu cuda", _triton, swiglu_ref, gate, up)
+
+
+def test_module_state_dict_keys_and_round_trip():
+    # The exact key set: a renamed projection breaks every saved checkpoint, so it must fail here first.
+    sd = SwiGLU(6, 10).state_dict()
+    assert list(sd) == ["gate.weight", "up.weight", "down.weight"]
+    assert sd["gate.weight"].shape == sd["up.weight"].shape == (10, 6) and sd["down.weight"].shape == (6, 10)
+    assert list(SwiGLU(6, 10, bias=True).state_dict()) == ["gate.weight", "gate.bias", "up.weight", "up.bias",
+                                                           "down.weight", "down.bias"]
+    torch.manual_seed(0)
+    a = SwiGLU(6, 10, backend="torch")
+    torch.manual_seed(1)
+    b = SwiGLU(6, 10, backend="torch")
+    x = torch.randn(3, 6)
+    assert not torch.allclose(a(x), b(x))  # different init: the round trip below has something to do
+    b.load_state_dict(a.state_dict())
+    assert torch.equal(a(x), b(x))
