@@ -69,6 +69,55 @@ for s in FORMATS:
     print(f"{s.name:6} {s.exp_bits:2} {s.man_bits:2} {s.bias:4} {s.max:12.5g} {s.min_normal:11.3g} "
           f"{s.min_subnormal:11.3g} {s.eps:9.3g}")
 ''', tags=["nbval-check-output"]),
+    md(r'''
+Drawn to scale, one box per bit: BF16's exponent field is exactly FP32's (same range), FP16 trades 3 of those
+exponent bits for mantissa bits (more precision, less range), and the two FP8 formats split 7 bits either way.
+'''),
+    code('''
+from matplotlib.patches import Patch, Rectangle
+FIELD_COLORS = {"sign": "#d62728", "exponent": "#1f77b4", "mantissa": "#2ca02c"}
+LABELS = {"fp32": "FP32", "fp16": "FP16", "bf16": "BF16", "e4m3": "FP8 E4M3", "e5m2": "FP8 E5M2"}
+
+def draw_bits(ax, y, spec, digits=None):
+    \"\"\"One row of boxes at height y, sign | exponent | mantissa; digits: optional '0'/'1' string, MSB first.\"\"\"
+    fields = ["sign"] + ["exponent"] * spec.exp_bits + ["mantissa"] * spec.man_bits
+    for i, field in enumerate(fields):
+        ax.add_patch(Rectangle((i, y), 1, 0.8, facecolor=FIELD_COLORS[field], edgecolor="white", lw=1.5))
+        if digits is not None:
+            ax.text(i + 0.5, y + 0.4, digits[i], ha="center", va="center", color="white", fontsize=11,
+                    fontweight="bold")
+
+fig, ax = plt.subplots(figsize=(11, 3.6))
+for row, s in enumerate(FORMATS):
+    y = -row
+    draw_bits(ax, y, s)
+    ax.text(-0.6, y + 0.4, f"{LABELS[s.name]}  (E={s.exp_bits}, M={s.man_bits})", ha="right", va="center",
+            fontsize=10)
+    ax.text(s.bits + 0.6, y + 0.4, f"bias {s.bias}, max {s.max:.5g}", ha="left", va="center", fontsize=9)
+ax.set_xlim(-13, 41); ax.set_ylim(-len(FORMATS) + 0.6, 1.3); ax.axis("off")
+ax.legend(handles=[Patch(color=c, label=f) for f, c in FIELD_COLORS.items()], loc="upper center", ncol=3,
+          frameon=False, bbox_to_anchor=(0.5, 1.08))
+ax.set_title("Bit layouts, one box per bit (to scale)", y=1.1)
+plt.show()
+'''),
+    md(r'''
+A worked example: $-6.5 = -1.625 \cdot 2^2$ in FP16. Sign 1; stored exponent $2 + 15 = 17$ = `10001`;
+mantissa $0.625 \cdot 2^{10} = 640$ = `1010000000`. `encode` gives the same pattern:
+'''),
+    code('''
+v = -6.5
+pattern = encode(torch.tensor([v]), FP16).item()                   # the 16-bit pattern as an int
+digits = format(pattern, f"0{FP16.bits}b")                         # MSB (sign) first
+e_field, m_field = int(digits[1:1 + FP16.exp_bits], 2), int(digits[1 + FP16.exp_bits:], 2)
+fig, ax = plt.subplots(figsize=(8, 1.6))
+draw_bits(ax, 0, FP16, digits)
+ax.set_xlim(-0.2, FP16.bits + 0.2); ax.set_ylim(-0.1, 0.9); ax.axis("off")
+ax.set_title(f"{v} in FP16: (-1)^{digits[0]} * 2^({e_field}-{FP16.bias}) * (1 + {m_field}/2^{FP16.man_bits})"
+             f" = {decode(torch.tensor([pattern]), FP16).item()}")
+ax.legend(handles=[Patch(color=c, label=f) for f, c in FIELD_COLORS.items()], loc="lower center", ncol=3,
+          frameon=False, bbox_to_anchor=(0.5, -0.3))
+plt.show()
+'''),
     md('The same numbers as bit strings (`sign exponent mantissa`); watch 0.1 being rounded differently by each:'),
     code('''
 for v in [1.0, -2.5, 0.1, 448.0, 65504.0, 1e-7, 3e38]:
@@ -470,6 +519,10 @@ print("PASS: update_scale matches DynamicLossScaler on 600 random steps")
 ]
 
 if __name__ == "__main__":
+    # `build_nb_01.py lesson` or `build_nb_01.py solutions` writes only that notebook; no argument writes both.
+    which = set(sys.argv[1:]) or {"lesson", "solutions"}
     root = Path(__file__).resolve().parent.parent
-    print(write(root / "notebooks/01_floating_point.ipynb", lesson))
-    print(write(root / "solutions/01_floating_point.ipynb", solutions))
+    if "lesson" in which:
+        print(write(root / "notebooks/01_floating_point.ipynb", lesson))
+    if "solutions" in which:
+        print(write(root / "solutions/01_floating_point.ipynb", solutions))
