@@ -15,6 +15,7 @@ from torch import nn
 
 from minite._triton import interpreting, tl, triton
 from minite.backend import resolve_backend
+from minite.kernels._common import _acc
 
 __all__ = ["cross_entropy_ref", "cross_entropy", "CrossEntropyFunction", "linear_cross_entropy_ref",
            "linear_cross_entropy", "LinearCrossEntropyFunction", "LinearCrossEntropy"]
@@ -44,15 +45,6 @@ def linear_cross_entropy_ref(x, weight, target, ignore_index: int = -100, reduct
 
 
 # -------------------------------------------------------------------------------------------- 2. kernels
-@triton.jit
-def _acc(x, FP64: tl.constexpr):
-    # Upcast right after a load: fp32 accumulation (fp64 for gradcheck); bf16 math is wrong on the interpreter.
-    if FP64:
-        return x.to(tl.float64)
-    else:
-        return x.to(tl.float32)
-
-
 @triton.jit
 def _ce_fwd_kernel(X_ptr, X_row_stride, T_ptr, Loss_ptr, LSE_ptr, V, ignore_index, smoothing,
                    BLOCK_SIZE: tl.constexpr, FP64: tl.constexpr):

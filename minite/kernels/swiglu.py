@@ -13,6 +13,7 @@ from torch import nn
 
 from minite._triton import interpreting, tl, triton
 from minite.backend import resolve_backend
+from minite.kernels._common import _acc
 
 __all__ = ["swiglu_ref", "swiglu", "SwiGLUFunction", "SwiGLU", "swiglu_fwd", "swiglu_bwd"]
 
@@ -28,15 +29,6 @@ def swiglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 # -------------------------------------------------------------------------------------------- 2. kernels
-@triton.jit
-def _acc(x, FP64: tl.constexpr):
-    # Upcast right after a load: bf16 arithmetic is wrong under the CPU interpreter; fp64 stays fp64 (gradcheck).
-    if FP64:
-        return x.to(tl.float64)
-    else:
-        return x.to(tl.float32)
-
-
 @triton.jit
 def _swiglu_fwd_kernel(G_ptr, G_row_stride, U_ptr, U_row_stride, Y_ptr, H,
                        BLOCK_SIZE: tl.constexpr, FP64: tl.constexpr):
