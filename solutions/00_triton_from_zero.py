@@ -44,7 +44,7 @@ _ = torch.manual_seed(0)
 # Hints: `tl.program_id(0)`, `tl.arange(0, BLOCK_SIZE)`, `tl.load(ptr + offs, mask=mask, other=0.0)`,
 # `tl.store(ptr + offs, value, mask=mask)`.
 
-# %%
+# %% minite={"task": "vector_add"}
 @triton.jit
 def add_kernel(X_ptr, Y_ptr, Z_ptr, n_elements, BLOCK_SIZE: tl.constexpr):
     ### BEGIN SOLUTION
@@ -64,7 +64,7 @@ def add(x, y, block_size=128):
     return z
 
 
-# %% tags=["nbval-check-output"]
+# %% minite={"check": "vector_add"} tags=["nbval-check-output"]
 # CHECK: vector_add
 g = torch.Generator().manual_seed(0)
 for n in (1, 129, 1000):  # odd sizes: the last block is partly masked
@@ -82,7 +82,7 @@ print("PASS: vector_add")
 # subtract the max, exponentiate, divide by the sum, store cast to the output type
 # (`y.to(Y_ptr.dtype.element_ty)`). Hints: `tl.max(v, axis=0)`, `tl.sum(v, axis=0)`, `tl.exp`.
 
-# %%
+# %% minite={"task": "softmax_forward"}
 @triton.jit
 def softmax_fwd_kernel(X_ptr, Y_ptr, X_row_stride, Y_row_stride, n_cols, BLOCK_SIZE: tl.constexpr):
     ### BEGIN SOLUTION
@@ -106,7 +106,7 @@ def my_softmax_fwd(x):
     return y
 
 
-# %% tags=["nbval-check-output"]
+# %% minite={"check": "softmax_forward"} tags=["nbval-check-output"]
 # CHECK: softmax_forward
 g = torch.Generator().manual_seed(0)
 for (N, C), dtype in [((1, 1), torch.float32), ((7, 33), torch.float32), ((5, 1000), torch.float16),
@@ -130,7 +130,7 @@ print("PASS: softmax_forward")
 # tensors share one row stride. The check wires your kernel into an autograd Function whose forward is minite's
 # kernel, and compares gradients with autograd through `softmax_ref`.
 
-# %%
+# %% minite={"task": "softmax_backward"}
 @triton.jit
 def softmax_bwd_kernel(Y_ptr, DY_ptr, DX_ptr, row_stride, n_cols, BLOCK_SIZE: tl.constexpr):
     ### BEGIN SOLUTION
@@ -163,7 +163,7 @@ class MySoftmax(torch.autograd.Function):
         return dx
 
 
-# %% tags=["nbval-check-output"]
+# %% minite={"check": "softmax_backward"} tags=["nbval-check-output"]
 # CHECK: softmax_backward
 g = torch.Generator().manual_seed(0)
 for (N, C), dtype in [((1, 1), torch.float32), ((7, 33), torch.float32), ((5, 1000), torch.float16),
@@ -182,7 +182,7 @@ print("PASS: softmax_backward")
 # Return `(m_new, d_new)`. Start values are `m = -inf`, `d = 0`; the check feeds blocks that are entirely `-inf`
 # for some rows, so make sure `exp(-inf - (-inf))` cannot produce NaN (hint: `torch.where`).
 
-# %%
+# %% minite={"task": "online_softmax"}
 def online_update(m, d, x_blk):
     ### BEGIN SOLUTION
     m_new = torch.maximum(m, x_blk.amax(dim=-1))                       # (N,)
@@ -193,7 +193,7 @@ def online_update(m, d, x_blk):
     ### END SOLUTION
 
 
-# %% tags=["nbval-check-output"]
+# %% minite={"check": "online_softmax"} tags=["nbval-check-output"]
 # CHECK: online_softmax
 g = torch.Generator().manual_seed(0)
 x = 5 * torch.randn(6, 70, generator=g, dtype=torch.float64)

@@ -53,7 +53,7 @@ X = torch.cat([X, ties, torch.nextafter(ties, 2 * ties), torch.nextafter(ties, 0
 # `bits` (0 ≤ bits < 65536): normal numbers $(-1)^s 2^{e-15}(1 + m/1024)$, subnormals $(-1)^s 2^{-14} m/1024$,
 # $\pm 0$, $\pm\infty$ ($e = 31, m = 0$), NaN ($e = 31, m \ne 0$). Use only integer operations and `2.0 ** k`.
 
-# %%
+# %% minite={"task": "decode_fp16"}
 def decode_fp16(bits: int) -> float:
     ### BEGIN SOLUTION
     s, e, m = bits >> 15, (bits >> 10) & 0x1F, bits & 0x3FF
@@ -67,7 +67,7 @@ def decode_fp16(bits: int) -> float:
     ### END SOLUTION
 
 
-# %% tags=["nbval-check-output"]
+# %% minite={"check": "decode_fp16"} tags=["nbval-check-output"]
 # CHECK: decode_fp16
 import math
 patterns = torch.arange(1 << 16, dtype=torch.int32)
@@ -88,7 +88,7 @@ print("PASS: decode_fp16 on all 65536 patterns")
 # largest FP32 values correctly round to inf. NaN must stay NaN (return `0x7FC0` with the sign bit). Return the
 # int32 tensor of 16-bit patterns (0 ≤ b < 65536).
 
-# %%
+# %% minite={"task": "fp32_to_bf16_bits"}
 def fp32_to_bf16_bits(x: torch.Tensor) -> torch.Tensor:
     u = x.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF     # the fp32 bits, as a non-negative int64
     ### BEGIN SOLUTION
@@ -99,7 +99,7 @@ def fp32_to_bf16_bits(x: torch.Tensor) -> torch.Tensor:
     return out.to(torch.int32)
 
 
-# %% tags=["nbval-check-output"]
+# %% minite={"check": "fp32_to_bf16_bits"} tags=["nbval-check-output"]
 # CHECK: fp32_to_bf16_bits
 got, want = fp32_to_bf16_bits(X), torch_bf16_bits(X)
 assert got.dtype == torch.int32 and got.shape == X.shape
@@ -116,7 +116,7 @@ print(f"PASS: fp32_to_bf16_bits bit-exact on {X.numel()} values incl. ties")
 # same trick. In Triton: `x.to(tl.int32, bitcast=True)` reinterprets the bits; `>>` on int32 is an arithmetic
 # shift, so mask after shifting (`(u >> 16) & 0xFFFF`). Here you may ignore NaN inputs (the check leaves them out).
 
-# %%
+# %% minite={"task": "round_bf16_kernel"}
 @triton.jit
 def round_bf16_kernel(X_ptr, Y_ptr, N, BLOCK_SIZE: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
@@ -134,7 +134,7 @@ def round_bf16_triton(x):
     return y
 
 
-# %% tags=["nbval-check-output"]
+# %% minite={"check": "round_bf16_kernel"} tags=["nbval-check-output"]
 # CHECK: round_bf16_kernel
 xs = X[~X.isnan()].contiguous()
 got, want = round_bf16_triton(xs), torch_bf16_bits(xs)
@@ -153,7 +153,7 @@ print(f"PASS: round_bf16_kernel bit-exact on {xs.numel()} values")
 # * clean step: `growth_tracker += 1`; when it reaches `growth_interval`: `scale *= growth_factor`, reset
 #   `growth_tracker = 0` and `hysteresis_tracker = hysteresis`.
 
-# %%
+# %% minite={"task": "update_scale"}
 def update_scale(scale, growth_tracker, hysteresis_tracker, found_inf, *, growth_factor=2.0, backoff_factor=0.5,
                  growth_interval=1000, hysteresis=1, min_scale=1.0):
     ### BEGIN SOLUTION
@@ -170,7 +170,7 @@ def update_scale(scale, growth_tracker, hysteresis_tracker, found_inf, *, growth
     ### END SOLUTION
 
 
-# %% tags=["nbval-check-output"]
+# %% minite={"check": "update_scale"} tags=["nbval-check-output"]
 # CHECK: update_scale
 import random
 rng = random.Random(0)

@@ -51,7 +51,7 @@ _ = torch.manual_seed(0)
 # except that the previous `scale` is kept where $\text{amax}_r$ is 0 or not finite. Use tensor ops only (no
 # `.item()`): on a GPU this runs every step without synchronising with the host.
 
-# %%
+# %% minite={"task": "delayed_scaling_update"}
 def delayed_scaling_update(amax_history, scale, amax, *, fp8_max, margin=0, algo="max"):
     """One delayed-scaling step: returns (new amax history, new scale)."""
     ### BEGIN SOLUTION
@@ -64,7 +64,7 @@ def delayed_scaling_update(amax_history, scale, amax, *, fp8_max, margin=0, algo
     ### END SOLUTION
 
 
-# %% tags=["nbval-check-output"]
+# %% minite={"check": "delayed_scaling_update"} tags=["nbval-check-output"]
 # CHECK: delayed_scaling_update
 amaxes = [1.0, 2.0, 8.0, 4.0, 0.0, 1.0, float("inf"), 1.0, 1.0, 1.0, 0.5]
 for algo, margin, f8 in (("max", 0, torch.float8_e4m3fn), ("most_recent", 1, torch.float8_e5m2)):
@@ -109,7 +109,7 @@ def my_quantize(x, scale, fp8_dtype, BLOCK_SIZE=256):
     return bits.view(fp8_dtype), partial.max()
 
 
-# %%
+# %% minite={"task": "quantize_kernel"}
 @triton.jit
 def quantize_kernel(X_ptr, Scale_ptr, Y_ptr, Amax_ptr, N, EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr,
                     FN: tl.constexpr, BLOCK_SIZE: tl.constexpr):
@@ -125,7 +125,7 @@ def quantize_kernel(X_ptr, Scale_ptr, Y_ptr, Amax_ptr, N, EXP_BITS: tl.constexpr
     ### END SOLUTION
 
 
-# %% tags=["nbval-check-output"]
+# %% minite={"check": "quantize_kernel"} tags=["nbval-check-output"]
 # CHECK: quantize_kernel
 g = torch.Generator().manual_seed(5)
 for dtype in (torch.float32, torch.bfloat16):

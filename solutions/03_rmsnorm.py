@@ -44,7 +44,7 @@ from minite.kernels.rmsnorm import rmsnorm_ref
 # Write the body of `rmsnorm_fwd_kernel`: one program per row. Load the row (masked, `other=0.0`) and convert it to
 # fp32 at once, compute the mean of squares, `rstd`, store `rstd` for the row and `y = x * rstd * w` in `Y`'s dtype.
 
-# %%
+# %% minite={"task": "rmsnorm_fwd_kernel"}
 @triton.jit
 def rmsnorm_fwd_kernel(X_ptr, W_ptr, Y_ptr, Rstd_ptr, X_row_stride, Y_row_stride, N_COLS, eps,
                        BLOCK_SIZE: tl.constexpr):
@@ -72,7 +72,7 @@ def my_rmsnorm_fwd(x, w, eps=1e-6):
     return y, rstd
 
 
-# %% tags=["nbval-check-output"]
+# %% minite={"check": "rmsnorm_fwd_kernel"} tags=["nbval-check-output"]
 # CHECK: rmsnorm_fwd_kernel
 ok = True
 for dtype in (torch.float32, torch.float16, torch.bfloat16):
@@ -93,7 +93,7 @@ print("PASS: rmsnorm_fwd_kernel")
 # $\mathrm{d}x = r\,(g - \hat x \cdot \mathrm{mean}(g \odot \hat x))$ with $g = \mathrm{d}y \odot w$, and
 # $\mathrm{d}w = \sum_{\text{rows}} \mathrm{d}y \odot \hat x$.
 
-# %%
+# %% minite={"task": "rmsnorm_backward"}
 def rmsnorm_backward(dy, x, w, rstd):
     """The backward of y = x * rstd * w in plain PyTorch, from the derivation (no autograd).
     dy, x: (N, C); w: (C,); rstd: (N,) fp32. Return dx (N, C) and dw (C,), both fp32."""
@@ -107,7 +107,7 @@ def rmsnorm_backward(dy, x, w, rstd):
     ### END SOLUTION
 
 
-# %% tags=["nbval-check-output"]
+# %% minite={"check": "rmsnorm_backward"} tags=["nbval-check-output"]
 # CHECK: rmsnorm_backward
 g = torch.Generator().manual_seed(3)
 x = torch.randn(7, 33, generator=g, dtype=torch.float64)
@@ -130,7 +130,7 @@ print("PASS: rmsnorm_backward")
 # partial sum, and store it once, at the end, to row `pid` of the (P, C) fp32 `DW_partial`. The launcher then sums
 # the partials (stage 2). No atomics.
 
-# %%
+# %% minite={"task": "rmsnorm_bwd_kernel"}
 @triton.jit
 def rmsnorm_bwd_kernel(DY_ptr, X_ptr, W_ptr, Rstd_ptr, DX_ptr, DW_partial_ptr, row_stride, N_ROWS, N_COLS,
                        ROWS_PER_PROGRAM, BLOCK_SIZE: tl.constexpr):
@@ -179,7 +179,7 @@ class MyRMSNorm(torch.autograd.Function):
         return dx, dw_partial.sum(0).to(w.dtype)  # stage 2
 
 
-# %% tags=["nbval-check-output"]
+# %% minite={"check": "rmsnorm_bwd_kernel"} tags=["nbval-check-output"]
 # CHECK: rmsnorm_bwd_kernel
 ok = True
 for dtype in (torch.float32, torch.float16, torch.bfloat16):

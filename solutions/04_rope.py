@@ -51,7 +51,7 @@ def complex_rope(x, positions, base=10000.0):
 # rotation they produce against the complex-number formula $z_i e^{\mathrm{j} t\theta_i}$, including a position of
 # 100,000 (where angles computed in float32 would be visibly wrong).
 
-# %%
+# %% minite={"task": "rope_cache"}
 def rope_cache(T, D, base=10000.0, offset=0):
     """cos, sin of shape (T, D/2), float32: angle[t, i] = (offset + t) * base ** (-2i / D).
     Compute the angles in float64 and round cos/sin once to float32."""
@@ -63,7 +63,7 @@ def rope_cache(T, D, base=10000.0, offset=0):
     ### END SOLUTION
 
 
-# %% tags=["nbval-check-output"]
+# %% minite={"check": "rope_cache"} tags=["nbval-check-output"]
 # CHECK: rope_cache
 for (T, D, base, offset) in ((5, 8, 10000.0, 0), (7, 12, 500.0, 30), (3, 64, 10000.0, 100000)):
     cos, sin = rope_cache(T, D, base=base, offset=offset)
@@ -81,7 +81,7 @@ print("PASS: rope_cache")
 # (BLOCK_H, BLOCK_HALF) tile. Convert loads to fp32 at once and round once on store. `SIGN` negates sin: the given
 # autograd Function uses `SIGN = -1` for the backward, since $R_t^\top = R_{-t}$.
 
-# %%
+# %% minite={"task": "rope_kernel"}
 @triton.jit
 def rope_kernel(X_ptr, Y_ptr, Cos_ptr, Sin_ptr, T, H, stride_b, stride_h, stride_t,
                 HALF: tl.constexpr, SIGN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
@@ -128,7 +128,7 @@ class MyRoPE(torch.autograd.Function):
         return _launch(dy, cos, sin, -1), None, None
 
 
-# %% tags=["nbval-check-output"]
+# %% minite={"check": "rope_kernel"} tags=["nbval-check-output"]
 # CHECK: rope_kernel
 ok = True
 for dtype in (torch.float32, torch.float16):

@@ -45,7 +45,7 @@ from minite.kernels.swiglu import swiglu_ref, swiglu_fwd, swiglu_bwd, _rows, _bl
 # Write `silu_grad(g)` returning $\frac{d}{dg}\,\mathrm{silu}(g)$ elementwise, using `torch.sigmoid` only (no
 # autograd). Derive it first: $\sigma' = \sigma(1-\sigma)$, then the product rule.
 
-# %%
+# %% minite={"task": "silu_grad"}
 def silu_grad(g: torch.Tensor) -> torch.Tensor:
     ### BEGIN SOLUTION
     s = torch.sigmoid(g)
@@ -53,7 +53,7 @@ def silu_grad(g: torch.Tensor) -> torch.Tensor:
     ### END SOLUTION
 
 
-# %% tags=["nbval-check-output"]
+# %% minite={"check": "silu_grad"} tags=["nbval-check-output"]
 # CHECK: silu_grad
 g = torch.linspace(-10, 10, 401, dtype=torch.float64, requires_grad=True)
 (expected,) = torch.autograd.grad(F.silu(g).sum(), g)
@@ -70,7 +70,7 @@ print("PASS: silu_grad")
 # be strided (`G_row_stride`, `U_row_stride`); `Y` is contiguous `(N, H)`. Load with a mask and `other=0.0`,
 # upcast to `tl.float32` at once, compute $\mathrm{silu}(g)\,u$, store cast to `Y_ptr.dtype.element_ty`.
 
-# %%
+# %% minite={"task": "swiglu forward kernel"}
 @triton.jit
 def my_swiglu_fwd_kernel(G_ptr, G_row_stride, U_ptr, U_row_stride, Y_ptr, H, BLOCK_SIZE: tl.constexpr):
     ### BEGIN SOLUTION
@@ -93,7 +93,7 @@ def my_swiglu_fwd(gate, up):
     return y.view(gate.shape)
 
 
-# %% tags=["nbval-check-output"]
+# %% minite={"check": "swiglu forward kernel"} tags=["nbval-check-output"]
 # CHECK: swiglu forward kernel
 gen = torch.Generator().manual_seed(0)
 ok = True
@@ -111,7 +111,7 @@ print("PASS: swiglu forward kernel")
 # Given `dy`, `gate`, `up` (all contiguous `(N, H)` here), write $\bar u = \bar h\,\mathrm{silu}(g)$ and
 # $\bar g = \bar h\,u\,\mathrm{silu}'(g)$ into `DU_ptr` and `DG_ptr`. Recompute $\sigma(g)$ from `gate`.
 
-# %%
+# %% minite={"task": "swiglu backward kernel"}
 @triton.jit
 def my_swiglu_bwd_kernel(DY_ptr, G_ptr, U_ptr, DG_ptr, DU_ptr, H, BLOCK_SIZE: tl.constexpr):
     ### BEGIN SOLUTION
@@ -145,7 +145,7 @@ class MySwiGLU(torch.autograd.Function):
         return dg, du
 
 
-# %% tags=["nbval-check-output"]
+# %% minite={"check": "swiglu backward kernel"} tags=["nbval-check-output"]
 # CHECK: swiglu backward kernel
 gen = torch.Generator().manual_seed(1)
 ok = True

@@ -46,7 +46,7 @@ from minite.kernels.cross_entropy import cross_entropy_ref, linear_cross_entropy
 # $\mathrm{lse} = m + \log s$, load the target logit with one scalar load, and store `lse - x_t` into `Loss_ptr`
 # — or `0.0` when the target is `ignore_index`. Upcast every load to `tl.float32` at once.
 
-# %%
+# %% minite={"task": "online logsumexp loss kernel"}
 @triton.jit
 def my_ce_fwd_kernel(X_ptr, X_row_stride, T_ptr, Loss_ptr, V, ignore_index, BLOCK_SIZE: tl.constexpr):
     ### BEGIN SOLUTION
@@ -76,7 +76,7 @@ def my_ce_rows(logits, target, ignore_index=-100, block=64):
     return loss
 
 
-# %% tags=["nbval-check-output"]
+# %% minite={"check": "online logsumexp loss kernel"} tags=["nbval-check-output"]
 # CHECK: online logsumexp loss kernel
 gen = torch.Generator().manual_seed(0)
 for dtype in (torch.float32, torch.float16, torch.bfloat16):
@@ -97,7 +97,7 @@ print("PASS: online logsumexp loss kernel")
 # reduction, in fp32: $(\mathrm{softmax}(x) - \mathrm{onehot}(t)) / n_{valid}$ on valid rows, $0$ on rows whose
 # target is `ignore_index`. No autograd.
 
-# %%
+# %% minite={"task": "gradient softmax - one_hot"}
 def ce_grad(logits, target, ignore_index=-100):
     ### BEGIN SOLUTION
     valid = target != ignore_index
@@ -108,7 +108,7 @@ def ce_grad(logits, target, ignore_index=-100):
     ### END SOLUTION
 
 
-# %% tags=["nbval-check-output"]
+# %% minite={"check": "gradient softmax - one_hot"} tags=["nbval-check-output"]
 # CHECK: gradient softmax - one_hot
 gen = torch.Generator().manual_seed(1)
 x = torch.randn(7, 23, generator=gen, requires_grad=True)
@@ -127,7 +127,7 @@ print("PASS: gradient softmax - one_hot")
 # for each chunk compute `logits = x_c @ w.T` (`(n, V)`), call the helper, add the loss, write
 # $dx_c = \mathrm{dlogits}\,W$ and accumulate $dW \mathrel{+}= \mathrm{dlogits}^\top x_c$. Return `(loss, dx, dw)`.
 
-# %%
+# %% minite={"task": "fused linear-CE chunk loop"}
 def chunk_loss_and_grad(logits, target, n_valid):
     """Sum of the chunk's row losses and dlogits of the mean loss, (n, V) fp32."""
     z = logits.detach().float().requires_grad_()
@@ -154,7 +154,7 @@ def my_linear_ce(x, w, target, chunk_size=4):
     return loss / n_valid, dx, dw
 
 
-# %% tags=["nbval-check-output"]
+# %% minite={"check": "fused linear-CE chunk loop"} tags=["nbval-check-output"]
 # CHECK: fused linear-CE chunk loop
 gen = torch.Generator().manual_seed(2)
 x = torch.randn(11, 8, generator=gen, requires_grad=True)
