@@ -22,7 +22,7 @@ NPROC := $(shell nproc 2>/dev/null || echo 2)
 # Library tests + notebooks, spread over the cores; notebooks stay whole per worker (--dist loadfile).
 PYTEST_JOBS ?= $(NPROC)
 
-.PHONY: setup train test test-lib test-notebooks check-fast lab exercises grade bench clean-venv
+.PHONY: notebooks setup train test test-lib test-notebooks check-fast lab exercises grade bench clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	@echo "== setting up $(VENV) (once; re-run when pyproject.toml or the Makefile change) =="
@@ -57,6 +57,11 @@ check-fast: $(STAMP)
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks
+
+# Re-create each NB's .ipynb from its jupytext .py and execute it: make notebooks NB="notebooks/03_rmsnorm.py"
+notebooks: $(STAMP)
+	@test -n "$(NB)" || { echo 'usage: make notebooks NB="notebooks/NN_topic.py [solutions/NN_topic.py ...]"'; exit 2; }
+	$(PY) tools/nbtool.py execute $(NB)
 
 exercises: $(STAMP)
 	$(PY) -m minite.grading generate

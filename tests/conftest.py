@@ -51,6 +51,19 @@ def pytest_terminal_summary(terminalreporter):
 
 
 # ------------------------------------------------------------------------------------------ shared fixtures
+@pytest.fixture(scope="session")
+def device():
+    """The one device of the suite: CUDA when present, else the CPU with the Triton interpreter on (DESIGN §7).
+    Draw inputs from a seeded CPU generator, then ``.to(device)``: the same test runs on both."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def randn(*shape, seed=0, dtype=torch.float32, device="cpu", requires_grad=False):
+    """Seeded standard-normal input made on the CPU (same numbers on every device), then moved to ``device``."""
+    t = torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
+    return t.to(device=device, dtype=dtype).requires_grad_(requires_grad)
+
+
 @pytest.fixture
 def one_thread():
     """One torch thread for the test. On 2 shared cores (pytest-xdist workers, other jobs) two OpenMP threads per

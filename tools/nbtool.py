@@ -1,6 +1,6 @@
 """Authoring helpers for notebooks (not part of the package).
 
-    python tools/nbtool.py execute notebooks/00_triton_from_zero.ipynb [more.ipynb ...]
+    python tools/nbtool.py execute notebooks/00_triton_from_zero.py [more.py|.ipynb ...]
 
 executes each notebook in place (fresh kernel from this environment, cwd = the notebook's folder) and stores its
 outputs, printing the wall time. In a build script::
@@ -68,7 +68,16 @@ def write(path: str | Path, cells: list) -> Path:
 
 
 def execute(path: str | Path, timeout: int = 600) -> float:
+    """Execute a notebook in place. Given the .py of a jupytext pair, first re-create its .ipynb from the .py
+    (the .py is the source of truth for the cells), then execute that."""
     path = Path(path)
+    if path.suffix == ".py":
+        import jupytext
+        nb = jupytext.read(path)
+        nb.metadata.setdefault("jupytext", {})["formats"] = "ipynb,py:percent"
+        nb.metadata["kernelspec"] = KERNEL
+        path = path.with_suffix(".ipynb")
+        jupytext.write(nb, path)
     nb = nbformat.read(path, as_version=4)
     t0 = time.perf_counter()
     NotebookClient(nb, timeout=timeout, kernel_name="python3",
