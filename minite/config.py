@@ -4,6 +4,7 @@
       model  GPTConfig     (minite/models/gpt.py)   --model.n_layer=6
       data   DataConfig                              --data.tokenizer=byte     (--data FILE is data.path)
       train  TrainConfig                             --train.max_iters=500     (--out_dir DIR is train.out_dir)
+      lora   LoRASection   (minite/finetune.py)      --lora.r=8 with --init_from CKPT (chapter 09)
 
 A value given on the command line is converted to the field's type (int, float, bool, str) and checked; an
 unknown key is an error that lists the valid ones. Presets (``--preset cpu|gpu``) set a group of fields at once;
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from minite.models.gpt import GPTConfig
 
 __all__ = ["DataConfig", "TrainConfig", "RunConfig", "PRESETS", "ConfigError", "make_config", "apply_overrides",
-           "config_help", "config_from_dict"]
+           "config_help", "config_from_dict", "LoRASection"]
 
 
 class ConfigError(ValueError):
@@ -38,6 +39,8 @@ class DataConfig:
     data_dir: str = _doc("cache directory for prepared corpora", "data")
     tokenizer: str = _doc("char (one id per character) or byte (256 ids)", "char")
     block_size: int = _doc("training sequence length; 0 = the model's block_size (must not exceed it)", 0)
+    unknown_chars: str = _doc("characters a fine-tuned char base has no id for: error | drop | one replacement "
+                              "character", "error")
 
 
 @dataclass
@@ -66,6 +69,18 @@ class TrainConfig:
     threads: int = _doc("CPU threads for torch (0 = all cores this process may use)", 0)
     sample_tokens: int = _doc("characters of text to sample at the end (0 = none)", 300)
     progress: bool = _doc("show a tqdm progress bar", True)
+    init_from: str = _doc("fine-tune from this checkpoint (its model and vocab; see --lora.*); also --init_from", "")
+
+
+@dataclass
+class LoRASection:
+    """LoRA fine-tuning (chapter 09, minite/finetune.py): needs --init_from; r = 0 means no LoRA."""
+
+    r: int = _doc("LoRA rank (0 = off; with --init_from that is a full fine-tune)", 0)
+    alpha: float = _doc("LoRA alpha: Delta W = alpha / r * B A", 16.0)
+    dropout: float = _doc("dropout on the adapters' input", 0.0)
+    target_modules: str = _doc("all-linear | name suffixes, comma-separated (qkv,proj) | a regex", "all-linear")
+    use_rslora: bool = _doc("scale by alpha / sqrt(r) (rsLoRA) instead of alpha / r", False)
 
 
 @dataclass
@@ -73,6 +88,7 @@ class RunConfig:
     model: GPTConfig = field(default_factory=GPTConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    lora: LoRASection = field(default_factory=LoRASection)
 
 
 # Presets. `cpu`: sized to finish `make train` in under 5 minutes on 2 cores (measured, see benchmarks/).
@@ -88,7 +104,7 @@ PRESETS: dict[str, dict[str, object]] = {
             "train.eval_iters": 50, "train.sample_tokens": 600},
 }
 
-_SECTIONS = {"model": GPTConfig, "data": DataConfig, "train": TrainConfig}
+_SECTIONS = {"model": GPTConfig, "data": DataConfig, "train": TrainConfig, "lora": LoRASection}
 
 
 def valid_keys() -> list[str]:

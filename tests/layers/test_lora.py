@@ -308,3 +308,101 @@ def test_fp8_composition(device):
     y.float().square().sum().backward()
     assert layer.lora_A.grad is not None and layer.lora_B.grad is not None and base.weight.grad is None
     assert layer.lora_A.grad.dtype == torch.bfloat16 and torch.isfinite(layer.lora_A.grad.float()).all()
+
+
+# ----------------------------------------------------------------------------------------- the CLI fine-tune
+TINY = {"model.n_layer": 1, "model.n_head": 2, "model.n_embd": 16, "model.block_size": 16, "model.backend": "torch",
+        "train.batch_size": 4, "train.max_iters": 12, "train.eval_interval": 4, "train.eval_iters": 2,
+        "train.warmup_iters": 2, "train.log_interval": 1, "train.threads": 1, "train.progress": False,
+        "train.sample_tokens": 0, "train.lr": 1e-2}
+
+
+@pytest.fixture
+def base_ckpt(tmp_path, make_corpus):
+    """A tiny char-level base trained on one generated corpus; returns the path of its checkpoint."""
+    from minite.config import make_config
+    from minite.train import train
+    make_corpus(tmp_path / "base.txt", n_chars=6000, seed=0, marks=".")
+    train(make_config("cpu", {**TINY, "data.path": str(tmp_path / "base.txt"), "data.data_dir": str(tmp_path / "d"),
+                              "train.out_dir": str(tmp_path / "base")}))
+    return tmp_path / "base" / "ckpt.pt"
+
+
+def _ft_cfg(tmp_path, base, data, out, **over):
+    from minite.config import make_config
+    o = {**TINY, "train.init_from": str(base), "data.path": str(data), "data.data_dir": str(tmp_path / "d"),
+         "train.out_dir": str(tmp_path / out), "lora.r": 4, "train.max_iters": 10, "train.eval_interval": 5,
+         "model.n_layer": 3, **over}  # model.* is taken from the base: n_layer=3 here must be ignored
+    return make_config("cpu", o)
+
+
+def test_cli_lora_finetune_saves_adapters_only(tmp_path, make_corpus, base_ckpt, capsys):
+    from minite.train import load_checkpoint, main
+    make_corpus(tmp_path / "new.txt", n_chars=6000, seed=5, marks=".")  # the same characters, another text
+    base_before = {k: v.clone() for k, v in load_checkpoint(base_ckpt)["model"].items()}
+    args = [f"--{k}={v}" for k, v in TINY.items()] + [
+        "--init_from", str(base_ckpt), "--lora.r=4", "--lora.target_modules=qkv,down", "--data",
+        str(tmp_path / "new.txt"), "--data.data_dir", str(tmp_path / "d"), "--out_dir", str(tmp_path / "ft"),
+        "--train.max_iters=10", "--train.eval_interval=5"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    # r * (in + out): qkv 16 -> 48 and down 256 -> 16 (the cpu preset's mlp_hidden), in the base's one block
+    assert "LoRA r=4 alpha=16 on qkv,down: trainable params: 1,344 || all params:" in out
+    ck = load_checkpoint(tmp_path / "ft" / "ckpt.pt")
+    assert sorted(ck["model"]) == ["blocks.0.attn.qkv.lora_A", "blocks.0.attn.qkv.lora_B",
+                                   "blocks.0.mlp.down.lora_A", "blocks.0.mlp.down.lora_B"]
+    assert ck["config"]["lora"]["r"] == 4 and ck["config"]["model"]["n_layer"] == 1
+    assert ck["model"]["blocks.0.attn.qkv.lora_B"].abs().sum() > 0  # the adapter trained
+    base_after = load_checkpoint(base_ckpt)["model"]
+    assert all(torch.equal(base_after[k], v) for k, v in base_before.items())
+    rows = [__import__("json").loads(r) for r in (tmp_path / "ft" / "log.jsonl").read_text().splitlines()]
+    val = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert val[-1] < val[0]  # better than the base on the new text's val split
+
+
+def test_cli_lora_finetune_resumes_exactly(tmp_path, make_corpus, base_ckpt):
+    from minite.train import load_checkpoint, train
+
+    class Interrupt(Exception):
+        pass
+    make_corpus(tmp_path / "new.txt", n_chars=6000, seed=5, marks=".")
+    full = train(_ft_cfg(tmp_path, base_ckpt, tmp_path / "new.txt", "full", **{"lora.dropout": 0.1}))
+
+    def crash(step, loss):
+        if step == 7:
+            raise Interrupt
+    cfg = _ft_cfg(tmp_path, base_ckpt, tmp_path / "new.txt", "cut", **{"lora.dropout": 0.1})
+    with pytest.raises(Interrupt):
+        train(cfg, callback=crash)
+    resumed = train(cfg, resume=True, resume_overrides={"train.out_dir": str(tmp_path / "cut")})
+    assert sorted(resumed["losses"]) == list(range(6, 11))
+    assert all(resumed["losses"][s] == full["losses"][s] for s in resumed["losses"])  # bit-for-bit
+    assert resumed["val_loss"] == full["val_loss"]
+    a, b = load_checkpoint(tmp_path / "full" / "ckpt.pt"), load_checkpoint(tmp_path / "cut" / "ckpt.pt")
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+def test_cli_finetune_vocab_errors(tmp_path, make_corpus, base_ckpt):
+    from minite.config import ConfigError
+    from minite.data import DataError
+    from minite.train import train
+    make_corpus(tmp_path / "other.txt", n_chars=3000, seed=1, marks="!?")  # '!' and '?' are not in the base vocab
+    with pytest.raises(DataError, match=r"has 2 characters that the base model's char vocabulary \(\d+ symbols\) "
+                       r"has no id for: '!\?' .*use a byte-level base"):
+        train(_ft_cfg(tmp_path, base_ckpt, tmp_path / "other.txt", "x"))
+    s = train(_ft_cfg(tmp_path, base_ckpt, tmp_path / "other.txt", "y", **{"data.unknown_chars": ".",
+                                                                            "train.max_iters": 2}))
+    assert s["steps"] == 2  # '!' and '?' became '.'
+    with pytest.raises(ConfigError, match=r"--lora.r > 0 adapts a trained model: give its checkpoint with "
+                       r"--init_from"):
+        train(_ft_cfg(tmp_path, "", tmp_path / "other.txt", "z"))
+    with pytest.raises(ConfigError, match=r"entry 'wq' matches no module of GPT"):
+        train(_ft_cfg(tmp_path, base_ckpt, tmp_path / "other.txt", "z", **{"data.unknown_chars": "drop",
+                                                                           "lora.target_modules": "wq"}))
+
+
+def test_pydoc_topics_named_source(tmp_path):
+    from minite.data import prepare
+    d = prepare("pydoc-topics", data_dir=tmp_path, tokenizer="byte", verbose=False)
+    assert d.meta["chars"] > 100_000 and d.meta["vocab_size"] == 256
+    assert "def" in d.tokenizer.decode(d.split("train")[:20000])

@@ -1,0 +1,89 @@
+"""Fine-tuning from a checkpoint, full or LoRA (chapter 09): what ``python -m minite.train --init_from`` adds.
+
+    python -m minite.train --init_from out/ckpt.pt --lora.r=8 --data notes.txt --out_dir out/lora
+    python -m minite.train --init_from out/ckpt.pt --lora.r=8 --data pydoc-topics     # a text every Python has
+    python -m minite.train --init_from out/ckpt.pt --data notes.txt                   # full fine-tune (r = 0)
+
+* The base's model shape and tokenizer are taken from its checkpoint (``--model.*`` flags are ignored); the new
+  text is encoded with the base's vocabulary. A byte-level base reads any text; a char-level base has no id for
+  characters its training text did not contain, and LoRA cannot add embedding rows, so such characters are an
+  error (``--data.unknown_chars=drop`` removes them, ``--data.unknown_chars=' '`` replaces them).
+* With ``--lora.r > 0`` every targeted linear layer gets an adapter, the base is frozen, and checkpoints hold the
+  adapters only (kilobytes); ``--resume`` rebuilds the base from ``--init_from`` and loads the adapters on top.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minite.config import ConfigError
+from minite.layers.lora import LoRAConfig, LoRAError, apply_lora, load_lora, lora_state_dict, print_trainable_parameters
+
+__all__ = ["lora_config", "setup", "prepare_model", "model_state", "load_model_state"]
+
+
+def lora_config(args) -> LoRAConfig:
+    """The ``lora`` section of the run config (minite.config.LoRASection) -> a LoRAConfig (ConfigError if bad)."""
+    t = args.target_modules.strip()
+    names = [s.strip() for s in t.split(",")]
+    if t != "all-linear" and all(n.replace("_", "").replace(".", "").isalnum() for n in names):
+        t = names  # plain names: a list of suffixes, as PEFT's target_modules=["qkv", "proj"]
+    try:
+        return LoRAConfig(r=args.r, alpha=args.alpha, dropout=args.dropout, target_modules=t,
+                          use_rslora=args.use_rslora)
+    except LoRAError as e:
+        raise ConfigError(f"--lora.*: {e}") from e
+
+
+def setup(cfg):
+    """-> (cfg, base checkpoint or None, base tokenizer or None). The model fields come from the base."""
+    from minite.config import apply_overrides
+    from minite.data import Tokenizer
+    from minite.train import load_checkpoint  # lazy: minite.train imports this module
+
+    if cfg.lora.r < 0:
+        raise ConfigError(f"--lora.r must be >= 0 (0 = no LoRA), got {cfg.lora.r}")
+    if not cfg.train.init_from:
+        if cfg.lora.r > 0:
+            raise ConfigError("--lora.r > 0 adapts a trained model: give its checkpoint with --init_from PATH")
+        return cfg, None, None
+    base = load_checkpoint(cfg.train.init_from)
+    if cfg.lora.r > 0:
+        lora_config(cfg.lora)  # validate before any data is prepared
+    tok = Tokenizer.from_json(base["tokenizer"]) if base.get("tokenizer") else None
+    over = {f"model.{k}": v for k, v in base["config"]["model"].items()}
+    if tok is not None:
+        over["data.tokenizer"] = tok.kind
+    return apply_overrides(cfg, over), base, tok
+
+
+def prepare_model(model: nn.Module, cfg, base: dict | None) -> None:
+    """Load the base weights, add the adapters (base frozen), print trainable vs total parameters."""
+    if base is None:
+        return
+    model.load_state_dict(base["model"])
+    if cfg.lora.r > 0:
+        try:
+            apply_lora(model, lora_config(cfg.lora))
+        except LoRAError as e:
+            raise ConfigError(f"--lora.target_modules: {e}") from e
+    print(f"minite.train: fine-tuning {cfg.train.init_from} (step {base['step']}), "
+          + (f"LoRA r={cfg.lora.r} alpha={cfg.lora.alpha:g} on {cfg.lora.target_modules}" if cfg.lora.r > 0
+             else "full fine-tune") + ": ", end="")
+    print_trainable_parameters(model)
+
+
+def model_state(model: nn.Module, cfg) -> dict[str, torch.Tensor]:
+    """What a checkpoint stores: the adapters only under LoRA, else the whole state_dict."""
+    return lora_state_dict(model) if cfg.lora.r > 0 else model.state_dict()
+
+
+def load_model_state(model: nn.Module, state: dict, cfg) -> None:
+    """Inverse of model_state (on resume: the base is already loaded by prepare_model)."""
+    if cfg.lora.r > 0:
+        try:
+            load_lora(model, state)
+        except LoRAError as e:
+            raise ConfigError(f"resume: {e}") from e
+    else:
+        model.load_state_dict(state)
