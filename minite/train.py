@@ -184,20 +184,18 @@ def evaluate(model: GPT, ids: np.ndarray, cfg: RunConfig, block: int, dev, ctx) 
 
 
 def _plot(log_path: Path, png_path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: never switches the backend of a notebook that calls train()
     rows = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
     tr = [(r["step"], r["loss"]) for r in rows if "loss" in r]
     va = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
-    fig, ax = plt.subplots(figsize=(7, 4), layout="tight")
+    fig = Figure(figsize=(7, 4), layout="tight")
+    ax = fig.subplots()
     for pts, style, label in ((tr, "-", "train (batch)"), (va, "o-", "val")):
         if pts:
             ax.plot(*zip(*pts), style, label=label)
     ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title="minite GPT")
     ax.legend(), ax.grid(alpha=0.3)
     fig.savefig(png_path, dpi=100)
-    plt.close(fig)
 
 
 # ----------------------------------------------------------------------------------------------- the loop
