@@ -142,7 +142,10 @@ class LoRALinear(Linear):
                  and resolve_backend(x, self.backend) == "triton")
         if fused:  # one kernel: x is read once for both x W^T and x A^T
             from minite.kernels.lora import lora_linear
-            y = lora_linear(x, self.weight, self.lora_A, self.lora_B, scaling=self.scaling, backend="triton")
+            dev = x.device.type  # under torch.autocast, run in its dtype as F.linear would (a Function is not cast)
+            dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+            y = lora_linear(x.to(dt), self.weight.to(dt), self.lora_A.to(dt), self.lora_B.to(dt),
+                            scaling=self.scaling, backend="triton")
             return y if self.bias is None else y + self.bias.to(y.dtype)
         y = super().forward(x)  # the base: FP8 GEMMs inside fp8_autocast, else x W^T (+ b)
         h = self.lora_dropout(x)

@@ -169,6 +169,25 @@ def test_layer_triton_backend_matches_torch(device):
         assert_close(getattr(layers["triton"], n).grad, ref, name=n, atol=1e-5 * ref.abs().max().item())
 
 
+@pytest.mark.triton
+def test_layer_triton_backend_under_autocast(device):
+    # torch.autocast does not cast a custom Function's inputs: the layer casts them (fp32 params, bf16 compute)
+    torch.manual_seed(0)
+    base = Linear(24, 20, bias=True).to(device)
+    outs = {}
+    for be in ("torch", "triton"):
+        layer = LoRALinear.from_linear(base, LoRAConfig(r=4), backend=be)
+        with torch.no_grad():
+            layer.lora_A.copy_(rand(4, 24, seed=2, device=device))
+            layer.lora_B.copy_(rand(20, 4, seed=3, device=device))
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            outs[be] = layer(rand(7, 24, seed=4, device=device))
+        outs[be].float().sum().backward()
+        assert layer.lora_A.grad.dtype == torch.float32 and layer.lora_A.grad.abs().sum() > 0
+    assert outs["triton"].dtype == outs["torch"].dtype == torch.bfloat16
+    assert_close(outs["triton"], outs["torch"], name="autocast y", atol=0.05, rtol=0.02)  # bf16 roundings differ
+
+
 def test_frozen_base_unchanged_after_steps():
     model = tiny_gpt()
     base = {k: v.clone() for k, v in model.state_dict().items()}
