@@ -194,8 +194,9 @@ print("PASS: minite LoRALinear == NaiveLoRA")
 # | `g @ B.T` | g, B | y₁ (**another N×O**) |
 # | `y₀ + s·y₁` | y₀, y₁ | y |
 #
-# That is $x$ read twice and three extra $N\times O$ passes: ~256 MB of extra traffic on top of the 160 MB the base
-# GEMM moves: ~75 µs per layer at 3.35 TB/s, while the base GEMM's 275 GFLOP takes ~280 µs at 989 TFLOP/s. The
+# Against a single GEMM that reads $x$ and $W$ and writes $y$ once (~160 MB), that is five extra 64 MB passes ($x$
+# again, $y_1$ written, $y_0$ and $y_1$ read, $y$ written): ~320 MB, ~95 µs per layer at 3.35 TB/s, while the base
+# GEMM's 275 GFLOP take ~280 µs at 989 TFLOP/s. The
 # fused kernel streams each tile of $x$ through registers **once** and feeds it to two `tl.dot`s: the $(N, O)$ tile of
 # $xW^\top$ and the thin $(N, r)$ tile of $xA^\top$. After the $K$ loop, the epilogue adds $s\,(xA^\top)B^\top$ (one
 # more small `tl.dot`) before the single store of $y$.

@@ -425,3 +425,14 @@ def test_pydoc_topics_named_source(tmp_path):
     d = prepare("pydoc-topics", data_dir=tmp_path, tokenizer="byte", verbose=False)
     assert d.meta["chars"] > 100_000 and d.meta["vocab_size"] == 256
     assert "def" in d.tokenizer.decode(d.split("train")[:20000])
+
+
+def test_cli_target_modules_parsing():
+    from minite.config import ConfigError, LoRASection
+    from minite.finetune import lora_config
+    assert lora_config(LoRASection(r=4)).target_modules == "all-linear"
+    assert lora_config(LoRASection(r=4, target_modules="qkv, mlp.down")).target_modules == ["qkv", "mlp.down"]
+    assert lora_config(LoRASection(r=4, target_modules=r"blocks\.0\..*")).target_modules == r"blocks\.0\..*"
+    with pytest.raises(ConfigError, match=r"--lora.\*: LoRAConfig.alpha must be a finite positive number, got "
+                       r"alpha=-1.0"):
+        lora_config(LoRASection(r=4, alpha=-1.0))
