@@ -336,9 +336,9 @@ def run(**over):
 
 
 base, base_rows, _ = run(**{"data.path": str(WORK / "code.txt"), "train.out_dir": str(WORK / "base"),
-                            "train.max_iters": 250, "train.lr": 3e-3, "train.warmup_iters": 20,
-                            "train.eval_interval": 250})
-FT = {"train.init_from": str(WORK / "base" / "ckpt.pt"), "data.path": "pydoc-topics", "train.max_iters": 150,
+                            "train.max_iters": 200, "train.lr": 3e-3, "train.warmup_iters": 20,
+                            "train.eval_interval": 200})
+FT = {"train.init_from": str(WORK / "base" / "ckpt.pt"), "data.path": "pydoc-topics", "train.max_iters": 120,
       "train.warmup_iters": 10, "train.eval_interval": 30, "train.min_lr": 1e-4}
 lora, lora_rows, lora_log = run(**FT, **{"lora.r": 8, "train.lr": 3e-3, "train.out_dir": str(WORK / "lora")})
 full, full_rows, _ = run(**FT, **{"train.lr": 1e-3, "train.out_dir": str(WORK / "full")})
