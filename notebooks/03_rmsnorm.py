@@ -60,7 +60,8 @@ I = torch.logspace(-1, 3, 200)
 fig, ax = plt.subplots(figsize=(6.5, 3.6))
 ax.plot(I, torch.clamp(I * HBM, max=FP32_CUDA) / 1e12, label="CUDA cores: fp32 67 TFLOP/s, HBM 3.35 TB/s")
 ax.plot(I, torch.clamp(I * HBM, max=BF16_TC) / 1e12, "--", color="gray", label="tensor cores (matmul only): 989")
-for (name, flops, nbytes), off in zip((("RMSNorm fwd", 4, 4), ("softmax fwd", 5, 4), ("SwiGLU fwd", 5, 6)), (-4, 12, -22)):
+OPS = (("RMSNorm fwd", 4, 4, -4), ("softmax fwd", 5, 4, 12), ("SwiGLU fwd", 5, 6, -22))  # name, flops, bytes, label
+for name, flops, nbytes, off in OPS:
     ax.plot(flops / nbytes, flops / nbytes * HBM / 1e12, "o")
     ax.annotate(name, (flops / nbytes, flops / nbytes * HBM / 1e12), textcoords="offset points", xytext=(8, off))
 ax.set_xscale("log")

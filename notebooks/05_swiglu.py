@@ -235,7 +235,8 @@ class LessonSwiGLU(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         d, g, u = as_rows(dy), as_rows(gate), as_rows(up)
         N, H = g.shape
-        dg, du = torch.empty((N, H), dtype=g.dtype, device=g.device), torch.empty((N, H), dtype=u.dtype, device=u.device)
+        dg = torch.empty((N, H), dtype=g.dtype, device=g.device)
+        du = torch.empty((N, H), dtype=u.dtype, device=u.device)
         swiglu_bwd_kernel[(N, triton.cdiv(H, block_for(H)))](d, d.stride(0), g, g.stride(0), u, u.stride(0), dg, du, H,
                                                             BLOCK=block_for(H))
         return dg.view(gate.shape), du.view(up.shape)

@@ -376,7 +376,8 @@ for i, n in enumerate(rows_n):
     print(f"N={n:5d}: naive {naive[i] / 2**30:5.2f} GiB   fused chunk 1024: {fused[1024][i] / 2**30:4.2f} GiB "
           f"({naive[i] / fused[1024][i]:4.1f}x less)   chunk 256: {fused[256][i] / 2**30:4.2f} GiB")
 dw_bytes = 50304 * 768 * 4
-print(f"dW in fp32 alone: {dw_bytes / 2**30:.2f} GiB; one (1024, V) bf16 logits chunk: {1024 * 50304 * 2 / 2**30:.2f} GiB")
+print(f"dW in fp32 alone: {dw_bytes / 2**30:.2f} GiB; "
+      f"one (1024, V) bf16 logits chunk: {1024 * 50304 * 2 / 2**30:.2f} GiB")
 
 # %% [markdown]
 # Read the table from the bottom. At N = 8,192 the fused path needs **0.47 GiB against 7.7 GiB** (16×): the H100

@@ -176,9 +176,9 @@ print("PASS: zloss_ce_kernel")
 # ## Task 3 — vocabulary-parallel cross-entropy
 #
 # In Megatron-LM's tensor parallelism the LM head is split by **vocabulary**: GPU $k$ holds the logits of columns
-# $[o_k, o_k + V_k)$ for every row, and no GPU ever holds a whole row. `shards` is that list of (N, V_k) tensors, in
-# vocabulary order. Write `vocab_parallel_ce(shards, target)` returning the (N,) fp32 per-row losses
-# $\mathrm{lse}(x) - x_t$ (0 where `target == -100`), exactly as if the shards were concatenated, but:
+# $[o_k, o_k + V_k)$ for every row, and no GPU ever holds a whole row. `shards` is that list of (N, V_k) tensors
+# (fp32, fp16 or bf16), in vocabulary order. Write `vocab_parallel_ce(shards, target)` returning the (N,) fp32 per-row
+# losses $\mathrm{lse}(x) - x_t$ (0 where `target == -100`), exactly as if the shards were concatenated, but:
 #
 # * each shard may only be reduced along **its own** columns, into (N,)-sized statistics (think: computed on its own
 #   GPU), and the statistics are then combined (think: an all-reduce of (N,) vectors);
@@ -221,9 +221,10 @@ class Widest(TorchDispatchMode):
         return out
 
 
-for k, widths in enumerate(((10, 10, 10, 7), (50, 3), (1, 20, 13))):
+for k, (widths, dtype) in enumerate((((10, 10, 10, 7), torch.float32), ((50, 3), torch.float16),
+                                      ((1, 20, 13), torch.bfloat16))):
     N, V = 6, sum(widths)
-    logits = randn(N, V, seed=40 + k, scale=5.0)
+    logits = randn(N, V, seed=40 + k, scale=5.0, dtype=dtype)
     logits[2, V - 1] = 400.0                                     # overflow trap
     t = targets(N, V, seed=50 + k, ignored=(4,))
     t[0] = V - 1                                                 # a target in the last shard
@@ -231,7 +232,7 @@ for k, widths in enumerate(((10, 10, 10, 7), (50, 3), (1, 20, 13))):
     with Widest() as watch:
         got = vocab_parallel_ce(shards, t)
     assert watch.most <= N * max(widths), f"an op produced {watch.most} elements: wider than one shard"
-    expected = F.cross_entropy(logits, t, reduction="none")
+    expected = F.cross_entropy(logits.float(), t, reduction="none")
     assert got.dtype == torch.float32 and got.shape == (N,), (got.dtype, got.shape)
-    assert_close(got, expected, name=f"row losses, shards {widths}", atol=1e-4, rtol=1e-5)
+    assert_close(got, expected, name=f"row losses, {dtype} shards {widths}", atol=1e-4, rtol=1e-5)
 print("PASS: vocab_parallel_ce")
