@@ -457,12 +457,12 @@ for C, mf, mb, fb, lb in zip(sizes, series("minite", "fwd"), series("minite", "f
 #   bytes bound.
 # * **The backward is poor at small C.** At C = 1,024 minite's forward+backward takes 0.645 ms against 0.136 ms for
 #   `F.rms_norm`: **0.21×**, at 8 % of the HBM peak. With P = 528 programs each walks ~31 short rows one after
-#   another, and each iteration waits for its loads before the next starts: the kernel is latency-bound, not
-#   bandwidth-bound, at this size. From C = 8,192 it reaches 75 % of peak and beats `F.rms_norm` (which is 0.96 ms at
+#   another, and each iteration waits for its loads before the next starts; the likely reading (not yet profiled) is
+#   that the kernel is latency-bound, not bandwidth-bound, at this size. From C = 8,192 it reaches 75 % of peak and beats `F.rms_norm` (which is 0.96 ms at
 #   C = 8,192 against minite's 0.53 ms).
 # * **LayerNorm (same kernel, `LAYERNORM=True`) has a bad point too:** at C = 16,384 its fwd+bwd takes 9.96 ms against
-#   1.49 ms for Liger (**0.15×**), most likely because the two fp32 accumulators plus a 16,384-wide row no longer fit
-#   in registers and spill. The backward kernels are being reworked (more rows in flight per program, a C-tiled
+#   1.49 ms for Liger (**0.15×**); a plausible cause, not yet confirmed, is that the two fp32 accumulators plus a
+#   16,384-wide row no longer fit in registers and spill. The backward kernels are being reworked (more rows in flight per program, a C-tiled
 #   variant for wide rows); the numbers above are what the code of 2026-11-23 did.
 #
 # (Note: on that run the `torch.compile` column hit dynamo's recompile limit; at C = 16,384 it is an eager number.)
