@@ -15,107 +15,86 @@
 # ---
 
 # %% [markdown]
-# # 04 — RoPE: exercises
+# # 04 — RoPE, the interleaved layout: exercises
 #
-# Read `notebooks/04_rope.ipynb` first. Two graded tasks, each followed by a check cell (do not edit it).
-# Halves pairing: pair $i$ is $(x_i, x_{i+D/2})$, rotated by the angle $t\,\theta_i$, $\theta_i = \text{base}^{-2i/D}$.
+# The lesson (`notebooks/04_rope.ipynb`) rotated the **halves** pairs $(x_i, x_{i+D/2})$ (GPT-NeoX, Hugging Face
+# Llama). The RoFormer paper, GPT-J and Meta's original Llama checkpoints rotate **neighbours** instead: pair $i$ is
+# $(x_{2i}, x_{2i+1})$, turned by the same angle $t\,\theta_i$, $\theta_i = \text{base}^{-2i/D}$. Here you write that
+# layout's kernel and convert a checkpoint from one layout to the other.
+#
+# Three graded tasks. Write your code between `### BEGIN YOUR CODE` and `### END YOUR CODE` (delete the
+# `raise NotImplementedError()` line), run the cell, then the `# CHECK` cell after it (do not edit check cells).
+# Task 1 is a whole Triton kernel: only the signature and the spec are given.
 
 # %%
 import os, torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton or minite kernels
-import inspect, math
-import matplotlib.pyplot as plt
 from minite._triton import triton, tl
 from minite.testing import check_op, assert_close
 from minite.kernels.rope import rope_cos_sin, rope_ref
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _ = torch.manual_seed(0)
 
 
 # %%
-def complex_rope(x, positions, base=10000.0):
-    """Independent formula with complex numbers: pair i is z_i = x[i] + j x[i + D/2] (halves layout);
-    multiply by exp(j * t * theta_i), theta_i = base^(-2i/D). x (..., T, D) -> (..., T, D), fp64."""
-    D = x.shape[-1]
-    z = torch.view_as_complex(torch.stack(x.double().chunk(2, dim=-1), dim=-1).contiguous())  # (..., T, D/2)
-    theta = base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)  # (D/2,)
-    angle = positions.double()[:, None] * theta[None, :]  # (T, D/2)
-    y = torch.view_as_real(z * torch.polar(torch.ones_like(angle), angle))  # (..., T, D/2, 2)
-    return torch.cat([y[..., 0], y[..., 1]], dim=-1)
+def randn(*shape, seed, dtype=torch.float32):
+    """Seeded CPU draw, then cast and move to DEVICE (the same numbers on every machine)."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEVICE)
+
+
+def interleaved_ref(x, cos, sin):
+    """The spec, with complex numbers: pair i = x[..., 2i] + j x[..., 2i+1], multiplied by cos + j sin of row t.
+    x (B, H, T, D), cos/sin (T, D/2) -> x's shape and dtype (computed in fp64)."""
+    z = torch.view_as_complex(x.double().reshape(*x.shape[:-1], -1, 2).contiguous())   # (B, H, T, D/2)
+    y = torch.view_as_real(z * torch.complex(cos.double(), sin.double()))               # (B, H, T, D/2, 2)
+    return y.reshape(x.shape).to(x.dtype)
 
 
 # %% [markdown]
-# ## Task 1 — the cos/sin cache
+# ## Task 1 — the interleaved rotation kernel, forward and backward (whole kernel)
 #
-# Return `cos`, `sin` of shape (T, D/2) in float32 for positions `offset .. offset + T - 1`. The check compares the
-# rotation they produce against the complex-number formula $z_i e^{\mathrm{j} t\theta_i}$, including a position of
-# 100,000 (where angles computed in float32 would be visibly wrong).
+# Spec. The grid has one program per token, `pid = b * T + t`. Program `pid` rotates all `H` head vectors of token
+# `(b, t)`: element `d` of head `h` is at `X_ptr + b * stride_b + h * stride_h + t * stride_t + d` (the last dim is
+# contiguous); `Y_ptr` has the same strides. `HALF = D / 2`; pair `i` is `(x[2i], x[2i+1])`, rotated by the angle
+# whose cos and sin are `Cos_ptr[t * HALF + i]` and `Sin_ptr[t * HALF + i]` (contiguous (T, HALF) fp32). `SIGN = +1`
+# rotates by the angle, `SIGN = -1` by its negative (the given autograd Function uses it for the backward).
+# `BLOCK_H` and `BLOCK_HALF` are powers of two ≥ `H` and `HALF`. Inputs are fp32, fp16 or bf16: compute in fp32,
+# store in `Y`'s dtype. Load cos/sin once per program.
 
-# %% minite={"task": "rope_cache"}
-def rope_cache(T, D, base=10000.0, offset=0):
-    """cos, sin of shape (T, D/2), float32: angle[t, i] = (offset + t) * base ** (-2i / D).
-    Compute the angles in float64 and round cos/sin once to float32."""
-    ### BEGIN SOLUTION
-    inv_freq = base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)       # (D/2,)
-    t = torch.arange(offset, offset + T, dtype=torch.float64)                  # (T,)
-    angle = torch.outer(t, inv_freq)                                           # (T, D/2)
-    return angle.cos().float(), angle.sin().float()
-    ### END SOLUTION
-
-
-# %% minite={"check": "rope_cache"} tags=["nbval-check-output"]
-# CHECK: rope_cache
-for (T, D, base, offset) in ((5, 8, 10000.0, 0), (7, 12, 500.0, 30), (3, 64, 10000.0, 100000)):
-    cos, sin = rope_cache(T, D, base=base, offset=offset)
-    assert cos.shape == sin.shape == (T, D // 2) and cos.dtype == sin.dtype == torch.float32, (cos.shape, cos.dtype)
-    x = torch.randn(1, 2, T, D, dtype=torch.float64, generator=torch.Generator().manual_seed(T))
-    expected = complex_rope(x, torch.arange(offset, offset + T), base=base)
-    assert_close(rope_ref(x, cos.double(), sin.double()), expected, atol=1e-6, rtol=1e-6, name="rotation")
-print("PASS: rope_cache")
-
-
-# %% [markdown]
-# ## Task 2 — the rotation kernel (forward, and backward as the inverse rotation)
-#
-# Write the body of `rope_kernel`: one program per (b, t) loads cos/sin row t once and rotates the H heads as a
-# (BLOCK_H, BLOCK_HALF) tile. Convert loads to fp32 at once and round once on store. `SIGN` negates sin: the given
-# autograd Function uses `SIGN = -1` for the backward, since $R_t^\top = R_{-t}$.
-
-# %% minite={"task": "rope_kernel"}
+# %% minite={"task": "rope_interleaved_kernel"}
 @triton.jit
-def rope_kernel(X_ptr, Y_ptr, Cos_ptr, Sin_ptr, T, H, stride_b, stride_h, stride_t,
-                HALF: tl.constexpr, SIGN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """One program per (b, t) (pid = b * T + t). x and y share strides; the last dim has stride 1.
-    Rotate all H heads at position t: y1 = x1 cos - x2 (SIGN sin), y2 = x1 (SIGN sin) + x2 cos,
-    with x1 = x[..., :HALF], x2 = x[..., HALF:]; cos/sin are contiguous (T, HALF) fp32."""
+def rope_interleaved_kernel(X_ptr, Y_ptr, Cos_ptr, Sin_ptr, T, H, stride_b, stride_h, stride_t,
+                            HALF: tl.constexpr, SIGN: tl.constexpr, BLOCK_H: tl.constexpr,
+                            BLOCK_HALF: tl.constexpr):
     ### BEGIN SOLUTION
-    pid = tl.program_id(0).to(tl.int64)
-    b = pid // T
-    t = pid % T
-    heads = tl.arange(0, BLOCK_H)[:, None]
-    cols = tl.arange(0, BLOCK_HALF)[None, :]
-    mask = (heads < H) & (cols < HALF)
-    cos = tl.load(Cos_ptr + t * HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)
-    sin = tl.load(Sin_ptr + t * HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32) * SIGN
-    off = b * stride_b + t * stride_t + heads * stride_h
-    x1 = tl.load(X_ptr + off + cols, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(X_ptr + off + HALF + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y_ptr + off + cols, (x1 * cos - x2 * sin).to(Y_ptr.dtype.element_ty), mask=mask)
-    tl.store(Y_ptr + off + HALF + cols, (x1 * sin + x2 * cos).to(Y_ptr.dtype.element_ty), mask=mask)
+    tok = tl.program_id(0).to(tl.int64)
+    base = (tok // T) * stride_b + (tok % T) * stride_t
+    hh = tl.arange(0, BLOCK_H)[:, None]
+    pair = tl.arange(0, BLOCK_HALF)[None, :]
+    ok = (hh < H) & (pair < HALF)
+    c = tl.load(Cos_ptr + (tok % T) * HALF + pair, mask=pair < HALF, other=0.0)
+    s = SIGN * tl.load(Sin_ptr + (tok % T) * HALF + pair, mask=pair < HALF, other=0.0)
+    even = base + hh * stride_h + 2 * pair          # offsets of x[2i]; x[2i+1] is the next element
+    a = tl.load(X_ptr + even, mask=ok, other=0.0).to(tl.float32)
+    bb = tl.load(X_ptr + even + 1, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Y_ptr + even, (a * c - bb * s).to(Y_ptr.dtype.element_ty), mask=ok)
+    tl.store(Y_ptr + even + 1, (a * s + bb * c).to(Y_ptr.dtype.element_ty), mask=ok)
     ### END SOLUTION
 
 
 def _launch(x, cos, sin, sign):
-    x = x.contiguous()                                     # (B, H, T, D)
+    """Given: x (B, H, T, D) -> rotated copy (contiguous)."""
+    x = x.contiguous()
     B, H, T, D = x.shape
     y = torch.empty_like(x)
-    rope_kernel[(B * T,)](x, y, cos.contiguous(), sin.contiguous(), T, H, x.stride(0), x.stride(1), x.stride(2),
-                          HALF=D // 2, SIGN=sign, BLOCK_H=triton.next_power_of_2(H),
-                          BLOCK_HALF=triton.next_power_of_2(D // 2))
+    rope_interleaved_kernel[(B * T,)](x, y, cos.contiguous(), sin.contiguous(), T, H,
+                                      x.stride(0), x.stride(1), x.stride(2), HALF=D // 2, SIGN=sign,
+                                      BLOCK_H=triton.next_power_of_2(H), BLOCK_HALF=triton.next_power_of_2(D // 2))
     return y
 
 
-class MyRoPE(torch.autograd.Function):
+class InterleavedRoPE(torch.autograd.Function):
     """Given: forward = your kernel with SIGN=+1, backward = the same kernel with SIGN=-1."""
     @staticmethod
     def forward(ctx, x, cos, sin):
@@ -128,13 +107,81 @@ class MyRoPE(torch.autograd.Function):
         return _launch(dy, cos, sin, -1), None, None
 
 
-# %% minite={"check": "rope_kernel"} tags=["nbval-check-output"]
-# CHECK: rope_kernel
+# %% minite={"check": "rope_interleaved_kernel"} tags=["nbval-check-output"]
+# CHECK: rope_interleaved_kernel
 ok = True
-for dtype in (torch.float32, torch.float16):
-    for (B, H, T, D) in ((1, 3, 5, 6), (2, 2, 4, 16)):
-        cos, sin = rope_cos_sin(T, D, offset=3)
-        x = torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(D)).to(dtype)
-        ok &= check_op("rope kernel fwd+bwd", lambda x: MyRoPE.apply(x, cos, sin), lambda x: rope_ref(x, cos, sin), x)
+for dtype in (torch.float32, torch.float16, torch.bfloat16):
+    for k, (B, H, T, D) in enumerate(((1, 3, 5, 6), (2, 2, 4, 16), (1, 5, 3, 10))):
+        cos, sin = (c.to(DEVICE) for c in rope_cos_sin(T, D, offset=3 + k))
+        x = randn(B, H, T, D, seed=10 + k, dtype=dtype)
+        ok &= check_op("interleaved rope fwd+bwd", lambda x: InterleavedRoPE.apply(x, cos, sin),
+                       lambda x: interleaved_ref(x, cos, sin), x)
 assert ok
-print("PASS: rope_kernel")
+print("PASS: rope_interleaved_kernel")
+
+
+# %% [markdown]
+# ## Task 2 — the permutation between the two layouts
+#
+# Both layouts rotate the same kind of pairs by the same angles; only *which* head dims form pair $i$ differs. So
+# there is a permutation `perm` of the D head dims that turns one into the other. Write `halves_permutation(D)`:
+# a LongTensor `perm` of length D (a permutation of `0 .. D-1`) such that, for every x of shape (..., T, D),
+#
+# `rope_ref(x[..., perm], cos, sin) == interleaved_ref(x, cos, sin)[..., perm]`
+#
+# (halves RoPE applied to the permuted vector equals the permuted interleaved RoPE), and therefore attention
+# scores $q\cdot k$ computed with interleaved RoPE on (q, k) equal those with halves RoPE on (q[perm], k[perm]).
+
+# %% minite={"task": "halves_permutation"}
+def halves_permutation(D):
+    ### BEGIN SOLUTION
+    return torch.cat([torch.arange(0, D, 2), torch.arange(1, D, 2)])
+    ### END SOLUTION
+
+
+# %% minite={"check": "halves_permutation"} tags=["nbval-check-output"]
+# CHECK: halves_permutation
+for k, D in enumerate((2, 8, 64)):
+    perm = halves_permutation(D)
+    assert perm.dtype == torch.int64 and sorted(perm.tolist()) == list(range(D)), "not a permutation of 0..D-1"
+    perm = perm.to(DEVICE)
+    cos, sin = (c.to(DEVICE) for c in rope_cos_sin(6, D))
+    q, kk = randn(1, 1, 6, D, seed=20 + k, dtype=torch.float64), randn(1, 1, 6, D, seed=30 + k, dtype=torch.float64)
+    assert_close(rope_ref(q[..., perm], cos, sin), interleaved_ref(q, cos, sin)[..., perm], name="rotated vectors")
+    s_inter = interleaved_ref(q, cos, sin)[0, 0] @ interleaved_ref(kk, cos, sin)[0, 0].T
+    s_halves = rope_ref(q[..., perm], cos, sin)[0, 0] @ rope_ref(kk[..., perm], cos, sin)[0, 0].T
+    assert_close(s_halves, s_inter, name="attention scores")
+print("PASS: halves_permutation")
+
+
+# %% [markdown]
+# ## Task 3 — convert a checkpoint's query projection
+#
+# A checkpoint trained with interleaved RoPE has a query projection `w_q` of shape `(n_heads * D, C)`: rows
+# `h * D .. h * D + D - 1` produce head `h`. Write `to_halves_layout(w_q, n_heads)` returning the weight that, used
+# in a model with **halves** RoPE, gives the same attention scores for every input (apply the same function to
+# `w_k`). Do not modify `w_q` in place.
+
+# %% minite={"task": "to_halves_layout"}
+def to_halves_layout(w_q, n_heads):
+    ### BEGIN SOLUTION
+    D = w_q.shape[0] // n_heads
+    order = halves_permutation(D).to(w_q.device)
+    return w_q.view(n_heads, D, -1)[:, order].reshape(w_q.shape)
+    ### END SOLUTION
+
+
+# %% minite={"check": "to_halves_layout"} tags=["nbval-check-output"]
+# CHECK: to_halves_layout
+H, D, C, T = 3, 8, 5, 7
+w_q, w_k = randn(H * D, C, seed=40, dtype=torch.float64), randn(H * D, C, seed=41, dtype=torch.float64)
+x = randn(T, C, seed=42, dtype=torch.float64)
+w_q0 = w_q.clone()
+cos, sin = (c.to(DEVICE) for c in rope_cos_sin(T, D))
+heads = lambda w: (x @ w.T).view(T, H, D).transpose(0, 1)[None]           # (1, H, T, D)
+s_inter = interleaved_ref(heads(w_q), cos, sin) @ interleaved_ref(heads(w_k), cos, sin).transpose(-1, -2)
+wq2, wk2 = to_halves_layout(w_q, H), to_halves_layout(w_k, H)
+assert wq2.shape == w_q.shape and torch.equal(w_q, w_q0), "shape changed or w_q modified in place"
+s_halves = rope_ref(heads(wq2), cos, sin) @ rope_ref(heads(wk2), cos, sin).transpose(-1, -2)
+assert_close(s_halves, s_inter, name="scores (1, H, T, T)")
+print("PASS: to_halves_layout")

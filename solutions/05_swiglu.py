@@ -15,144 +15,178 @@
 # ---
 
 # %% [markdown]
-# # 05 — SwiGLU: exercises
+# # 05 — GeGLU: exercises
 #
-# Three graded tasks. Fill in the code between the markers, run the cell and the `# CHECK` cell after it.
-# Reference: Shazeer, *GLU Variants Improve Transformer* (2020), [arXiv:2002.05202](https://arxiv.org/abs/2002.05202),
-# and the lesson `notebooks/05_swiglu.ipynb`.
+# The lesson (`notebooks/05_swiglu.ipynb`) fused SwiGLU, $h = \mathrm{silu}(g)\,u$. Shazeer's *GLU Variants Improve
+# Transformer* (2020, [arXiv:2002.05202](https://arxiv.org/abs/2002.05202)) also tests **GeGLU**, used by T5 v1.1
+# and Gemma, where the gate is a GELU:
 #
-# $h = \mathrm{silu}(g)\,u$, $\mathrm{silu}(g) = g\,\sigma(g)$.
+# $$h = \mathrm{gelu}(g)\,u,\qquad \mathrm{gelu}(g) = g\,\Phi(g) = \frac{g}{2}\Big(1 + \mathrm{erf}\big(g/\sqrt2\big)\Big)$$
+#
+# with $\Phi$ the standard normal CDF. This is the **exact (erf) GELU**, `F.gelu(g)` with its default
+# `approximate="none"`, not the tanh approximation (`approximate="tanh"`, GPT-2's "gelu_new"). Every task below uses
+# the erf form.
+#
+# Three graded tasks. Write your code between `### BEGIN YOUR CODE` and `### END YOUR CODE` (delete the
+# `raise NotImplementedError()` line), run the cell, then the `# CHECK` cell after it (do not edit check cells).
+# Tasks 2 and 3 are whole Triton kernels: only the signature and the spec are given. `tl.erf`, `tl.exp` and
+# `tl.sqrt` exist in Triton (and work on the CPU interpreter).
 
 # %%
 import os, torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton or minite kernels
-import inspect
-import matplotlib.pyplot as plt
+import math
 import torch.nn.functional as F
 from minite._triton import triton, tl
 from minite.testing import check_op, assert_close
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _ = torch.manual_seed(0)
 
+
 # %%
-from minite.kernels.swiglu import swiglu_ref, swiglu_fwd, swiglu_bwd, _rows, _block_size
+def randn(*shape, seed, dtype=torch.float32, scale=1.0):
+    """Seeded CPU draw, then cast and move to DEVICE (the same numbers on every machine)."""
+    return (scale * torch.randn(*shape, generator=torch.Generator().manual_seed(seed))).to(dtype).to(DEVICE)
+
+
+def geglu_ref(gate, up):
+    """The spec: exact-GELU(gate) * up computed in fp32, returned in gate's dtype."""
+    return (F.gelu(gate.float(), approximate="none") * up.float()).to(gate.dtype)
 
 
 # %% [markdown]
-# ## Task 1 — the derivative of SiLU
+# ## Task 1 — the derivative of the exact GELU
 #
-# Write `silu_grad(g)` returning $\frac{d}{dg}\,\mathrm{silu}(g)$ elementwise, using `torch.sigmoid` only (no
-# autograd). Derive it first: $\sigma' = \sigma(1-\sigma)$, then the product rule.
+# Derive $\frac{d}{dg}\mathrm{gelu}(g)$ on paper, then write `gelu_grad(g)` returning it elementwise with
+# `torch.erf`, `torch.exp` and arithmetic only (no autograd, no `F.gelu`).
 
-# %% minite={"task": "silu_grad"}
-def silu_grad(g: torch.Tensor) -> torch.Tensor:
+# %% minite={"task": "gelu_grad"}
+def gelu_grad(g: torch.Tensor) -> torch.Tensor:
     ### BEGIN SOLUTION
-    s = torch.sigmoid(g)
-    return s * (1 + g * (1 - s))
+    cdf = 0.5 * (1.0 + torch.erf(g / math.sqrt(2.0)))
+    pdf = torch.exp(-0.5 * g * g) / math.sqrt(2.0 * math.pi)
+    return cdf + g * pdf
     ### END SOLUTION
 
 
-# %% minite={"check": "silu_grad"} tags=["nbval-check-output"]
-# CHECK: silu_grad
-g = torch.linspace(-10, 10, 401, dtype=torch.float64, requires_grad=True)
-(expected,) = torch.autograd.grad(F.silu(g).sum(), g)
-got = silu_grad(g.detach())
-assert_close(got, expected, name="silu_grad")
-assert got.shape == g.shape and got.dtype == torch.float64
-print("PASS: silu_grad")
+# %% minite={"check": "gelu_grad"} tags=["nbval-check-output"]
+# CHECK: gelu_grad
+g = torch.linspace(-10, 10, 401, dtype=torch.float64, device=DEVICE, requires_grad=True)
+(expected,) = torch.autograd.grad(F.gelu(g, approximate="none").sum(), g)
+got = gelu_grad(g.detach())
+assert got.shape == g.shape and got.dtype == torch.float64, (got.shape, got.dtype)
+assert_close(got, expected, name="gelu_grad")
+print("PASS: gelu_grad")
 
 
 # %% [markdown]
-# ## Task 2 — the forward kernel body
+# ## Task 2 — GeGLU's forward kernel (whole kernel)
 #
-# Program `(row, j)` handles columns `j * BLOCK_SIZE ... + BLOCK_SIZE - 1` of one row. Rows of `gate` and `up` can
-# be strided (`G_row_stride`, `U_row_stride`); `Y` is contiguous `(N, H)`. Load with a mask and `other=0.0`,
-# upcast to `tl.float32` at once, compute $\mathrm{silu}(g)\,u$, store cast to `Y_ptr.dtype.element_ty`.
+# Spec. The grid is `(N, cdiv(H, BLOCK))`: program `(row, j)` computes columns `j * BLOCK .. j * BLOCK + BLOCK - 1`
+# (masked past `H`) of row `row` of $h = \mathrm{gelu}(g)\,u$ (exact GELU). Row `row` of the gate starts at
+# `G_ptr + row * g_stride` and of up at `U_ptr + row * u_stride` (gate and up may be strided halves of one
+# projection); columns are contiguous. `Y` is a contiguous (N, H) tensor. Inputs are fp32, fp16 or bf16: compute in
+# fp32 and round once, to `Y`'s dtype.
 
-# %% minite={"task": "swiglu forward kernel"}
+# %% minite={"task": "geglu_fwd_kernel"}
 @triton.jit
-def my_swiglu_fwd_kernel(G_ptr, G_row_stride, U_ptr, U_row_stride, Y_ptr, H, BLOCK_SIZE: tl.constexpr):
+def geglu_fwd_kernel(G_ptr, g_stride, U_ptr, u_stride, Y_ptr, H, BLOCK: tl.constexpr):
     ### BEGIN SOLUTION
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    mask = cols < H
-    g = tl.load(G_ptr + row * G_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U_ptr + row * U_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    y = g / (1.0 + tl.exp(-g)) * u
-    tl.store(Y_ptr + row * H + cols, y.to(Y_ptr.dtype.element_ty), mask=mask)
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = c < H
+    a = tl.load(G_ptr + r * g_stride + c, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(U_ptr + r * u_stride + c, mask=m, other=0.0).to(tl.float32)
+    out = 0.5 * a * (1.0 + tl.erf(a * 0.7071067811865476)) * b
+    tl.store(Y_ptr + r * H + c, out.to(Y_ptr.dtype.element_ty), mask=m)
     ### END SOLUTION
 
 
-def my_swiglu_fwd(gate, up):
-    g, u = _rows(gate), _rows(up)  # (N, H), strided rows allowed
+def _rows(t):
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _block(H):
+    return max(16, min(1024 if torch.cuda.is_available() else 4096, triton.next_power_of_2(H)))
+
+
+def my_geglu_fwd(gate, up):
+    """Launcher (given): gate, up (..., H), rows may be strided -> h (..., H) contiguous."""
+    g, u = _rows(gate), _rows(up)
     N, H = g.shape
     y = torch.empty((N, H), dtype=g.dtype, device=g.device)
-    bs = _block_size(H)
-    my_swiglu_fwd_kernel[(N, triton.cdiv(H, bs))](g, g.stride(0), u, u.stride(0), y, H, BLOCK_SIZE=bs)
+    geglu_fwd_kernel[(N, triton.cdiv(H, _block(H)))](g, g.stride(0), u, u.stride(0), y, H, BLOCK=_block(H))
     return y.view(gate.shape)
 
 
-# %% minite={"check": "swiglu forward kernel"} tags=["nbval-check-output"]
-# CHECK: swiglu forward kernel
-gen = torch.Generator().manual_seed(0)
+# %% minite={"check": "geglu_fwd_kernel"} tags=["nbval-check-output"]
+# CHECK: geglu_fwd_kernel
 ok = True
 for dtype in (torch.float32, torch.float16, torch.bfloat16):
-    gu = (2 * torch.randn(6, 2 * 37, generator=gen)).to(dtype).to(DEVICE)
-    gate, up = gu.chunk(2, dim=-1)  # strided halves, as in the GPT
-    ok &= check_op("my_swiglu_fwd", my_swiglu_fwd, swiglu_ref, gate, up, grad=False)
+    gate, up = randn(5, 37, seed=1, dtype=dtype, scale=3.0), randn(5, 37, seed=2, dtype=dtype)
+    ok &= check_op("geglu fwd kernel", my_geglu_fwd, geglu_ref, gate, up, grad=False)
+    gu = randn(2, 3, 2 * 45, seed=3, dtype=dtype, scale=2.0)  # strided halves of one projection
+    ok &= check_op("geglu fwd kernel, strided halves", lambda gu: my_geglu_fwd(*gu.split(45, -1)),
+                   lambda gu: geglu_ref(*gu.split(45, -1)), gu, grad=False)
 assert ok
-print("PASS: swiglu forward kernel")
+print("PASS: geglu_fwd_kernel")
 
 
 # %% [markdown]
-# ## Task 3 — the backward kernel body (recompute, don't store)
+# ## Task 3 — GeGLU's backward kernel (whole kernel)
 #
-# Given `dy`, `gate`, `up` (all contiguous `(N, H)` here), write $\bar u = \bar h\,\mathrm{silu}(g)$ and
-# $\bar g = \bar h\,u\,\mathrm{silu}'(g)$ into `DU_ptr` and `DG_ptr`. Recompute $\sigma(g)$ from `gate`.
+# Spec. Same grid and indexing as task 2. Given the upstream gradient $\bar h$ (row stride `dy_stride`) and the saved
+# **inputs** gate and up (their row strides as in task 2), write $\partial L/\partial g$ to `DG` and
+# $\partial L/\partial u$ to `DU`, both contiguous (N, H), in their dtype. Nothing else was saved by the forward:
+# recompute what you need. Compute in fp32.
 
-# %% minite={"task": "swiglu backward kernel"}
+# %% minite={"task": "geglu_bwd_kernel"}
 @triton.jit
-def my_swiglu_bwd_kernel(DY_ptr, G_ptr, U_ptr, DG_ptr, DU_ptr, H, BLOCK_SIZE: tl.constexpr):
+def geglu_bwd_kernel(DY_ptr, dy_stride, G_ptr, g_stride, U_ptr, u_stride, DG_ptr, DU_ptr, H, BLOCK: tl.constexpr):
     ### BEGIN SOLUTION
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    mask = cols < H
-    offs = row * H + cols
-    dy = tl.load(DY_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(G_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    sig = 1.0 / (1.0 + tl.exp(-g))
-    tl.store(DU_ptr + offs, (dy * g * sig).to(DU_ptr.dtype.element_ty), mask=mask)
-    tl.store(DG_ptr + offs, (dy * u * sig * (1.0 + g * (1.0 - sig))).to(DG_ptr.dtype.element_ty), mask=mask)
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = c < H
+    up_grad = tl.load(DY_ptr + r * dy_stride + c, mask=m, other=0.0).to(tl.float32)
+    a = tl.load(G_ptr + r * g_stride + c, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(U_ptr + r * u_stride + c, mask=m, other=0.0).to(tl.float32)
+    cdf = 0.5 * (1.0 + tl.erf(a * 0.7071067811865476))
+    pdf = tl.exp(-0.5 * a * a) * 0.3989422804014327
+    tl.store(DU_ptr + r * H + c, (up_grad * a * cdf).to(DU_ptr.dtype.element_ty), mask=m)
+    tl.store(DG_ptr + r * H + c, (up_grad * b * (cdf + a * pdf)).to(DG_ptr.dtype.element_ty), mask=m)
     ### END SOLUTION
 
 
-class MySwiGLU(torch.autograd.Function):
+class MyGeGLU(torch.autograd.Function):
+    """Given: the forward is your task-2 kernel; the backward launches your task-3 kernel."""
     @staticmethod
     def forward(ctx, gate, up):
         ctx.save_for_backward(gate, up)  # the inputs only
-        return swiglu_fwd(gate, up)
+        return my_geglu_fwd(gate, up)
 
     @staticmethod
     def backward(ctx, dy):
-        gate, up = (t.contiguous() for t in ctx.saved_tensors)
-        dy = dy.contiguous()
-        dg, du = torch.empty_like(gate), torch.empty_like(up)
-        H = gate.shape[-1]
-        bs = _block_size(H)
-        my_swiglu_bwd_kernel[(gate.numel() // H, triton.cdiv(H, bs))](dy, gate, up, dg, du, H, BLOCK_SIZE=bs)
-        return dg, du
+        gate, up = ctx.saved_tensors
+        d, g, u = _rows(dy), _rows(gate), _rows(up)
+        N, H = g.shape
+        dg = torch.empty((N, H), dtype=g.dtype, device=g.device)
+        du = torch.empty((N, H), dtype=u.dtype, device=u.device)
+        geglu_bwd_kernel[(N, triton.cdiv(H, _block(H)))](d, d.stride(0), g, g.stride(0), u, u.stride(0), dg, du, H,
+                                                         BLOCK=_block(H))
+        return dg.view(gate.shape), du.view(up.shape)
 
 
-# %% minite={"check": "swiglu backward kernel"} tags=["nbval-check-output"]
-# CHECK: swiglu backward kernel
-gen = torch.Generator().manual_seed(1)
+# %% minite={"check": "geglu_bwd_kernel"} tags=["nbval-check-output"]
+# CHECK: geglu_bwd_kernel
 ok = True
 for dtype in (torch.float32, torch.float16, torch.bfloat16):
-    for shape in ((5, 37), (2, 3, 64)):
-        gate = (3 * torch.randn(shape, generator=gen)).to(dtype).to(DEVICE)
-        up = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
-        ok &= check_op("MySwiGLU fwd+bwd", MySwiGLU.apply, swiglu_ref, gate, up)
+    for k, shape in enumerate(((5, 37), (2, 3, 64))):
+        gate, up = randn(*shape, seed=10 + k, dtype=dtype, scale=3.0), randn(*shape, seed=20 + k, dtype=dtype)
+        ok &= check_op("GeGLU fwd+bwd", MyGeGLU.apply, geglu_ref, gate, up)
+    gu = randn(4, 2 * 29, seed=30, dtype=dtype, scale=2.0)
+    ok &= check_op("GeGLU fwd+bwd, strided halves", lambda gu: MyGeGLU.apply(*gu.split(29, -1)),
+                   lambda gu: geglu_ref(*gu.split(29, -1)), gu)
 assert ok
-print("PASS: swiglu backward kernel")
+print("PASS: geglu_bwd_kernel")

@@ -15,155 +15,224 @@
 # ---
 
 # %% [markdown]
-# # 06 — Cross-entropy: exercises
+# # 06 — Cross-entropy variants: exercises
 #
-# Three graded tasks: the online-logsumexp loss kernel, the gradient $\mathrm{softmax} - \mathrm{onehot}$, and the
-# chunk loop of the fused linear + cross-entropy. See `notebooks/06_cross_entropy.ipynb` for the derivations.
+# The lesson (`notebooks/06_cross_entropy.ipynb`) built the plain cross-entropy, $\ell = \mathrm{lse}(x) - x_t$ with
+# $\nabla_x\ell = \mathrm{softmax}(x) - \mathrm{onehot}(t)$, its kernels, and the chunked linear-CE. Real training
+# recipes change the loss a little, and each change has its own gradient to derive:
 #
-# $\ell_i = \mathrm{lse}(x_i) - x_{i,t_i}$, $\;\nabla_{x_i}\ell_i = \mathrm{softmax}(x_i) - \mathrm{onehot}(t_i)$.
+# * **label smoothing** (Szegedy et al. 2016, `F.cross_entropy(..., label_smoothing=eps)`): the target distribution
+#   is $(1-\varepsilon)\,\mathrm{onehot}(t) + \varepsilon/V$ instead of the one-hot;
+# * **z-loss** (PaLM, Chowdhery et al. 2022, [arXiv:2204.02311](https://arxiv.org/abs/2204.02311)): add
+#   $z\cdot\mathrm{lse}(x)^2$ to each row's loss, which keeps the softmax normaliser near 1 and the logits from
+#   drifting (PaLM uses $z = 10^{-4}$);
+# * **vocabulary-parallel CE** (Megatron-LM): the logits of a row are split over GPUs by vocabulary range, and no GPU
+#   may gather a whole row.
+#
+# Three graded tasks. Write your code between `### BEGIN YOUR CODE` and `### END YOUR CODE` (delete the
+# `raise NotImplementedError()` line), run the cell, then the `# CHECK` cell after it (do not edit check cells).
+# Task 2 is a whole Triton kernel: only the signature and the spec are given.
 
 # %%
 import os, torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton or minite kernels
-import inspect
-import matplotlib.pyplot as plt
 import torch.nn.functional as F
 from minite._triton import triton, tl
 from minite.testing import check_op, assert_close
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _ = torch.manual_seed(0)
 
+
 # %%
-from minite.kernels.cross_entropy import cross_entropy_ref, linear_cross_entropy_ref
+def randn(*shape, seed, dtype=torch.float32, scale=1.0):
+    """Seeded CPU draw, then cast and move to DEVICE (the same numbers on every machine)."""
+    return (scale * torch.randn(*shape, generator=torch.Generator().manual_seed(seed))).to(dtype).to(DEVICE)
+
+
+def targets(N, V, seed, ignored=()):
+    t = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(seed))
+    t[list(ignored)] = -100
+    return t.to(DEVICE)
 
 
 # %% [markdown]
-# ## Task 1 — the loss kernel with an online logsumexp
+# ## Task 1 — the gradient of the label-smoothed loss
 #
-# One program per row. Loop over the row in blocks of `BLOCK_SIZE` (`for start in range(0, V, BLOCK_SIZE)`),
-# keeping a running max `m` and a running sum `s` of $e^{x - m}$; masked lanes load `-inf`. Then
-# $\mathrm{lse} = m + \log s$, load the target logit with one scalar load, and store `lse - x_t` into `Loss_ptr`
-# — or `0.0` when the target is `ignore_index`. Upcast every load to `tl.float32` at once.
+# Derive $\partial L/\partial x$ for `F.cross_entropy(x, t, label_smoothing=eps, ignore_index=-100)` with the
+# default `"mean"` reduction (over the rows whose target is not ignored), then implement it in plain PyTorch,
+# **without autograd**. Return an fp32 (N, V) tensor, zero on ignored rows.
 
-# %% minite={"task": "online logsumexp loss kernel"}
+# %% minite={"task": "label_smoothing_grad"}
+def label_smoothing_grad(logits, target, eps, ignore_index=-100):
+    ### BEGIN SOLUTION
+    keep = target != ignore_index
+    V = logits.shape[-1]
+    grad = torch.softmax(logits.float(), dim=-1) - eps / V
+    rows = torch.arange(len(target), device=logits.device)[keep]
+    grad[rows, target[keep]] -= 1.0 - eps
+    grad[~keep] = 0.0
+    return grad / keep.sum().clamp(min=1)
+    ### END SOLUTION
+
+
+# %% minite={"check": "label_smoothing_grad"} tags=["nbval-check-output"]
+# CHECK: label_smoothing_grad
+for k, (N, V, eps) in enumerate(((7, 23, 0.1), (5, 64, 0.3), (4, 9, 0.0))):
+    x = randn(N, V, seed=k, scale=3.0).requires_grad_()
+    t = targets(N, V, seed=10 + k, ignored=(1,))
+    F.cross_entropy(x, t, label_smoothing=eps).backward()
+    got = label_smoothing_grad(x.detach(), t, eps)
+    assert got.dtype == torch.float32 and got.shape == x.shape, (got.dtype, got.shape)
+    assert_close(got, x.grad, name=f"dlogits eps={eps}")
+print("PASS: label_smoothing_grad")
+
+
+# %% [markdown]
+# ## Task 2 — cross-entropy with z-loss, loss and gradient in one kernel (whole kernel)
+#
+# Spec. One program per row of the (N, V) logits (row `r` starts at `X_ptr + r * x_stride`, columns contiguous;
+# fp32, fp16 or bf16; compute in fp32). With $\mathrm{lse}$ the row's logsumexp and $t$ = `T_ptr[r]`, the row loss is
+#
+# $$\ell = \mathrm{lse}(x) - x_t + z\,\mathrm{lse}(x)^2 \qquad (z = \texttt{z\_coef}),$$
+#
+# or 0 when $t$ = `ignore_index`. Store it (fp32) to `Loss_ptr[r]`. Then **overwrite the row of X in place** with
+# `grad_scale` × $\partial\ell/\partial x$ (all zeros on an ignored row), in X's dtype: the launcher passes
+# `grad_scale` $= 1/n_{valid}$, so this is the gradient of the mean loss. The row must be streamed in blocks of
+# `BLOCK` columns (V may be far larger than `BLOCK`, and is not a multiple of it); nothing may overflow for logits of
+# a few hundred. As in Liger-Kernel's CE, the gradient is computed in the forward, so the backward only scales it.
+
+# %% minite={"task": "zloss_ce_kernel"}
 @triton.jit
-def my_ce_fwd_kernel(X_ptr, X_row_stride, T_ptr, Loss_ptr, V, ignore_index, BLOCK_SIZE: tl.constexpr):
+def zloss_ce_kernel(X_ptr, x_stride, T_ptr, Loss_ptr, V, ignore_index, z_coef, grad_scale, BLOCK: tl.constexpr):
     ### BEGIN SOLUTION
-    row = tl.program_id(0).to(tl.int64)
-    X_ptr += row * X_row_stride
-    t = tl.load(T_ptr + row)
-    cols = tl.arange(0, BLOCK_SIZE)
-    m = tl.full((), float("-inf"), tl.float32)
-    s = tl.full((), 0.0, tl.float32)
-    for start in range(0, V, BLOCK_SIZE):
-        mask = start + cols < V
-        x = tl.load(X_ptr + start + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-        m = m_new
-    lse = m + tl.log(s)
-    valid = t != ignore_index
-    x_t = tl.load(X_ptr + tl.where(valid, t, 0)).to(tl.float32)
-    tl.store(Loss_ptr + row, tl.where(valid, lse - x_t, 0.0))
+    r = tl.program_id(0).to(tl.int64)
+    X_ptr += r * x_stride
+    offs = tl.arange(0, BLOCK)
+    run_max = tl.full((), float("-inf"), tl.float32)
+    run_sum = tl.full((), 0.0, tl.float32)
+    for lo in range(0, V, BLOCK):
+        vals = tl.load(X_ptr + lo + offs, mask=lo + offs < V, other=float("-inf")).to(tl.float32)
+        new_max = tl.maximum(run_max, tl.max(vals, axis=0))
+        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(vals - new_max), axis=0)
+        run_max = new_max
+    lse = run_max + tl.log(run_sum)
+    tgt = tl.load(T_ptr + r)
+    keep = tgt != ignore_index
+    x_t = tl.load(X_ptr + tl.where(keep, tgt, 0), mask=keep, other=0.0).to(tl.float32)
+    tl.store(Loss_ptr + r, tl.where(keep, lse - x_t + z_coef * lse * lse, 0.0))
+    scale = tl.where(keep, grad_scale, 0.0)
+    for lo in range(0, V, BLOCK):
+        inside = lo + offs < V
+        vals = tl.load(X_ptr + lo + offs, mask=inside, other=0.0).to(tl.float32)
+        grad = tl.exp(vals - lse) * (1.0 + 2.0 * z_coef * lse) - tl.where(lo + offs == tgt, 1.0, 0.0)
+        tl.store(X_ptr + lo + offs, (scale * grad).to(X_ptr.dtype.element_ty), mask=inside)
     ### END SOLUTION
 
 
-def my_ce_rows(logits, target, ignore_index=-100, block=64):
-    N, V = logits.shape
-    loss = torch.empty(N, dtype=torch.float32, device=logits.device)
-    my_ce_fwd_kernel[(N,)](logits, logits.stride(0), target, loss, V, ignore_index, BLOCK_SIZE=block)
-    return loss
+class ZLossCE(torch.autograd.Function):
+    """Given: runs your kernel on a copy of the logits in the forward; the backward scales the saved gradient."""
+    @staticmethod
+    def forward(ctx, logits, target, z_coef, block):
+        N, V = logits.shape
+        n_valid = int((target != -100).sum())
+        work = logits.detach().clone()                      # becomes dlogits, in place
+        rows = torch.empty(N, dtype=torch.float32, device=logits.device)
+        zloss_ce_kernel[(N,)](work, work.stride(0), target, rows, V, -100, z_coef, 1.0 / max(n_valid, 1),
+                              BLOCK=block)
+        ctx.save_for_backward(work)
+        return rows.sum() / max(n_valid, 1)
+
+    @staticmethod
+    def backward(ctx, dloss):
+        (dlogits,) = ctx.saved_tensors
+        return dlogits * dloss.to(dlogits.dtype), None, None, None
 
 
-# %% minite={"check": "online logsumexp loss kernel"} tags=["nbval-check-output"]
-# CHECK: online logsumexp loss kernel
-gen = torch.Generator().manual_seed(0)
+def zloss_ce_ref(logits, target, z_coef, block=None):
+    """The spec in PyTorch (fp32): mean over valid rows of lse - x_t + z * lse^2."""
+    x = logits.float()
+    keep = target != -100
+    lse = torch.logsumexp(x, dim=-1)
+    x_t = x.gather(1, torch.where(keep, target, 0)[:, None]).squeeze(1)
+    return torch.where(keep, lse - x_t + z_coef * lse * lse, 0.0).sum() / keep.sum()
+
+
+# %% minite={"check": "zloss_ce_kernel"} tags=["nbval-check-output"]
+# CHECK: zloss_ce_kernel
+ok = True
 for dtype in (torch.float32, torch.float16, torch.bfloat16):
-    for V in (37, 300):  # one block, and five blocks of 64 with a ragged end
-        x = (4 * torch.randn(6, V, generator=gen)).to(dtype).to(DEVICE)
-        x[0, 5] = 60.0  # a large logit: the running max must rescale the sum
-        t = torch.randint(0, V, (6,), generator=gen).to(DEVICE)
-        t[2] = -100
-        expected = cross_entropy_ref(x, t, reduction="none")
-        assert_close(my_ce_rows(x, t), expected, name=f"row losses {dtype} V={V}", atol=1e-4, rtol=1e-4)
-print("PASS: online logsumexp loss kernel")
+    for k, (N, V, block, z) in enumerate(((5, 37, 64, 1e-2), (4, 300, 64, 1e-4), (3, 1000, 128, 0.0))):
+        x = randn(N, V, seed=20 + k, dtype=dtype, scale=4.0)
+        x[0, V - 3] = 200.0                                  # a large logit in the last block
+        t = targets(N, V, seed=30 + k, ignored=(1,))
+        ok &= check_op(f"z-loss CE, z={z}", lambda x, t: ZLossCE.apply(x, t, z, block),
+                       lambda x, t: zloss_ce_ref(x, t, z), x, t)
+assert ok
+print("PASS: zloss_ce_kernel")
 
 
 # %% [markdown]
-# ## Task 2 — the gradient: softmax minus one-hot
+# ## Task 3 — vocabulary-parallel cross-entropy
 #
-# Write `ce_grad(logits, target, ignore_index)` returning $\partial L/\partial\,\mathrm{logits}$ for the **mean**
-# reduction, in fp32: $(\mathrm{softmax}(x) - \mathrm{onehot}(t)) / n_{valid}$ on valid rows, $0$ on rows whose
-# target is `ignore_index`. No autograd.
+# In Megatron-LM's tensor parallelism the LM head is split by **vocabulary**: GPU $k$ holds the logits of columns
+# $[o_k, o_k + V_k)$ for every row, and no GPU ever holds a whole row. `shards` is that list of (N, V_k) tensors
+# (fp32, fp16 or bf16), in vocabulary order. Write `vocab_parallel_ce(shards, target)` returning the (N,) fp32 per-row
+# losses $\mathrm{lse}(x) - x_t$ (0 where `target == -100`), exactly as if the shards were concatenated, but:
+#
+# * each shard may only be reduced along **its own** columns, into (N,)-sized statistics (think: computed on its own
+#   GPU), and the statistics are then combined (think: an all-reduce of (N,) vectors);
+# * never build a tensor wider than one shard (the check watches every op's output size);
+# * stay exact for logits of several hundred (no overflow).
 
-# %% minite={"task": "gradient softmax - one_hot"}
-def ce_grad(logits, target, ignore_index=-100):
+# %% minite={"task": "vocab_parallel_ce"}
+def vocab_parallel_ce(shards, target, ignore_index=-100):
     ### BEGIN SOLUTION
-    valid = target != ignore_index
-    p = torch.softmax(logits.float(), dim=-1)
-    p[torch.arange(len(target))[valid], target[valid]] -= 1.0
-    p[~valid] = 0.0
-    return p / valid.sum().clamp(min=1)
+    maxes = [s.float().amax(dim=-1) for s in shards]          # per-shard (N,)
+    m = torch.stack(maxes).amax(dim=0)                          # "all-reduce max"
+    total = sum(torch.exp(s.float() - m[:, None]).sum(dim=-1) for s in shards)   # "all-reduce sum"
+    lse = m + torch.log(total)
+    x_t = torch.zeros_like(lse)
+    start = 0
+    for s in shards:
+        mine = (target >= start) & (target < start + s.shape[1])
+        idx = torch.where(mine, target - start, 0)
+        x_t += torch.where(mine, s.float().gather(1, idx[:, None]).squeeze(1), 0.0)   # "all-reduce sum"
+        start += s.shape[1]
+    return torch.where(target != ignore_index, lse - x_t, 0.0)
     ### END SOLUTION
 
 
-# %% minite={"check": "gradient softmax - one_hot"} tags=["nbval-check-output"]
-# CHECK: gradient softmax - one_hot
-gen = torch.Generator().manual_seed(1)
-x = torch.randn(7, 23, generator=gen, requires_grad=True)
-t = torch.randint(0, 23, (7,), generator=gen)
-t[[1, 4]] = -100
-F.cross_entropy(x, t).backward()
-assert_close(ce_grad(x.detach(), t), x.grad, name="ce_grad")
-print("PASS: gradient softmax - one_hot")
+# %% minite={"check": "vocab_parallel_ce"} tags=["nbval-check-output"]
+# CHECK: vocab_parallel_ce
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 
-# %% [markdown]
-# ## Task 3 — the chunk loop of the fused linear + cross-entropy
-#
-# `chunk_loss_and_grad(logits, target, n_valid)` (given) returns the summed loss of a chunk of rows and
-# $\partial L/\partial\,\mathrm{logits}$ for the mean over all `n_valid` rows. Write the loop over row chunks:
-# for each chunk compute `logits = x_c @ w.T` (`(n, V)`), call the helper, add the loss, write
-# $dx_c = \mathrm{dlogits}\,W$ and accumulate $dW \mathrel{+}= \mathrm{dlogits}^\top x_c$. Return `(loss, dx, dw)`.
+class Widest(TorchDispatchMode):
+    """Records the most elements any op inside the block produced."""
+    most = 0
 
-# %% minite={"task": "fused linear-CE chunk loop"}
-def chunk_loss_and_grad(logits, target, n_valid):
-    """Sum of the chunk's row losses and dlogits of the mean loss, (n, V) fp32."""
-    z = logits.detach().float().requires_grad_()
-    loss = F.cross_entropy(z, target, reduction="sum") / n_valid
-    (dz,) = torch.autograd.grad(loss, z)
-    return loss.detach() * n_valid, dz
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for o in tree_flatten(out)[0]:
+            if isinstance(o, torch.Tensor) and not func.is_view:
+                self.most = max(self.most, o.numel())
+        return out
 
 
-def my_linear_ce(x, w, target, chunk_size=4):
-    N, C = x.shape
-    n_valid = (target != -100).sum()
-    loss = torch.zeros((), dtype=torch.float32)
-    dx = torch.empty(N, C, dtype=torch.float32)
-    dw = torch.zeros(w.shape, dtype=torch.float32)
-    ### BEGIN SOLUTION
-    for s in range(0, N, chunk_size):
-        xc, tc = x[s:s + chunk_size].float(), target[s:s + chunk_size]
-        logits = xc @ w.float().t()
-        loss_c, dlogits = chunk_loss_and_grad(logits, tc, n_valid)
-        loss += loss_c
-        dx[s:s + chunk_size] = dlogits @ w.float()
-        dw += dlogits.t() @ xc
-    ### END SOLUTION
-    return loss / n_valid, dx, dw
-
-
-# %% minite={"check": "fused linear-CE chunk loop"} tags=["nbval-check-output"]
-# CHECK: fused linear-CE chunk loop
-gen = torch.Generator().manual_seed(2)
-x = torch.randn(11, 8, generator=gen, requires_grad=True)
-w = torch.randn(29, 8, generator=gen, requires_grad=True)
-t = torch.randint(0, 29, (11,), generator=gen)
-t[5] = -100
-linear_cross_entropy_ref(x, w, t).backward()
-loss, dx, dw = my_linear_ce(x.detach(), w.detach(), t, chunk_size=4)
-assert_close(loss, linear_cross_entropy_ref(x, w, t).detach(), name="loss")
-assert_close(dx, x.grad, name="dx")
-assert_close(dw, w.grad, name="dW")
-print("PASS: fused linear-CE chunk loop")
+for k, (widths, dtype) in enumerate((((10, 10, 10, 7), torch.float32), ((50, 3), torch.float16),
+                                      ((1, 20, 13), torch.bfloat16))):
+    N, V = 6, sum(widths)
+    logits = randn(N, V, seed=40 + k, scale=5.0, dtype=dtype)
+    logits[2, V - 1] = 400.0                                     # overflow trap
+    t = targets(N, V, seed=50 + k, ignored=(4,))
+    t[0] = V - 1                                                 # a target in the last shard
+    shards = list(logits.split(list(widths), dim=1))
+    with Widest() as watch:
+        got = vocab_parallel_ce(shards, t)
+    assert watch.most <= N * max(widths), f"an op produced {watch.most} elements: wider than one shard"
+    expected = F.cross_entropy(logits.float(), t, reduction="none")
+    assert got.dtype == torch.float32 and got.shape == (N,), (got.dtype, got.shape)
+    assert_close(got, expected, name=f"row losses, {dtype} shards {widths}", atol=1e-4, rtol=1e-5)
+print("PASS: vocab_parallel_ce")
