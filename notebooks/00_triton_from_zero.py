@@ -770,15 +770,17 @@ for C in sorted({r["C"] for r in sm["results"]}):
 # %% [markdown]
 # What the numbers say, good and bad:
 #
-# * **Forward: good.** 1.1–2.7× `torch.softmax` up to C = 16384, 76–80 % of the HBM peak at C ≥ 8192. At
-#   C = 32768 the looped path (two reads of $x$) is level with torch.
+# * **Forward: good.** 1.1–2.7× `torch.softmax` up to C = 16384, 76–80 % of the HBM peak at C = 8192–16384.
+#   At C = 32768 the looped path (two reads of $x$) is level with torch.
 # * **Forward+backward: poor for short rows.** At C = 1024–4096 minite's fwd+bwd runs at **0.11–0.28× torch**
 #   (4–11 % of peak). The time barely changes while the bytes quadruple (0.30, 0.25, 0.47 ms for C = 1024, 2048,
-#   4096), which is the signature of a kernel that waits on the **host**, not on memory: the Python around the two
-#   launches (input checks, `movedim`/`contiguous`, the `autograd.Function`) costs more than the ~20 µs the kernels
-#   need. `torch.compile`'s numbers show the same flat shape (0.12–0.17×). From C = 8192 the GPU work dominates
-#   and minite is 0.9–1.35× torch. Cutting that host overhead (fewer Python steps, CUDA graphs, registering the
-#   kernel for `torch.compile`) is open work, not done in this chapter.
+#   4096): the signature of a kernel that waits on the **host**, not on memory (an inference from the timings,
+#   not yet profiled). The Python around the two launches (input checks, `movedim`/`contiguous`, the
+#   `autograd.Function`) costs more than the ~20 µs the kernels need. `torch.compile`'s numbers show the same flat
+#   shape (0.12–0.17×; caution: in that run some compile columns hit dynamo's recompile limit and fell back to
+#   eager, see the notes in the JSON). From C = 8192 the GPU work dominates and minite is 0.9–1.35× torch.
+#   Cutting that host overhead (fewer Python steps, CUDA graphs, registering the kernel for `torch.compile`) is
+#   open work, not done in this chapter.
 #
 # ## 13. Where it is used in the GPT
 #

@@ -419,8 +419,14 @@ for n in names:
 # * **Promotion every 32 or 64** (one fp32 add per K step, `acc += tl.dot(a, b)` or `max_num_imprecise_acc=BLOCK_K`)
 #   is the most accurate (2.7–4.8e-4, below cuBLAS), but costs almost half the speed (520–550 TFLOP/s).
 # * **Promotion every 128 with BLOCK_K = 128** matches cuBLAS's error exactly (8.6e-4 at 8192³, 8.5e-4 at 4096³)
-#   at 817 TFLOP/s: the fix minite takes for the forward GEMM's accuracy. It is still **0.66× cuBLAS's speed**
-#   (1237 TFLOP/s). That gap (cuBLAS's pipelining, its own tile shapes and warp specialization) is not closed here.
+#   at 817 TFLOP/s, 16 % slower than fast accumulation at the same tiles. Even the fast variant is only
+#   **0.78× cuBLAS's speed** (970 vs 1237 TFLOP/s): that gap (cuBLAS's pipelining, tile shapes and warp
+#   specialization) is not closed here.
+#
+# Where to pay for promotion is a recipe choice. TransformerEngine's default, which minite's fix follows, keeps
+# fast accumulation in the forward GEMM and promotes (its "split accumulator") in the two backward GEMMs: wgrad
+# sums over every token of the batch, the longest K of the three, and both feed the weight update, where
+# accumulated error does the most harm.
 #
 # The speed benchmark of the same day says more that is poor: the full FP8 `Linear` was **0.19× (4096) and 0.26×
 # (8192) of bf16 for forward+backward**, because the time outside the GEMM (three quantization passes per
