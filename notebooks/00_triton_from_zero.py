@@ -48,7 +48,7 @@ from minite._triton import triton, tl, interpreting
 from minite.testing import check_op
 from minite.bytecount import CountBytes
 import minite.kernels.softmax as S
-from minite.kernels.softmax import softmax, softmax_ref
+from minite.kernels.softmax import softmax
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _ = torch.manual_seed(0)
 print(f"device: {DEVICE}, Triton interpreter: {interpreting()}")

@@ -45,7 +45,7 @@ if not torch.cuda.is_available():
 torch.set_num_threads(1)                      # tiny shapes: threads only add overhead
 
 # %%
-import inspect, math
+import math
 import numpy as np
 import matplotlib.pyplot as plt
 from minite._triton import triton, tl

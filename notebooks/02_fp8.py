@@ -255,8 +255,8 @@ for name, (err, clipped, used) in curves.items():
 #
 # **The fix: promotion.** Accumulate only $N_C$ elements of K in the tensor core (the "fast" partial sum), then add
 # the partial sum into a real fp32 accumulator with an ordinary CUDA-core addition, and start a fresh partial sum.
-# cuBLAS does this; DeepSeek-V3 promotes every $N_C = 128$. Triton exposes it as `tl.dot(..., max_num_imprecise_acc=N_C)`
-# on fp8 inputs; written out by hand it is two nested loops:
+# cuBLAS does this; DeepSeek-V3 promotes every $N_C = 128$. Triton exposes it as
+# `tl.dot(..., max_num_imprecise_acc=N_C)` on fp8 inputs; written out by hand it is two nested loops:
 #
 # ```
 # acc = 0 (fp32, CUDA cores)
@@ -393,7 +393,8 @@ a1.set(xlabel="K (= M = N on the H100)", ylabel="max |error| / std(output)",
        title=f"FP8 GEMM error vs K ({h100['device']}, {h100['date']})")
 a1.legend(fontsize=7)
 names = ["tl.dot(a,b,acc) [minite today]", "BK=128 tl.dot(a,b,acc)", "BK=128, max_num_imprecise_acc=128",
-         "max_num_imprecise_acc=64 (=BK)", "max_num_imprecise_acc=32", "acc += tl.dot(a,b)", "torch._scaled_mm (cuBLAS)"]
+         "max_num_imprecise_acc=64 (=BK)", "max_num_imprecise_acc=32", "acc += tl.dot(a,b)",
+         "torch._scaled_mm (cuBLAS)"]
 for S, c in ((4096, "C0"), (8192, "C1")):
     a2.scatter([var[(S, n)]["max_err_over_std"] for n in names], [var[(S, n)]["tflops"] for n in names], color=c,
                label=f"{S}³")

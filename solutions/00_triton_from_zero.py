@@ -35,9 +35,8 @@
 import os, torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton or minite kernels
-import math
 from minite._triton import triton, tl
-from minite.testing import check_op, assert_close
+from minite.testing import check_op
 from minite.kernels.softmax import softmax_ref
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _ = torch.manual_seed(0)
@@ -210,7 +209,8 @@ def running_stats(x, block):
 
 
 g = torch.Generator().manual_seed(0)
-for (N, C), dtype, block in [((6, 70), torch.float32, 16), ((3, 64), torch.float16, 16), ((3, 100), torch.bfloat16, 32)]:
+for (N, C), dtype, block in [((6, 70), torch.float32, 16), ((3, 64), torch.float16, 16),
+                             ((3, 100), torch.bfloat16, 32)]:
     x = 4 * torch.randn(N, C, generator=g)
     x[1, :40] = float("-inf")                                         # its first blocks are all -inf
     x[2] = torch.linspace(-3, 30, C)                                  # the max rises in every block

@@ -39,13 +39,9 @@
 import os, torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton or minite kernels
-import inspect, math
-import matplotlib.pyplot as plt
-import minite
 from minite._triton import triton, tl
-from minite.formats import (E4M3, E5M2, BF16, Format, DelayedScaling, CurrentScaling, fp8_autocast,
-                            Float8Tensor, quantize, dequantize)
-from minite.testing import check_op, assert_close
+from minite.formats import DelayedScaling, quantize
+from minite.testing import assert_close
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _ = torch.manual_seed(0)
 
@@ -155,7 +151,8 @@ for dtype in (torch.float32, torch.bfloat16):
 # ## Task 3 — a block-scaled FP8 GEMM (a whole kernel)
 #
 # One scale per tensor fails when parts of a tensor differ in size by orders of magnitude (outlier tokens or
-# channels): the largest part sets the amax, and the rest is pushed into the subnormals or flushed to 0. DeepSeek-V3 scales finer: the activation $A$ `(M, K)` gets one scale
+# channels): the largest part sets the amax, and the rest is pushed into the subnormals or flushed to 0.
+# DeepSeek-V3 scales finer: the activation $A$ `(M, K)` gets one scale
 # per **1 × G slice** of a row, the weight $B$ `(K, N)` one per **G × G block**, with $G$ = 128 on the GPU
 # (32 here, so that the shapes stay small). `quantize_tiles` below produces the fp8 data and the per-tile
 # `scale_inv` (a tile's real value is `data * scale_inv`).
@@ -246,7 +243,9 @@ for M, K, N in ((16, 32, 48), (33, 96, 40), (20, 64, 70)):
                   quantize(w, backend="torch").dequantize(torch.float32)).double()
     def worst(c):                                              # the worst relative error of a row or a column
         e = c.double() - exact
-        return max((e.norm(dim=0) / exact.norm(dim=0)).max().item(), (e.norm(dim=1) / exact.norm(dim=1)).max().item())
+        return max((e.norm(dim=0) / exact.norm(dim=0)).max().item(),
+                   (e.norm(dim=1) / exact.norm(dim=1)).max().item())
     err_block, err_tensor = worst(got), worst(per_tensor)
-    assert err_block < 0.5 * err_tensor, f"block scaling should beat per-tensor scaling: {err_block:.3g} vs {err_tensor:.3g}"
+    assert err_block < 0.5 * err_tensor, \
+        f"block scaling should beat per-tensor scaling: {err_block:.3g} vs {err_tensor:.3g}"
 print("PASS: block_scaled_matmul_kernel")
