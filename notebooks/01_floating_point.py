@@ -41,17 +41,16 @@
 # %%
 import os, torch
 if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"      # run Triton kernels on the CPU interpreter
-torch.set_num_threads(1)                      # tiny shapes: threads only add overhead
-
-# %%
+    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton or minite kernels
 import math
 import numpy as np
 import matplotlib.pyplot as plt
 from minite._triton import triton, tl
 from minite.formats.specs import FP32, FP16, BF16, E4M3, E5M2, FORMATS, encode, decode, round_to_format, bit_string
 from minite.formats import DynamicLossScaler
-from minite.testing import check_op
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+_ = torch.manual_seed(0)
+torch.set_num_threads(1)                  # tiny shapes: threads only add overhead
 
 # %% [markdown]
 # ## 1. Sign, exponent, mantissa
@@ -192,8 +191,8 @@ def fields_kernel(X_ptr, Out_ptr, N, BLOCK_SIZE: tl.constexpr):
     tl.store(Out_ptr + 3 * offs + 2, sig, mask=mask)
 
 
-vals = torch.tensor([1.0, -6.5, 0.1, 1e-40])
-out = torch.zeros(len(vals), 3, dtype=torch.int32)
+vals = torch.tensor([1.0, -6.5, 0.1, 1e-40]).to(DEVICE)
+out = torch.zeros(len(vals), 3, dtype=torch.int32, device=DEVICE)
 fields_kernel[(1,)](vals, out, len(vals), BLOCK_SIZE=4)
 for v, (sg, e32, sig) in zip(vals.tolist(), out.tolist()):
     back = (-1) ** sg * sig * 2.0 ** (e32 - 150)
@@ -251,11 +250,12 @@ def round_kernel(X_ptr, Y_ptr, N, E: tl.constexpr, M: tl.constexpr, FN: tl.const
 
 
 def to_bits(x, spec, block=16384):
-    x = x.float().contiguous()
-    y = torch.empty(x.shape, dtype=torch.int32, device=x.device)
+    """fp32 values -> int32 bit patterns of `spec`, on DEVICE; returned on the CPU."""
+    x = x.float().contiguous().to(DEVICE)
+    y = torch.empty(x.shape, dtype=torch.int32, device=DEVICE)
     round_kernel[(triton.cdiv(x.numel(), block),)](x, y, x.numel(), E=spec.exp_bits, M=spec.man_bits, FN=spec.fn,
                                                    BLOCK_SIZE=block)
-    return y
+    return y.cpu()
 
 
 # %% [markdown]
@@ -276,7 +276,7 @@ for s, view in [(FP16, torch.int16), (BF16, torch.int16), (E4M3, torch.uint8), (
     want_t = ties.to(s.torch_dtype).view(view).to(torch.int32) & ((1 << s.bits) - 1)
     ok_torch = torch.equal(to_bits(xs, s), want) and torch.equal(to_bits(ties, s), want_t)
     allx = torch.cat([x, specials])
-    ok_minite = torch.equal(to_bits(allx, s), encode(allx, s, backend="triton"))
+    ok_minite = torch.equal(to_bits(allx, s), encode(allx.to(DEVICE), s, backend="triton").cpu())
     assert ok_torch and ok_minite, (s.name, ok_torch, ok_minite)
     print(f"PASS: round to {s.name}: bit-exact vs torch ({xs.numel() + ties.numel()} values, ties included) "
           f"and vs minite's encoder (specials included)")
