@@ -33,19 +33,22 @@
 #
 # Plan: the two formats and why each tensor gets the one it gets → scaling math and the backward → quantize in
 # PyTorch, then in Triton (one pass, amax included) → the recipes, and what delayed scaling risks → the FP8 GEMM
-# kernel → `minite.nn.Linear` under `fp8_autocast` → training a GPT in FP32 vs BF16 vs FP8.
+# kernel, built in cells, and Hopper's 14-bit accumulator with the promotion fix (measured on an H100) →
+# `minite.nn.Linear` under `fp8_autocast` → training a GPT in FP32 vs BF16 vs FP8, and the histograms of its real
+# activations and gradients against the two FP8 ranges.
 
 # %%
 import os, torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton or minite kernels
-import inspect, math
+import json, math
 import matplotlib.pyplot as plt
 import minite
 from minite._triton import triton, tl
 from minite.formats import (E4M3, E5M2, BF16, Format, DelayedScaling, CurrentScaling, fp8_autocast,
                             Float8Tensor, quantize, dequantize)
 from minite.testing import check_op, assert_close
+from minite.kernels.fp8_gemm import fp8_gemm, fp8_gemm_ref
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _ = torch.manual_seed(0)
 
@@ -133,21 +136,33 @@ for name, t in (("activation", act), ("gradient", grad)):
 # ## 3. Quantize in PyTorch, and count the passes
 
 # %%
-from minite.formats.fp8 import quantize_ref
-print(inspect.getsource(quantize_ref))
+def quantize_torch(x, scale, fp8_dtype=torch.float8_e4m3fn):
+    """Per-tensor scaled FP8: returns (fp8 data, amax of x). The spec every FP8 kernel below is checked against."""
+    fp8_max = torch.finfo(fp8_dtype).max                      # 448 (E4M3) or 57344 (E5M2)
+    xs = x.float() * scale                                    # pass 1: read x, write xs (fp32)
+    data = xs.clamp(-fp8_max, fp8_max).to(fp8_dtype)          # clamp first: torch's E5M2 cast overflows to inf
+    amax = x.abs().amax().float()                             # another pass over x: the statistic for next time
+    return data, amax
+
+
+g = torch.Generator().manual_seed(1)
+x = torch.randn(37, 129, generator=g) * torch.logspace(-5, 3, 129)
+x[0, :3] = torch.tensor([float("inf"), -1e9, 0.0])
+for f8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+    data, amax = quantize_torch(x, torch.tensor(7.5), f8)
+    ref = quantize(x, 7.5, fp8_dtype=f8, backend="torch")
+    ok = torch.equal(data.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(amax, ref.amax)
+    print(f"{'PASS' if ok else 'FAIL'}: quantize_torch == minite's quantize reference [{str(f8)[6:]}]")
 
 # %% [markdown]
-# With the scale known in advance this is one read of $x$ (2 B/element in bf16) and one 1-byte write — if fused.
+# With the scale known in advance this is one read of $x$ (2 B/element in bf16) and one 1-byte write, if fused.
 # Eagerly it is several passes (multiply, clamp, cast, abs, amax each read and write a full tensor). And with
 # *current* scaling the scale depends on $\operatorname{amax}(x)$ itself, so the amax must be a separate, earlier
-# pass: at least 2 reads + 1 write. The Triton kernel below does **1 read + 1 write and produces the amax in the
-# same pass**, as a per-program partial max reduced by the launcher. It encodes with chapter 01's integer
-# `encode_bits_tl` (round to nearest even, saturate, subnormals), because the interpreter's own fp32→fp8 cast is
-# wrong on a few percent of values; on a GPU with fp8 units (sm_89+) it uses the hardware cast after the same clamp.
-
-# %%
-from minite.formats import fp8 as fp8_mod
-print(inspect.getsource(fp8_mod._fp8_quantize_kernel.fn))
+# pass: at least 2 reads + 1 write. minite's Triton kernel (`minite/formats/fp8.py`) does **1 read + 1 write and
+# produces the amax in the same pass**, as a per-program partial max reduced by the launcher; writing that kernel
+# is exercise task 2. It encodes with chapter 01's integer `encode_bits_tl` (round to nearest even, saturate,
+# subnormals), because the interpreter's own fp32→fp8 cast is wrong on a few percent of values; on a GPU with fp8
+# units (sm_89+) it uses the hardware cast after the same clamp. Bit for bit, it agrees with the reference:
 
 # %% tags=["nbval-check-output"]
 g = torch.Generator().manual_seed(1)
@@ -222,28 +237,203 @@ for name, (err, clipped, used) in curves.items():
 # is 1, as in TransformerEngine, and the tensor uses 1/448 of the range.) In training,
 # amaxes move slowly from step to step (weights change by a learning rate, activations are normalized), which is
 # why the one-pass delayed recipe works in practice — and why `margin` exists as headroom for the spikes.
+
+# %% [markdown]
+# ## 5. The FP8 GEMM, and Hopper's 14-bit accumulator
 #
-# ## 5. The FP8 GEMM kernel
+# The GEMM is chapter 00's tiled matmul with fp8 tiles: the operands stay fp8 in registers, `tl.dot` multiplies
+# them on the tensor cores, the two per-tensor scales are applied once in the epilogue, and the output is rounded
+# once to bf16 / fp16 / fp32. On paper the accumulator is fp32. On an H100 it is not quite.
 #
-# A plain tiled matmul (pointer arithmetic, masks on every ragged edge, grouped tile order for L2 reuse): the
-# operands stay fp8 in registers, `tl.dot` accumulates in fp32, the two scales are applied in the epilogue, and the
-# output is rounded once to bf16 / fp16 / fp32. The reference dequantizes both operands and multiplies in fp32.
+# **What was measured.** On an H100 (2026-11-23), minite's FP8 GEMM as first written (`acc = tl.dot(a, b, acc)`
+# over the whole K loop) had a max error of $3.97 \cdot 10^{-2}$ of the output's standard deviation at
+# $M = N = K = 8192$, where cuBLAS (`torch._scaled_mm`) had $8.6 \cdot 10^{-4}$ on the same fp8 inputs: **46× the
+# error**, growing with K. The cause is documented by DeepSeek-V3 (arXiv:2412.19437, §3.3.2): Hopper's FP8 tensor
+# cores add products into an accumulator that keeps only about **14 significant bits**, not fp32's 24. Chaining
+# `tl.dot(a, b, acc)` keeps the running sum inside the tensor core for the whole K loop, so every one of the
+# $K/32$ additions loses bits to that narrow accumulator, and the loss adds up.
+#
+# **The fix: promotion.** Accumulate only $N_C$ elements of K in the tensor core (the "fast" partial sum), then add
+# the partial sum into a real fp32 accumulator with an ordinary CUDA-core addition, and start a fresh partial sum.
+# cuBLAS does this; DeepSeek-V3 promotes every $N_C = 128$. Triton exposes it as
+# `tl.dot(..., max_num_imprecise_acc=N_C)` on fp8 inputs; written out by hand it is two nested loops:
+#
+# ```
+# acc = 0 (fp32, CUDA cores)
+# for each chunk of N_C along K:          # promotion interval
+#     part = 0 (tensor-core accumulator)
+#     for each BLOCK_K inside the chunk:
+#         part = tl.dot(a_tile, b_tile, part)    # fast: stays in the tensor core
+#     acc += part                          # promote: one exact fp32 add per N_C of K
+# ```
+#
+# The price is speed: the tensor core has to hand its partial sum over and wait. Here is the kernel, runnable on
+# the CPU (where `tl.dot` is exact, so both paths agree to the last bit) and GPU-legal (every dot dim ≥ 16, K ≥ 32).
 
 # %%
-from minite.kernels import fp8_gemm as gemm_mod
-from minite.kernels.fp8_gemm import fp8_gemm, fp8_gemm_ref
-print(inspect.getsource(gemm_mod._fp8_gemm_kernel.fn))
+@triton.jit
+def fp8_matmul_kernel(A_ptr, B_ptr, C_ptr, A_scale_inv_ptr, B_scale_inv_ptr, M, N, K,
+                      stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PROMOTE_EVERY: tl.constexpr):
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = pid // num_pid_n, pid % num_pid_n
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = A_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak     # (BLOCK_M, BLOCK_K) fp8
+    b_ptrs = B_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn     # (BLOCK_K, BLOCK_N) fp8
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)              # the true fp32 accumulator
+    for chunk in range(0, K, PROMOTE_EVERY):                           # one promotion per PROMOTE_EVERY of K
+        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)         # the tensor core's running sum
+        for kk in range(0, PROMOTE_EVERY, BLOCK_K):
+            k = chunk + kk + offs_k
+            a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)
+            b = tl.load(b_ptrs, mask=(k[:, None] < K) & (offs_n[None, :] < N), other=0.0)
+            part = tl.dot(a, b, part)                                 # fast accumulation, fp8 x fp8
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+        acc += part                                                   # promotion: an exact fp32 add
+    acc = acc * (tl.load(A_scale_inv_ptr) * tl.load(B_scale_inv_ptr))  # epilogue: both per-tensor scales
+    c_ptrs = C_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(C_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def fp8_matmul(qa, qb, out_dtype=torch.float32, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, promote_every=64):
+    """(M, K) @ (K, N) of two Float8Tensors; promote_every must be a multiple of BLOCK_K."""
+    (M, K), (_, N) = qa.shape, qb.shape
+    c = torch.empty(M, N, device=qa.device, dtype=out_dtype)
+    grid = (triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N),)
+    fp8_matmul_kernel[grid](qa.data, qb.data, c, qa.scale_inv.reshape(1), qb.scale_inv.reshape(1), M, N, K,
+                            qa.data.stride(0), qa.data.stride(1), qb.data.stride(0), qb.data.stride(1),
+                            c.stride(0), c.stride(1), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                            PROMOTE_EVERY=promote_every)
+    return c
+
+
+# %% [markdown]
+# Check it against the reference (dequantize both operands, matmul in fp32) and against minite's `fp8_gemm`, on
+# ragged shapes, mixed E4M3 × E5M2 operands, a transposed weight (`w.t()`, as `Linear` uses it), and K that is not
+# a multiple of the promotion interval.
 
 # %% tags=["nbval-check-output"]
 g = torch.Generator().manual_seed(3)
-for (M, K, N) in ((33, 65, 17), (64, 64, 64)):
+for (M, K, N), promote in (((33, 65, 17), 32), ((64, 128, 48), 64), ((20, 200, 40), 128)):
     for out_dtype in (torch.float32, torch.bfloat16):
-        a = quantize(torch.randn(M, K, generator=g), backend="torch")                  # E4M3
-        w = quantize(torch.randn(N, K, generator=g), fp8_dtype=torch.float8_e5m2, backend="torch")
-        out = fp8_gemm(a, w.t(), out_dtype=out_dtype, backend="triton")             # (M, K) @ (K, N)
+        a = quantize(torch.randn(M, K, generator=g).to(DEVICE), backend="torch")                     # E4M3
+        w = quantize(torch.randn(N, K, generator=g).to(DEVICE), fp8_dtype=torch.float8_e5m2, backend="torch")
+        out = fp8_matmul(a, w.t(), out_dtype, promote_every=promote)                               # (M, N)
         atol = 1e-4 if out_dtype == torch.float32 else 0.1       # bf16 output: one rounding of values ~10
-        assert_close(out, fp8_gemm_ref(a, w.t(), out_dtype), name="fp8_gemm", atol=atol)
-        print(f"PASS: fp8_gemm triton vs dequantize+fp32 matmul [{M}x{K}x{N} -> {str(out_dtype)[6:]}]")
+        assert_close(out, fp8_gemm_ref(a, w.t(), out_dtype), name="fp8_matmul vs reference", atol=atol)
+        assert_close(out, fp8_gemm(a, w.t(), out_dtype=out_dtype, backend="triton"), name="vs minite", atol=atol)
+        print(f"PASS: fp8_matmul (promote every {promote}) vs dequantize+fp32 matmul and vs minite "
+              f"[{M}x{K}x{N} -> {str(out_dtype)[6:]}]")
+
+# %% [markdown]
+# **Seeing the 14-bit accumulator on a CPU.** The interpreter's `tl.dot` is exact, so the error cannot show up
+# there. We can model it: a PyTorch GEMM that adds each 32-wide slice of K (one Hopper FP8 MMA instruction) into
+# an accumulator that is truncated to 14 significant bits after every addition, with and without promotion every
+# 128. This is an emulation under a stated assumption (14 bits, truncation), not the hardware; it reproduces
+# the *shape* of what the H100 measured: an error that grows about linearly with K without promotion, and stays
+# flat with it.
+
+# %%
+def truncate_to_bits(x, bits):
+    """Keep `bits` significant bits of fp32 values (the hidden 1 included), rounding toward zero."""
+    return (x.view(torch.int32) & ~((1 << (24 - bits)) - 1)).view(torch.float32)
+
+
+def emulated_fp8_gemm(a, b, acc_bits=14, promote_every=None, mma_k=32):
+    """a (M, K), b (K, N): exact fp8 values in fp32. The tensor-core sum keeps `acc_bits` bits."""
+    acc = torch.zeros(a.shape[0], b.shape[1])
+    part = torch.zeros_like(acc)
+    for k0 in range(0, a.shape[1], mma_k):
+        part = truncate_to_bits(part + a[:, k0:k0 + mma_k] @ b[k0:k0 + mma_k], acc_bits)
+        if promote_every and (k0 + mma_k) % promote_every == 0:
+            acc, part = acc + part, torch.zeros_like(part)
+    return acc + part
+
+
+torch.set_num_threads(1)
+g = torch.Generator().manual_seed(4)
+Ks, emu = [256, 512, 1024, 2048, 4096, 8192], {"fast (14-bit, no promotion)": [], "promoted every 128": []}
+for K in Ks:
+    a8 = quantize(torch.randn(64, K, generator=g), backend="torch").data.float()      # exact E4M3 values
+    b8 = quantize(torch.randn(K, 64, generator=g), backend="torch").data.float()
+    ref = a8.double() @ b8.double()
+    for name, pe in (("fast (14-bit, no promotion)", None), ("promoted every 128", 128)):
+        err = (emulated_fp8_gemm(a8, b8, promote_every=pe).double() - ref).abs().max() / ref.std()
+        emu[name].append(err.item())
+for name, errs in emu.items():
+    print(f"emulated, {name:28s}: max|err|/std " + " ".join(f"{e:.1e}" for e in errs) + f"  (K = {Ks})")
+
+# %% [markdown]
+# **Measured on the H100.** `benchmarks/results/h100-2026-11-23_fp8_gemm.json` holds three measurements of that
+# day: the error of minite's FP8 GEMM against `torch._scaled_mm` at $S = M = N = K$ = 1024, 4096 and 8192
+# (`fp8_gemm_error.log`), a stand-alone copy of the kernel in six accumulation variants at 4096³ and 8192³
+# (`fp8_accumulation_variants.log`: 128 × 128 tiles, 8 warps, 3 stages), and the speed benchmark.
+
+# %% tags=["nbval-check-output"]
+with open("../benchmarks/results/h100-2026-11-23_fp8_gemm.json") as f:
+    h100 = json.load(f)
+err = {}
+for r in h100["error_vs_scaled_mm"]:
+    err.setdefault(r["impl"], []).append((r["K"], r["max_err_over_std"]))
+var = {(r["S"], r["variant"]): r for r in h100["accumulation_variants"]}
+fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.2))
+(k1, e1), (k2, e2) = zip(*sorted(err["minite fp8_gemm"])), zip(*sorted(err["torch._scaled_mm"]))
+a1.loglog(k1, e1, "o-", color="C3", label="H100: minite, tl.dot(a, b, acc) (fast)")
+a1.loglog(k2, e2, "s-", color="k", label="H100: cuBLAS torch._scaled_mm")
+promo = [(S, var[(S, "BK=128, max_num_imprecise_acc=128")]["max_err_over_std"]) for S in (4096, 8192)]
+a1.loglog(*zip(*promo), "D", ms=9, color="C2", label="H100: promoted every 128 (BK=128)")
+for (name, errs), st in zip(emu.items(), (":", "--")):
+    a1.loglog(Ks, errs, st, color="gray", label=f"CPU emulation: {name}")
+a1.set(xlabel="K (= M = N on the H100)", ylabel="max |error| / std(output)",
+       title=f"FP8 GEMM error vs K ({h100['device']}, {h100['date']})")
+a1.legend(fontsize=7)
+names = ["tl.dot(a,b,acc) [minite today]", "BK=128 tl.dot(a,b,acc)", "BK=128, max_num_imprecise_acc=128",
+         "max_num_imprecise_acc=64 (=BK)", "max_num_imprecise_acc=32", "acc += tl.dot(a,b)",
+         "torch._scaled_mm (cuBLAS)"]
+for S, c in ((4096, "C0"), (8192, "C1")):
+    a2.scatter([var[(S, n)]["max_err_over_std"] for n in names], [var[(S, n)]["tflops"] for n in names], color=c,
+               label=f"{S}³")
+for n in names:
+    a2.annotate(n.replace(" [minite today]", ""), (var[(8192, n)]["max_err_over_std"], var[(8192, n)]["tflops"]),
+                fontsize=7, xytext=(4, 4), textcoords="offset points")
+a2.set_xscale("log")
+a2.set(xlabel="max |error| / std(output)", ylabel="TFLOP/s", title="speed vs error of 7 ways to accumulate (H100)")
+a2.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
+ratio = dict(err["minite fp8_gemm"])[8192] / dict(err["torch._scaled_mm"])[8192]
+print(f"K = 8192: fast accumulation {dict(err['minite fp8_gemm'])[8192]:.2e} vs cuBLAS "
+      f"{dict(err['torch._scaled_mm'])[8192]:.2e}: {ratio:.0f}x the error")
+for n in names:
+    r = var[(8192, n)]
+    print(f"8192^3 {n:36s} error {r['max_err_over_std']:.2e}  {r['tflops']:6.0f} TFLOP/s")
+
+# %% [markdown]
+# Reading the measurements:
+#
+# * **Fast accumulation is fast and inaccurate**: 970 TFLOP/s at 8192³ with BLOCK_K = 128, at 46× cuBLAS's error.
+# * **Promotion every 32 or 64** (one fp32 add per K step, `acc += tl.dot(a, b)` or `max_num_imprecise_acc=BLOCK_K`)
+#   is the most accurate (2.7–4.8e-4, below cuBLAS), but costs almost half the speed (520–550 TFLOP/s).
+# * **Promotion every 128 with BLOCK_K = 128** matches cuBLAS's error exactly (8.6e-4 at 8192³, 8.5e-4 at 4096³)
+#   at 817 TFLOP/s, 16 % slower than fast accumulation at the same tiles. Even the fast variant is only
+#   **0.78× cuBLAS's speed** (970 vs 1237 TFLOP/s): that gap (cuBLAS's pipelining, tile shapes and warp
+#   specialization) is not closed here.
+#
+# Where to pay for promotion is a recipe choice. TransformerEngine's default, which minite's fix follows, keeps
+# fast accumulation in the forward GEMM and promotes (its "split accumulator") in the two backward GEMMs: wgrad
+# sums over every token of the batch, the longest K of the three, and both feed the weight update, where
+# accumulated error does the most harm.
+#
+# The speed benchmark of the same day says more that is poor: the full FP8 `Linear` was **0.19× (4096) and 0.26×
+# (8192) of bf16 for forward+backward**, because the time outside the GEMM (three quantization passes per
+# layer, the transposed operands of dgrad and wgrad, scale bookkeeping) was larger than what the fp8 GEMM saved;
+# at 8192 the forward alone reached 1.2× bf16. Those numbers predate the accumulation fix and are not profiled
+# further in this chapter.
 
 # %% [markdown]
 # ## 6. `minite.nn.Linear` under `fp8_autocast`
@@ -304,6 +494,9 @@ def batch(src, g):
     ix = torch.randint(len(src) - T - 1, (B,), generator=g)
     return torch.stack([src[i:i + T] for i in ix]), torch.stack([src[i + 1:i + T + 1] for i in ix])   # (B, T)
 
+MODELS = {}
+
+
 def train(precision):
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=len(chars), block_size=T, n_layer=2, n_head=4, n_embd=64, vocab_multiple=16)
@@ -325,6 +518,7 @@ def train(precision):
         gv = torch.Generator().manual_seed(2)
         with torch.no_grad(), ctx():
             val = sum(model(*(t.to(DEVICE) for t in batch(val_ids, gv)))[1].item() for _ in range(8)) / 8
+    MODELS[precision] = model
     return losses, val
 
 if DEVICE == "cpu":
@@ -346,6 +540,54 @@ gap = runs["FP8"][1] - runs["BF16"][1]
 print(f"FP8 - BF16 val-loss gap: {gap:+.3f} (margin 0.05)")
 assert abs(gap) < 0.05, f"FP8 val loss is {gap:+.3f} away from BF16's: more than precision noise"
 print("PASS: FP8 trains like BF16 (val-loss gap within 0.05)")
+
+# %% [markdown]
+# **Real tensors against the two FP8 ranges.** Section 1 argued from synthetic tensors. Here are real ones: after
+# the FP32 run above, one more batch through the trained model, recording the input of the second block's MLP
+# down-projection (an activation: what `fp8_autocast` quantizes to E4M3) and the gradient flowing back into it
+# (what the backward quantizes to E5M2). Each tensor is scaled the way current scaling would (its amax onto the
+# format's max), and its magnitudes are histogrammed against each format's representable band: normal numbers
+# (solid), subnormals (hatched); below the smallest subnormal a value becomes 0.
+
+# %%
+captured = {}
+down = MODELS["FP32"].blocks[1].mlp.down
+h1 = down.register_forward_hook(lambda m, inp, out: captured.__setitem__("activation", inp[0].detach()))
+h2 = down.register_full_backward_hook(lambda m, gin, gout: captured.__setitem__("gradient", gin[0].detach()))
+try:
+    with minite.use_backend("torch"):
+        x, y = batch(train_ids, torch.Generator().manual_seed(5))
+        _, loss = MODELS["FP32"](x.to(DEVICE), y.to(DEVICE))
+        loss.backward()
+finally:
+    h1.remove(), h2.remove()
+fig, axes = plt.subplots(1, 2, figsize=(13, 3.8))
+for ax, (name, t) in zip(axes, captured.items()):
+    v = t.float().abs().flatten().cpu()
+    v = v[v > 0]
+    for spec, color in ((E4M3, "C0"), (E5M2, "C1")):
+        scaled = v * (spec.max / v.max())                        # current scaling: amax -> the format's max
+        ax.axvspan(math.log2(spec.min_normal), math.log2(spec.max), color=color, alpha=0.12)
+        ax.axvspan(math.log2(spec.min_subnormal), math.log2(spec.min_normal), color=color, alpha=0.06, hatch="//")
+        flushed = (scaled < spec.min_subnormal / 2).float().mean().item()
+        sub = ((scaled >= spec.min_subnormal / 2) & (scaled < spec.min_normal)).float().mean().item()
+        ax.hist(scaled.log2().numpy(), bins=80, histtype="step", color=color, lw=1.5,
+                label=f"scaled for {spec.name}: {sub:.1%} subnormal, {flushed:.2%} flushed to 0")
+        bulk = math.log2(v.max() / v.quantile(0.001))
+        print(f"{name:10s} ({v.numel()} nonzeros) scaled for {spec.name}: {sub:6.2%} subnormal, "
+              f"{flushed:6.2%} flushed to 0; 99.9 % of it within {bulk:.1f} binades below the max")
+    ax.set(xlabel="log2 |value| after scaling", title=f"{name} (block 1, MLP down-projection input)")
+    ax.legend(fontsize=8, loc="upper left")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# What this small model shows: E5M2's 32-binade band holds every value of both tensors. In E4M3 (normal band
+# 15 binades wide below 448), both tensors leave a tail in the subnormals, where the relative precision drops,
+# and a sliver is flushed to 0; the gradient loses about twice the share the activation does. The effect is modest
+# here (a 2-layer, width-64 model whose gradients are not yet very skewed); the FP8 paper (Micikevicius et al.,
+# 2022) reports gradient distributions of large models spreading much wider, which is where E4M3 gradients stop
+# training. Activations in E4M3 and gradients in E5M2 (`Format.HYBRID`) is the safe default.
 
 # %% [markdown]
 # The three curves lie on top of each other: at this scale FP8 with delayed scaling trains like BF16. The assert
@@ -416,7 +658,8 @@ print("PASS: 3 FP8 training steps, Triton kernels == torch reference within 2e-3
 # ## 8. Benchmark (GPU only)
 #
 # `benchmarks/bench_fp8_gemm.py` compares the FP8 GEMM with `torch.matmul` in bf16 at $4096^3$ and $8192^3$
-# (TFLOP/s and % of the fp8 / bf16 peaks), plus the whole FP8 `Linear` forward and forward+backward.
+# (TFLOP/s and % of the fp8 / bf16 peaks), plus the whole FP8 `Linear` forward and forward+backward. The H100
+# numbers of 2026-11-23 are plotted in section 5; on a GPU this cell times the library kernel against bf16 now.
 
 # %%
 if torch.cuda.is_available():

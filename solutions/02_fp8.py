@@ -17,24 +17,31 @@
 # %% [markdown]
 # # 02 — FP8: graded exercises
 #
-# Two tasks. Fill in the code between the markers, run the cell, then run the check cell right after it.
+# Three tasks on what the lesson did not write. In each task cell, replace
+#
+# ```python
+#     ### BEGIN YOUR CODE
+#     raise NotImplementedError()
+#     ### END YOUR CODE
+# ```
+#
+# with your code (keep the marker lines), run the cell, then run the check cell right after it. Grade with
+# `python -m minite.grading grade exercises/02_fp8.ipynb`.
 #
 # 1. the **delayed-scaling update**: roll the amax history, compute the next scale, keep the old one when the amax
 #    is 0 or not finite;
-# 2. the body of the **FP8 quantize kernel**: per-tensor scale, saturate, encode with `encode_bits_tl`, and the
-#    block's partial amax.
+# 2. the **FP8 quantize kernel** (a whole kernel): per-tensor scale, saturate, encode with `encode_bits_tl`, and
+#    the block's partial amax, in one pass;
+# 3. a **block-scaled FP8 GEMM** (a whole kernel): one scale per 1 × 32 slice of the activation and per 32 × 32
+#    block of the weight, applied at each promotion, the recipe DeepSeek-V3 trains with.
 
 # %%
 import os, torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton or minite kernels
-import inspect, math
-import matplotlib.pyplot as plt
-import minite
 from minite._triton import triton, tl
-from minite.formats import (E4M3, E5M2, BF16, Format, DelayedScaling, CurrentScaling, fp8_autocast,
-                            Float8Tensor, quantize, dequantize)
-from minite.testing import check_op, assert_close
+from minite.formats import DelayedScaling, quantize
+from minite.testing import assert_close
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _ = torch.manual_seed(0)
 
@@ -44,12 +51,10 @@ _ = torch.manual_seed(0)
 #
 # `amax_history` is a 1-D fp32 tensor, newest first. One step: roll it by one (the oldest entry falls off the
 # end), put this step's `amax` in slot 0, reduce it (`"max"`: the max over the history; `"most_recent"`: slot 0),
-# and return `(new_history, new_scale)` with
-#
-# $$\text{new\_scale} = \frac{\text{fp8\_max}}{\text{amax}_r}\,2^{-\text{margin}},$$
-#
-# except that the previous `scale` is kept where $\text{amax}_r$ is 0 or not finite. Use tensor ops only (no
-# `.item()`): on a GPU this runs every step without synchronising with the host.
+# and return `(new_history, new_scale)`: the scale that maps the reduced amax onto the format's largest value
+# `fp8_max`, with `margin` powers of two of headroom (lesson section 4), except that the previous `scale` is kept
+# where the reduced amax is 0 or not finite. Use tensor ops only (no `.item()`): on a GPU this runs every step
+# without synchronising with the host.
 
 # %% minite={"task": "delayed_scaling_update"}
 def delayed_scaling_update(amax_history, scale, amax, *, fp8_max, margin=0, algo="max"):
@@ -90,7 +95,8 @@ assert len(amaxes) == 11
 # 4. encode to fp8 bits with chapter 01's `encode_bits_tl(x, EXP_BITS, MAN_BITS, SATURATE, FN)` — saturating, so
 #    overflow becomes ±max like the clamp of the reference — and store them as `tl.uint8`.
 #
-# The launcher is given; compare with `minite/formats/fp8.py` only after trying.
+# Nothing but the signature is given; the launcher is below it. Compare with `minite/formats/fp8.py` only after
+# trying.
 
 # %%
 from minite.formats.specs import encode_bits_tl
@@ -132,6 +138,7 @@ for dtype in (torch.float32, torch.bfloat16):
     for f8 in (torch.float8_e4m3fn, torch.float8_e5m2):
         x = (torch.randn(9, 131, generator=g) * torch.logspace(-6, 4, 131)).to(dtype)
         x[0, :2] = torch.tensor([-float("inf"), 0.0]).to(dtype)
+        x = x.to(DEVICE)
         for scale in (1.0, 13.0):
             data, amax = my_quantize(x, scale, f8)
             want = quantize(x, scale, fp8_dtype=f8, backend="torch")
@@ -139,3 +146,103 @@ for dtype in (torch.float32, torch.bfloat16):
             assert data.dtype == f8 and diff == 0, f"{diff} fp8 patterns differ ({dtype}, {f8}, scale {scale})"
             assert torch.equal(amax, want.amax), f"amax {amax.item()} != {want.amax.item()}"
         print(f"PASS: quantize_kernel [{str(dtype)[6:]} -> {str(f8)[6:]}]")
+
+
+# %% [markdown]
+# ## Task 3 — a block-scaled FP8 GEMM (a whole kernel)
+#
+# One scale per tensor fails when parts of a tensor differ in size by orders of magnitude (outlier tokens or
+# channels): the largest part sets the amax, and the rest is pushed into the subnormals or flushed to 0.
+# DeepSeek-V3 scales finer: the activation $A$ `(M, K)` gets one scale
+# per **1 × G slice** of a row, the weight $B$ `(K, N)` one per **G × G block**, with $G$ = 128 on the GPU
+# (32 here, so that the shapes stay small). `quantize_tiles` below produces the fp8 data and the per-tile
+# `scale_inv` (a tile's real value is `data * scale_inv`).
+#
+# Write `block_scaled_matmul_kernel`: $C = \hat A \hat B$ in fp32, where $\hat A$, $\hat B$ are the dequantized
+# operands, **without dequantizing the tiles before `tl.dot`** (the operands of `tl.dot` are the raw fp8 tiles).
+# One program per `(BLOCK_M, BLOCK_N)` tile of C (row-major order is fine), `BLOCK_K == G` (one K step per scale
+# group), masks on ragged M and N (K is a multiple of G). `SA_ptr` is `(M, K // G)` and `SB_ptr` `(K // G, cdiv(N, G))`,
+# both contiguous fp32; work out where in the K loop each scale has to be applied. This is also the promotion of
+# lesson section 5: each group's product leaves the tensor core before it is scaled.
+
+# %%
+def quantize_tiles(x, tile_rows, tile_cols, fp8_dtype=torch.float8_e4m3fn):
+    """Per-tile current scaling of a 2-D tensor: (fp8 data, scale_inv of shape (cdiv(R, tr), cdiv(C, tc)))."""
+    R, C = x.shape
+    fp8_max = torch.finfo(fp8_dtype).max
+    pad = torch.nn.functional.pad(x.float(), (0, -C % tile_cols, 0, -R % tile_rows))
+    tiles = pad.view(pad.shape[0] // tile_rows, tile_rows, pad.shape[1] // tile_cols, tile_cols)
+    amax = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12)                          # (tiles down, tiles across)
+    scale = fp8_max / amax
+    data = (tiles * scale[:, None, :, None]).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+    data = data.view(pad.shape)[:R, :C].contiguous()
+    return data, (1.0 / scale).contiguous()
+
+
+def dequantize_tiles(data, scale_inv, tile_rows, tile_cols):
+    s = scale_inv.repeat_interleave(tile_rows, 0).repeat_interleave(tile_cols, 1)[:data.shape[0], :data.shape[1]]
+    return data.float() * s
+
+
+# %% minite={"task": "block_scaled_matmul_kernel"}
+@triton.jit
+def block_scaled_matmul_kernel(A_ptr, B_ptr, C_ptr, SA_ptr, SB_ptr, M, N, K,
+                               stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr):
+    ### BEGIN SOLUTION
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tm = tl.program_id(0) // tiles_n
+    tn = tl.program_id(0) % tiles_n
+    rows = tm.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tn.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < M, cols < N
+    n_groups = K // G
+    n_col_blocks = tl.cdiv(N, G)
+    out = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for grp in range(0, n_groups):
+        ks = grp * G + tl.arange(0, G)                                          # this scale group's K range
+        qa = tl.load(A_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak, mask=row_ok[:, None], other=0.0)
+        qb = tl.load(B_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn, mask=col_ok[None, :], other=0.0)
+        raw = tl.dot(qa, qb)                                                    # fp8 x fp8, one group of K
+        sa = tl.load(SA_ptr + rows * n_groups + grp, mask=row_ok, other=0.0)     # (BLOCK_M,) one per row slice
+        sb = tl.load(SB_ptr + grp * n_col_blocks + cols // G, mask=col_ok, other=0.0)   # (BLOCK_N,) per block
+        out += raw * (sa[:, None] * sb[None, :])                                # promote, with the group's scales
+    tl.store(C_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn, out.to(C_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+    ### END SOLUTION
+
+
+def block_scaled_matmul(a_data, sa, b_data, sb, G=32, BLOCK_M=16, BLOCK_N=16):
+    (M, K), (_, N) = a_data.shape, b_data.shape
+    assert K % G == 0, f"K={K} must be a multiple of G={G}"
+    c = torch.empty(M, N, device=a_data.device, dtype=torch.float32)
+    grid = (triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N),)
+    block_scaled_matmul_kernel[grid](a_data, b_data, c, sa, sb, M, N, K, a_data.stride(0), a_data.stride(1),
+                                     b_data.stride(0), b_data.stride(1), c.stride(0), c.stride(1),
+                                     BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, G=G)
+    return c
+
+
+# %% minite={"check": "block_scaled_matmul_kernel"} tags=["nbval-check-output"]
+# CHECK: block_scaled_matmul_kernel
+G = 32
+g = torch.Generator().manual_seed(6)
+for M, K, N in ((16, 32, 48), (33, 96, 40), (20, 64, 70)):
+    x = torch.randn(M, K, generator=g) * 10.0 ** (-3 * (torch.arange(M) % 3))[:, None]   # rows 1, 1e-3, 1e-6
+    w = torch.randn(K, N, generator=g) * 10.0 ** (-3 * (torch.arange(N) // G))  # each 32 columns 1000x smaller
+    a_data, sa = quantize_tiles(x, 1, G)                                   # (M, K), (M, K // G)
+    b_data, sb = quantize_tiles(w, G, G)                                   # (K, N), (K // G, cdiv(N, G))
+    got = block_scaled_matmul(a_data.to(DEVICE), sa.to(DEVICE), b_data.to(DEVICE), sb.to(DEVICE), G=G).cpu()
+    want = dequantize_tiles(a_data, sa, 1, G) @ dequantize_tiles(b_data, sb, G, G)
+    assert_close(got, want, name=f"block-scaled GEMM {M}x{K}x{N}", atol=1e-3, rtol=1e-4)
+    exact = x.double() @ w.double()
+    per_tensor = (quantize(x, backend="torch").dequantize(torch.float32) @
+                  quantize(w, backend="torch").dequantize(torch.float32)).double()
+    def worst(c):                                              # the worst relative error of a row or a column
+        e = c.double() - exact
+        return max((e.norm(dim=0) / exact.norm(dim=0)).max().item(),
+                   (e.norm(dim=1) / exact.norm(dim=1)).max().item())
+    err_block, err_tensor = worst(got), worst(per_tensor)
+    assert err_block < 0.5 * err_tensor, \
+        f"block scaling should beat per-tensor scaling: {err_block:.3g} vs {err_tensor:.3g}"
+print("PASS: block_scaled_matmul_kernel")
