@@ -38,7 +38,7 @@ def implementations(op: str, C: int, dtype, device, compile_ok: bool) -> dict:
                  "eager": lambda x, w, b: layernorm_ref(x, w, b, 1e-5),
                  "F": lambda x, w, b: F.layer_norm(x, (C,), w, b, 1e-5)}
     if compile_ok:
-        impls["torch.compile"] = torch.compile(impls["eager"], dynamic=False)
+        impls["torch.compile"] = common.strict_compile(impls["eager"])
     try:  # optional: pip install liger-kernel
         if op == "rmsnorm":
             from liger_kernel.transformers.rms_norm import LigerRMSNorm
@@ -77,6 +77,7 @@ def run(op: str, rows: int, cols: list[int], dtype, device: str, do_bench, compi
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common.add_timer_args(p)
     p.add_argument("--rows", type=int, default=16384, help="N = B*T tokens (default 8 x 2048)")
     p.add_argument("--cols", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/rmsnorm_<device>.json)")
     args = p.parse_args(argv)
+    common.set_timer(args.timer)
     if not common.require_cuda("bench_rmsnorm"):
         return 0
     name = common.device_name()
@@ -95,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         results += run(op, args.rows, args.cols, dtype, "cuda", common.do_bench, not args.no_compile)
     common.print_bandwidth_table(results, [("op", 9), ("C", 6)], peak)
     common.save_results("rmsnorm", results, device=name, out=args.out, peak_bw=peak, peak_from=peak_from)
+    common.save_plot("rmsnorm", name, common.bandwidth_plot(results, "C", peak, group="op"), args.out)
     return 0
 
 

@@ -10,6 +10,7 @@ from minite.kernels.rope import rope, rope_cos_sin  # noqa: F401
 from minite.kernels.softmax import softmax  # noqa: F401
 from minite.kernels.swiglu import swiglu  # noqa: F401
 from minite.layers.linear import fp8_linear  # noqa: F401
+from minite.kernels import _library  # noqa: F401,E402  (registers the torch.compile custom ops on CUDA)
 
 __all__ = ["softmax", "rmsnorm", "layernorm", "rope", "rope_cos_sin", "swiglu", "cross_entropy", "attention",
            "linear_cross_entropy", "fp8_gemm", "fp8_linear"]
