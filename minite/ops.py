@@ -2,6 +2,7 @@
 
 Every op takes tensors positionally, options keyword-only, and ``backend=None`` ("auto" | "torch" | "triton").
 """
+from minite.kernels import _library  # noqa: F401,E402  (registers the torch.compile custom ops on CUDA)
 from minite.kernels.attention import attention  # noqa: F401
 from minite.kernels.cross_entropy import cross_entropy, linear_cross_entropy  # noqa: F401
 from minite.kernels.fp8_gemm import fp8_gemm  # noqa: F401
@@ -10,7 +11,6 @@ from minite.kernels.rope import rope, rope_cos_sin  # noqa: F401
 from minite.kernels.softmax import softmax  # noqa: F401
 from minite.kernels.swiglu import swiglu  # noqa: F401
 from minite.layers.linear import fp8_linear  # noqa: F401
-from minite.kernels import _library  # noqa: F401,E402  (registers the torch.compile custom ops on CUDA)
 
 __all__ = ["softmax", "rmsnorm", "layernorm", "rope", "rope_cos_sin", "swiglu", "cross_entropy", "attention",
            "linear_cross_entropy", "fp8_gemm", "fp8_linear"]

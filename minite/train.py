@@ -5,10 +5,9 @@
     python -m minite.train --out_dir out/mine --resume       # continue exactly where a run stopped
     python -m minite.train --help                            # every field, its doc and its default
 
-One loop, nanoGPT-style: AdamW with linear warm-up and cosine decay, gradient clipping, gradient accumulation,
-evaluation on fixed val batches, and checkpoints written atomically with every RNG state, so that a resumed run
-reproduces the uninterrupted one exactly. Precision: fp32, bf16 / fp16 autocast (fp16 with minite's
-DynamicLossScaler), or fp8 (minite's fp8_autocast over every minite.nn.Linear).
+One loop, nanoGPT-style: AdamW with warm-up and cosine decay, gradient clipping and accumulation, fixed val batches,
+atomic checkpoints with every RNG state (a resumed run reproduces the uninterrupted one). Precision: fp32, bf16/fp16
+autocast, or fp8 (fp8_autocast over every minite.nn.Linear). torch.compile on CUDA by default (minite/compile.py).
 """
 from __future__ import annotations
 
@@ -25,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from minite.compile import compile_model
 from minite.config import ConfigError, RunConfig, apply_overrides, config_help, make_config
 from minite.data import BatchSampler, DataError, prepare
 from minite.models.gpt import GPT
@@ -234,8 +234,8 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
     train_ids, val_ids = data.split("train"), data.split("val")
     sampler = BatchSampler(train_ids, block, t.batch_size, seed=t.seed, split="train", device=dev)
     BatchSampler(val_ids, block, t.batch_size, split="val")  # fail now, not at the first evaluation
-
     model = GPT(cfg.model).to(dev)
+    compiled = compile_model(model, t.compile, dev)  # in place: state_dict keys unchanged
     if dev.type == "cpu":
         torch.set_num_threads(t.threads or _pick_threads(model, t, block))
     opt = _optimizer(model, t, dev)
@@ -260,7 +260,7 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
     n_params = model.num_params()
     prec = t.precision if t.precision != "auto" else "bf16" if dev.type == "cuda" else "fp32"
     print(f"minite.train: {n_params / 1e6:.2f}M parameters, {dev}, precision {prec}, "
-          f"threads {torch.get_num_threads()}, data {data.dir} (vocab {tok.vocab_size}, "
+          f"compile {compiled}, threads {torch.get_num_threads()}, data {data.dir} (vocab {tok.vocab_size}, "
           f"{len(train_ids):,} train tokens), {'resuming at step ' + str(step) if resume else 'from scratch'}",
           flush=True)
 
