@@ -15,6 +15,7 @@ benchmarks/results/fp8_gemm_<device-name-slug>.json with the device name.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -115,7 +116,9 @@ def run_sweep(sizes: list[int], do_bench) -> list[dict]:
     from minite.kernels import fp8_gemm as G
 
     configs = [(128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 256, 64, 8, 3),
-               (128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (128, 256, 128, 8, 4), (64, 256, 128, 4, 4)]
+               (128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (128, 256, 128, 8, 4), (64, 256, 128, 4, 4),
+               (256, 128, 128, 8, 4), (256, 64, 128, 8, 3), (256, 128, 64, 8, 4)]
+    configs = configs[int(os.environ.get("SWEEP_FROM", "0")):]
     saved, out = dict(G.GPU_TILES), []
     for S in sizes:
         a = torch.randn(S, S, device="cuda", dtype=torch.bfloat16)

@@ -75,6 +75,32 @@ def run(op: str, rows: int, cols: list[int], dtype, device: str, do_bench, compi
     return results
 
 
+def run_sweep(op: str, rows: int, cols: list[int], dtype, device: str) -> list[dict]:
+    """Time minite's fwd+bwd under the launch knobs of kernels/rmsnorm.py (elements per program step, backward
+    programs per SM, backward warp cap); the defaults there come from this table."""
+    from minite.kernels import rmsnorm as K
+
+    saved, out = (K.ROW_ELEMS, K.BWD_PROGRAMS_PER_SM, K.BWD_MAX_WARPS), []
+    for C in cols:
+        x = torch.randn(rows, C, device=device, dtype=dtype)
+        w, b, dy = torch.ones(C, device=device, dtype=dtype), torch.zeros(C, device=device, dtype=dtype), \
+            torch.randn_like(x)
+        xg, wg, bg = (t.clone().requires_grad_(True) for t in (x, w, b))
+        fn = (lambda: K.rmsnorm(xg, wg).backward(dy)) if op == "rmsnorm" else \
+            (lambda: K.layernorm(xg, wg, bg).backward(dy))
+        for elems in (2048, 4096, 8192):
+            for per_sm in (1, 2, 4):
+                for warps in ((8, 16, 32) if C >= 8192 else (32,)):
+                    K.ROW_ELEMS, K.BWD_PROGRAMS_PER_SM, K.BWD_MAX_WARPS = elems, per_sm, warps
+                    ms = common.do_bench(fn, grad_to_none=[xg, wg, bg])
+                    print(f"  sweep {op} C={C} row_elems={elems} programs/SM={per_sm} bwd warps<={warps}: "
+                          f"{ms:.4f} ms fwd+bwd")
+                    out.append({"op": op, "C": C, "row_elems": elems, "programs_per_sm": per_sm, "max_warps": warps,
+                                "ms": ms, "table": "sweep"})
+    K.ROW_ELEMS, K.BWD_PROGRAMS_PER_SM, K.BWD_MAX_WARPS = saved
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_timer_args(p)
@@ -83,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--ops", nargs="+", default=["rmsnorm", "layernorm"], choices=["rmsnorm", "layernorm"])
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    p.add_argument("--sweep", action="store_true", help="only time minite under its launch knobs (no peers)")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/rmsnorm_<device>.json)")
     args = p.parse_args(argv)
     common.set_timer(args.timer)
@@ -92,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     peak, peak_from = common.peak_bandwidth(name)
     dtype = getattr(torch, args.dtype)
     print(f"norm benchmark on {name}: N={args.rows}, dtype={args.dtype}, peak {peak / 1e12:.2f} TB/s ({peak_from})")
+    if args.sweep:
+        rows = [r for op in args.ops for r in run_sweep(op, args.rows, args.cols, dtype, "cuda")]
+        common.write_json(common.results_path("rmsnorm_sweep", name), {"device": name, "results": rows})
+        return 0
     results = []
     for op in args.ops:
         results += run(op, args.rows, args.cols, dtype, "cuda", common.do_bench, not args.no_compile)

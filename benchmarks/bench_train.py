@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -126,7 +127,9 @@ def run_steps(steps: int) -> list[dict]:
     rows = []
     cases = [("nanoGPT (plain PyTorch)", None, "default"), ("minite triton", "auto", None),
              ("minite triton", "auto", "default"), ("minite triton", "auto", "reduce-overhead"),
-             ("minite torch ref", "torch", "default")]
+             ("minite torch ref", "torch", "default"), ("nanoGPT (plain PyTorch)", None, "reduce-overhead")]
+    only = os.environ.get("STEP_CASES")  # e.g. "0,3,5": a subset of the cases above
+    cases = [c for i, c in enumerate(cases) if only is None or str(i) in only.split(",")]
     for name, backend, mode in cases:
         torch.manual_seed(0)
         torch._dynamo.reset()

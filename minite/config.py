@@ -67,7 +67,7 @@ class TrainConfig:
     sample_tokens: int = _doc("characters of text to sample at the end (0 = none)", 300)
     progress: bool = _doc("show a tqdm progress bar", True)
     compile: str = _doc("torch.compile: auto | off | default | reduce-overhead | max-autotune-no-cudagraphs "
-                        "(auto = default on CUDA, off on CPU; see minite/compile.py)", "auto")
+                        "(auto = reduce-overhead on CUDA, off on CPU; see minite/compile.py)", "auto")
 
 
 @dataclass

