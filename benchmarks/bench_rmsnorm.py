@@ -91,7 +91,7 @@ def run_sweep(op: str, rows: int, cols: list[int], dtype, device: str) -> list[d
         for elems in (2048, 4096, 8192):
             for per_sm in (1, 2, 4):
                 for warps in ((8, 16, 32) if C >= 8192 else (32,)):
-                    K.ROW_ELEMS, K.BWD_PROGRAMS_PER_SM, K.BWD_MAX_WARPS = elems, per_sm, warps
+                    K.ROW_ELEMS, K.BWD_PROGRAMS_PER_SM, K.BWD_MAX_WARPS = elems, per_sm, {op: warps}
                     ms = common.do_bench(fn, grad_to_none=[xg, wg, bg])
                     print(f"  sweep {op} C={C} row_elems={elems} programs/SM={per_sm} bwd warps<={warps}: "
                           f"{ms:.4f} ms fwd+bwd")

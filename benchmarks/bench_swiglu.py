@@ -49,10 +49,13 @@ def run(rows: int, hiddens: list[int], dtype: torch.dtype, do_bench) -> list[dic
         g = torch.randn(rows, H, device="cuda", dtype=dtype, requires_grad=True)
         u = torch.randn(rows, H, device="cuda", dtype=dtype, requires_grad=True)
         dh = torch.randn(rows, H, device="cuda", dtype=dtype)
-        ref = swiglu_ref(g, u)
+        with torch.no_grad():
+            ref = swiglu_ref(g, u)
         for name, fn in implementations().items():
-            torch.testing.assert_close(fn(g, u).float(), ref.float(), atol=2e-2, rtol=2e-2)  # never time a wrong op
-            times = common.fwd_bwd_ms(lambda: fn(g, u), lambda: fn(g, u).backward(dh), [g, u], do_bench)
+            with torch.no_grad():  # never time a wrong op (no graph: g, u must meet autograd first in the timer)
+                torch.testing.assert_close(fn(g, u).float(), ref.float(), atol=2e-2, rtol=2e-2)
+            gg, ug = g.detach().clone().requires_grad_(), u.detach().clone().requires_grad_()
+            times = common.fwd_bwd_ms(lambda: fn(g, u), lambda: fn(gg, ug).backward(dh), [gg, ug], do_bench)
             for mode, passes in (("fwd", 3), ("fwd+bwd", 8)):
                 ms = times[mode]
                 out.append({"impl": name, "N": rows, "H": H, "dtype": str(dtype), "mode": mode, "ms": ms,

@@ -57,6 +57,7 @@ def require_cuda(script: str) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------- timing
+_STREAM = None
 TIMER = "graph"  # "graph": CUDA-graph replays (kernel time, no Python/launch overhead); "eager": plain calls
 
 
@@ -72,7 +73,8 @@ def _do_bench_graph(fn, grad_to_none=None, reps: int = 50) -> float:
     The graph removes the CPU side (Python, autograd, launch latency) from every implementation alike, so the
     number is what the kernels cost on the GPU. Grads in `grad_to_none` are reset before the capture, so the
     captured backward writes (does not accumulate into) them."""
-    stream = torch.cuda.Stream()
+    global _STREAM
+    _STREAM = stream = _STREAM or torch.cuda.Stream()  # one side stream for every capture of the process
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(3):  # warm-up: compiles, autotunes, allocator pools
@@ -99,10 +101,13 @@ def _do_bench_graph(fn, grad_to_none=None, reps: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def do_bench(fn, grad_to_none=None) -> float:
+def do_bench(fn, grad_to_none=None, eager: bool = False) -> float:
     """Milliseconds per call of fn: CUDA-graph replay when TIMER == "graph" and fn can be captured (a host sync
-    inside fn cannot), else triton.testing.do_bench (median, L2 flushed). `grad_to_none`: grads reset per call."""
-    if TIMER == "graph":
+    inside fn cannot), else triton.testing.do_bench (median, L2 flushed). `grad_to_none`: grads reset per call.
+    eager=True: always the eager timer (for code known to sync with the host, e.g. Liger's CE: a failed capture
+    leaves the CUDA context unusable). Leaf tensors timed with grads must not have been used in a graph on
+    another stream before (their AccumulateGrad node would tie the capture to that stream)."""
+    if TIMER == "graph" and not eager:
         try:
             return _do_bench_graph(fn, grad_to_none)
         except Exception as e:  # capture refused (a .item() / host sync inside): time it eagerly, and say so
