@@ -4,9 +4,8 @@
     LayerNorm: y = (x - mean(x)) / sqrt(var(x) + eps) * w + b
 
 One Triton kernel pair serves both: the constexpr LAYERNORM switches the mean subtraction and the bias on.
-Forward: one program per row, statistics in fp32 (fp64 when given fp64), rstd (and mean) saved for backward.
-Backward: each program walks a contiguous chunk of rows, writes dx per row and ONE partial sum of dw (and db) per
-program; a second stage (`partials.sum(0)`) reduces the partials. The derivation lives in notebooks/03_rmsnorm.
+Forward: one program per row block, fp32 statistics (fp64 for fp64), rstd (and mean) saved. Backward: each of ~2
+programs per SM walks a chunk of rows, writes dx and ONE partial of dw (db) per program, reduced by `.sum(0)`.
 """
 from __future__ import annotations
 
