@@ -15,14 +15,16 @@ One helper per question, so the kernels cannot drift apart:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 
 import torch
 
 from minite._triton import HAS_TRITON, interpreting, tl, triton
 
-__all__ = ["compute_dtype", "tl_compute_dtype", "row_launch", "sm_count", "launchable", "op", "use_op", "REGISTERED",
-           "_acc"]
+__all__ = ["compute_dtype", "tl_compute_dtype", "row_launch", "sm_count", "launchable", "traceable", "op", "use_op",
+           "REGISTERED", "_acc"]
 
 REGISTERED: set[str] = set()  # names of the minite:: custom ops registered (filled by kernels/_library.py)
 
@@ -65,9 +67,24 @@ def sm_count(device: torch.device | str) -> int:
     return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+_TRACE = threading.local()
+
+
+@contextlib.contextmanager
+def traceable():
+    """Inside: launchers launch through ``wrap_triton`` (set by the ``torch.ops.minite.*`` wrappers, whose bodies
+    torch.compile traces). Outside, eager launches skip it: wrap_triton's dispatch costs ~0.2 ms per launch
+    (H100 machine, benchmarks/probe_overhead.py), more than the kernel of a small op."""
+    old, _TRACE.on = getattr(_TRACE, "on", False), True
+    try:
+        yield
+    finally:
+        _TRACE.on = old
+
+
 def launchable(kernel):
     """``kernel[grid](...)`` that torch.compile can trace inside a ``triton_op`` (CUDA), or the plain kernel."""
-    if not HAS_TRITON or interpreting():
+    if not HAS_TRITON or interpreting() or not getattr(_TRACE, "on", False):
         return kernel
     return torch.library.wrap_triton(kernel)
 

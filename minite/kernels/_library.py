@@ -11,6 +11,8 @@ concept files to keep them within their line budget; tests: tests/kernels/test_c
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -21,7 +23,7 @@ from minite.kernels import rmsnorm as N
 from minite.kernels import rope as R
 from minite.kernels import softmax as S
 from minite.kernels import swiglu as W
-from minite.kernels._common import REGISTERED
+from minite.kernels._common import REGISTERED, traceable
 
 __all__ = ["ENABLED", "REGISTERED"]
 
@@ -29,9 +31,16 @@ ENABLED = HAS_TRITON and not interpreting() and hasattr(torch.library, "triton_o
 
 
 def _register(fn, bwd=None, setup=None):
-    """triton_op("minite::<fn name>") of `fn`; with `bwd`/`setup`, also its autograd formula."""
+    """triton_op("minite::<fn name>") of `fn` (its launchers go through wrap_triton while it runs); with
+    `bwd`/`setup`, also its autograd formula."""
     name = fn.__name__
-    torch.library.triton_op(f"minite::{name}", fn, mutates_args=())
+
+    @functools.wraps(fn)  # keeps the annotations the schema is inferred from
+    def body(*args, **kwargs):
+        with traceable():
+            return fn(*args, **kwargs)
+
+    torch.library.triton_op(f"minite::{name}", body, mutates_args=())
     if bwd is not None:
         torch.library.register_autograd(f"minite::{name}", bwd, setup_context=setup)
     REGISTERED.add(name)
