@@ -9,7 +9,7 @@ run() { local name=$1 t=$2; shift 2; echo "=== $name: $*"; timeout "$t" "$@" 2>&
 for s in $STAGES; do case $s in
   env) run env 60 python -c "import torch, triton, nbval, ipykernel, liger_kernel, jupytext, minite; print(torch.__version__, triton.__version__, torch.cuda.get_device_name(), minite.__file__)";;
   tests) run tests 120 python -m pytest -p no:cacheprovider -q tests/kernels/test_compile.py tests/formats/test_fp8.py tests/layers/test_linear.py tests/kernels/test_rmsnorm.py tests/kernels/test_softmax.py;;
-  tcompile) run tcompile 90 python -m pytest -p no:cacheprovider -q tests/kernels/test_compile.py tests/formats/test_fp8.py tests/layers/test_linear.py -k "compile or opcheck or fullgraph or gpu or cuda";;
+  tcompile) run tcompile 60 python -m pytest -p no:cacheprovider -q tests/kernels/test_compile.py tests/formats/test_fp8.py tests/layers/test_linear.py -k "compile or opcheck or fullgraph or gpu or cuda";;
   probe) run probe 40 python benchmarks/probe_overhead.py;;
   fp8sweep) SWEEP_FROM=5 run fp8 90 python benchmarks/bench_fp8_gemm.py --sweep --sizes 8192 --error-ks 4096 8192 --out "$OUTDIR/res/fp8_gemm.json";;
   normsweep) run normsweep 75 python benchmarks/bench_rmsnorm.py --sweep --ops layernorm --cols 1024 16384;;

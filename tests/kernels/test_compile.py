@@ -142,3 +142,14 @@ def test_opcheck(name):
     tests = ("test_faketensor", "test_aot_dispatch_dynamic") if name == "fp8_gemm" else None
     kw = {"test_utils": tests} if tests else {}
     torch.library.opcheck(getattr(torch.ops.minite, name), _opcheck_args("cuda")[name], **kw)
+
+
+def test_train_compile_mode_resolution():
+    from minite.compile import resolve_compile
+
+    assert resolve_compile("auto", torch.device("cuda")) == "reduce-overhead"
+    assert resolve_compile("auto", torch.device("cpu")) == "off"
+    if minite.interpreting():  # interpreted kernels cannot be compiled: any mode resolves to off on the CPU
+        assert resolve_compile("default", torch.device("cpu")) == "off"
+    with pytest.raises(ValueError, match="train.compile='fastest'"):
+        resolve_compile("fastest", torch.device("cpu"))
