@@ -67,7 +67,8 @@ class TrainConfig:
     sample_tokens: int = _doc("characters of text to sample at the end (0 = none)", 300)
     progress: bool = _doc("show a tqdm progress bar", True)
     compile: str = _doc("torch.compile: auto | off | default | reduce-overhead | max-autotune-no-cudagraphs "
-                        "(auto = reduce-overhead on CUDA, off on CPU; see minite/compile.py)", "auto")
+                        "(auto = reduce-overhead on CUDA for bf16/fp32 runs of >= 500 steps; minite/compile.py)",
+                        "auto")
 
 
 @dataclass

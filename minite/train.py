@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minite.compile import compile_model
+from minite.compile import compile_model, eager_mode
 from minite.config import ConfigError, RunConfig, apply_overrides, config_help, make_config
 from minite.data import BatchSampler, DataError, prepare
 from minite.models.gpt import GPT
@@ -235,7 +235,7 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
     sampler = BatchSampler(train_ids, block, t.batch_size, seed=t.seed, split="train", device=dev)
     BatchSampler(val_ids, block, t.batch_size, split="val")  # fail now, not at the first evaluation
     model = GPT(cfg.model).to(dev)
-    compiled = compile_model(model, t.compile, dev)  # in place: state_dict keys unchanged
+    compiled = compile_model(model, t, dev)  # in place: state_dict keys unchanged
     if dev.type == "cpu":
         torch.set_num_threads(t.threads or _pick_threads(model, t, block))
     opt = _optimizer(model, t, dev)
@@ -332,7 +332,7 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
     if t.sample_tokens > 0:
         g = torch.Generator(device=dev).manual_seed(t.seed)
         prompt = torch.tensor([tok.encode("\n") if tok.kind == "byte" or "\n" in tok.chars else [0]], device=dev)
-        with ctx():
+        with ctx(), eager_mode():  # one compiled graph per prompt length would be wasted on a one-off sample
             ids = model.generate(prompt, t.sample_tokens, temperature=0.8, top_k=None, generator=g)
         sample = tok.decode(ids[0].tolist())
     tps = tokens_per_step * (step - start_step) / max(train_time, 1e-9)

@@ -147,7 +147,9 @@ def test_opcheck(name):
 def test_train_compile_mode_resolution():
     from minite.compile import resolve_compile
 
-    assert resolve_compile("auto", torch.device("cuda")) == "reduce-overhead"
+    assert resolve_compile("auto", torch.device("cuda"), 1000, "bf16") == "reduce-overhead"
+    assert resolve_compile("auto", torch.device("cuda"), 10, "bf16") == "off"  # too short to pay for compiling
+    assert resolve_compile("auto", torch.device("cuda"), 1000, "fp8") == "off"
     assert resolve_compile("auto", torch.device("cpu")) == "off"
     if minite.interpreting():  # interpreted kernels cannot be compiled: any mode resolves to off on the CPU
         assert resolve_compile("default", torch.device("cpu")) == "off"
