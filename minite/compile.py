@@ -1,7 +1,8 @@
 """``python -m minite.train --train.compile=MODE``: torch.compile for the training model, in place.
 
 MODE: ``auto`` (``reduce-overhead`` on CUDA for bf16/fp32 runs of at least 500 steps, else ``off``), ``off``,
-``default``, ``reduce-overhead`` (CUDA graphs: pays for a small, launch-bound model), ``max-autotune-no-cudagraphs``. ``nn.Module.compile`` compiles in place, so
+``default``, ``reduce-overhead`` (CUDA graphs: pays for a small, launch-bound model),
+``max-autotune-no-cudagraphs``. ``nn.Module.compile`` compiles in place, so
 the state_dict keys (checkpoints) are unchanged. minite's Triton kernels stay in the graph on CUDA: they are
 registered as ``torch.ops.minite.*`` custom ops (kernels/_library.py). Under the CPU interpreter nothing is
 compiled (``wrap_triton`` refuses interpreted kernels).
