@@ -14,6 +14,7 @@ Two tables, saved as JSON to benchmarks/results/cross_entropy_<device-name-slug>
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -41,7 +42,7 @@ def run_ce(rows: int, vocabs: list[int], do_bench) -> list[dict]:
         return F.cross_entropy(x.float(), t)
 
     impls = {"minite triton": lambda x, t: cross_entropy(x, t, backend="triton"), "torch eager": eager,
-             "torch.compile": torch.compile(eager, dynamic=False)}
+             "torch.compile": common.strict_compile(eager)}
     liger = _liger("LigerCrossEntropyLoss")
     if liger is not None:
         impls["liger-kernel"] = lambda x, t: liger(x, t)  # note: Liger writes dlogits into x in place
@@ -52,11 +53,17 @@ def run_ce(rows: int, vocabs: list[int], do_bench) -> list[dict]:
         ref = cross_entropy_ref(x, t)
         for name, fn in impls.items():
             xi = x.detach().clone().requires_grad_()
-            torch.testing.assert_close(fn(xi, t).float(), ref, atol=1e-2, rtol=1e-3)  # never time a wrong op
-            times = common.fwd_bwd_ms(lambda: fn(xi, t), lambda: fn(xi, t).backward(), [xi], do_bench)
+            with torch.no_grad():  # never time a wrong op; each at its own output dtype's tolerance (Liger: bf16)
+                got = fn(x.detach().clone(), t)
+            torch.testing.assert_close(got, ref.to(got.dtype))
+            # Liger's CE syncs with the host (.item()), which a CUDA graph cannot capture: timed eagerly.
+            bench = functools.partial(do_bench, eager=name.startswith("liger"))
+            xd = x.detach()  # the forward alone is timed on a tensor without grad (xi meets autograd in one timer)
+            times = common.fwd_bwd_ms(lambda: fn(xd, t), lambda: fn(xi, t).backward(), [xi], bench)
             for mode, passes in (("fwd", 1), ("fwd+bwd", 3)):
                 ms = times[mode]
                 out.append({"table": "cross_entropy", "impl": name, "N": rows, "V": V, "mode": mode, "ms": ms,
+                        "timer": "eager" if name.startswith("liger") else common.TIMER,
                             "GBs": passes * rows * V * 2 / (ms * 1e-3) / 1e9})
     return out
 
@@ -81,7 +88,7 @@ def run_linear_ce(rows: int, dim: int, vocab: int, do_bench) -> list[dict]:
         fn(x, w, t).backward()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
-        ms = do_bench(lambda f=fn: f(x, w, t).backward(), grad_to_none=[x, w])
+        ms = do_bench(lambda f=fn: f(x, w, t).backward(), grad_to_none=[x, w], eager=True)  # Python chunk loop
         out.append({"table": "linear_ce", "impl": name, "N": rows, "C": dim, "V": vocab, "mode": "fwd+bwd",
                     "ms": ms, "peak_GiB": peak / 2**30})
     return out
@@ -102,10 +109,12 @@ def print_tables(results: list[dict], bw: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_timer_args(p)
     p.add_argument("--rows", type=int, default=8192, help="N = B * T tokens")
     p.add_argument("--vocab", type=int, nargs="+", default=[50304, 50257], help="V (padded and GPT-2's raw)")
     p.add_argument("--dim", type=int, default=768, help="C, the model width, for the linear-CE table")
     args = p.parse_args(argv)
+    common.set_timer(args.timer)
     if not common.require_cuda("bench_cross_entropy"):
         return 0
     name = common.device_name()
@@ -115,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {name} (peak HBM bandwidth from {key}: {bw / 1e12:.2f} TB/s)")
     print_tables(results, bw)
     common.save_results("cross_entropy", results, device=name, peak_bw=bw, peak_from=key)
+    ce = [r for r in results if r["table"] == "cross_entropy"]
+    common.save_plot("cross_entropy", name, common.bandwidth_plot(ce, "V", bw, rate="GBs"))
     return 0
 
 

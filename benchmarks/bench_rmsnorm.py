@@ -38,7 +38,7 @@ def implementations(op: str, C: int, dtype, device, compile_ok: bool) -> dict:
                  "eager": lambda x, w, b: layernorm_ref(x, w, b, 1e-5),
                  "F": lambda x, w, b: F.layer_norm(x, (C,), w, b, 1e-5)}
     if compile_ok:
-        impls["torch.compile"] = torch.compile(impls["eager"], dynamic=False)
+        impls["torch.compile"] = common.strict_compile(impls["eager"])
     try:  # optional: pip install liger-kernel
         if op == "rmsnorm":
             from liger_kernel.transformers.rms_norm import LigerRMSNorm
@@ -75,26 +75,60 @@ def run(op: str, rows: int, cols: list[int], dtype, device: str, do_bench, compi
     return results
 
 
+def run_sweep(op: str, rows: int, cols: list[int], dtype, device: str) -> list[dict]:
+    """Time minite's fwd+bwd under the launch knobs of kernels/rmsnorm.py (elements per program step, backward
+    programs per SM, backward warp cap); the defaults there come from this table."""
+    from minite.kernels import rmsnorm as K
+
+    saved, out = (K.ROW_ELEMS, K.BWD_PROGRAMS_PER_SM, K.BWD_MAX_WARPS), []
+    for C in cols:
+        x = torch.randn(rows, C, device=device, dtype=dtype)
+        w, b, dy = torch.ones(C, device=device, dtype=dtype), torch.zeros(C, device=device, dtype=dtype), \
+            torch.randn_like(x)
+        xg, wg, bg = (t.clone().requires_grad_(True) for t in (x, w, b))
+        fn = (lambda: K.rmsnorm(xg, wg).backward(dy)) if op == "rmsnorm" else \
+            (lambda: K.layernorm(xg, wg, bg).backward(dy))
+        for elems in (2048, 4096, 8192):
+            for per_sm in (1, 2, 4):
+                for warps in ((8, 16, 32) if C >= 8192 else (32,)):
+                    K.ROW_ELEMS, K.BWD_PROGRAMS_PER_SM, K.BWD_MAX_WARPS = elems, per_sm, {op: warps}
+                    ms = common.do_bench(fn, grad_to_none=[xg, wg, bg])
+                    print(f"  sweep {op} C={C} row_elems={elems} programs/SM={per_sm} bwd warps<={warps}: "
+                          f"{ms:.4f} ms fwd+bwd")
+                    out.append({"op": op, "C": C, "row_elems": elems, "programs_per_sm": per_sm, "max_warps": warps,
+                                "ms": ms, "table": "sweep"})
+    K.ROW_ELEMS, K.BWD_PROGRAMS_PER_SM, K.BWD_MAX_WARPS = saved
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common.add_timer_args(p)
     p.add_argument("--rows", type=int, default=16384, help="N = B*T tokens (default 8 x 2048)")
     p.add_argument("--cols", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--ops", nargs="+", default=["rmsnorm", "layernorm"], choices=["rmsnorm", "layernorm"])
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    p.add_argument("--sweep", action="store_true", help="only time minite under its launch knobs (no peers)")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/rmsnorm_<device>.json)")
     args = p.parse_args(argv)
+    common.set_timer(args.timer)
     if not common.require_cuda("bench_rmsnorm"):
         return 0
     name = common.device_name()
     peak, peak_from = common.peak_bandwidth(name)
     dtype = getattr(torch, args.dtype)
     print(f"norm benchmark on {name}: N={args.rows}, dtype={args.dtype}, peak {peak / 1e12:.2f} TB/s ({peak_from})")
+    if args.sweep:
+        rows = [r for op in args.ops for r in run_sweep(op, args.rows, args.cols, dtype, "cuda")]
+        common.write_json(common.results_path("rmsnorm_sweep", name), {"device": name, "results": rows})
+        return 0
     results = []
     for op in args.ops:
         results += run(op, args.rows, args.cols, dtype, "cuda", common.do_bench, not args.no_compile)
     common.print_bandwidth_table(results, [("op", 9), ("C", 6)], peak)
     common.save_results("rmsnorm", results, device=name, out=args.out, peak_bw=peak, peak_from=peak_from)
+    common.save_plot("rmsnorm", name, common.bandwidth_plot(results, "C", peak, group="op"), args.out)
     return 0
 
 

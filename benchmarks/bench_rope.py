@@ -35,7 +35,7 @@ def implementations(layout: str, compile_ok: bool) -> dict:
                                                rope(k, cos, sin, layout=layout, backend="triton")),
              "eager": eager}
     if compile_ok:
-        impls["torch.compile"] = torch.compile(eager, dynamic=False)
+        impls["torch.compile"] = common.strict_compile(eager)
     if layout == "bhtd":
         try:  # optional: pip install liger-kernel; HF convention: cos/sin (1, T, D) with the halves duplicated
             from liger_kernel.transformers.rope import liger_rotary_pos_emb
@@ -84,6 +84,7 @@ def run(B: int, T: int, H: int, KVH: int, head_dims: list[int], dtype, device: s
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common.add_timer_args(p)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--heads", type=int, default=32)
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/rope_<device>.json)")
     args = p.parse_args(argv)
+    common.set_timer(args.timer)
     if not common.require_cuda("bench_rope"):
         return 0
     name = common.device_name()
@@ -104,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                   common.do_bench, not args.no_compile)
     common.print_bandwidth_table(results, [("layout", 6), ("D", 4)], peak)
     common.save_results("rope", results, device=name, out=args.out, peak_bw=peak, peak_from=peak_from)
+    common.save_plot("rope", name, common.bandwidth_plot(results, "D", peak, group="layout"), args.out)
     return 0
 
 

@@ -31,7 +31,7 @@ def run(rows: int, cols: list[int], dtype: torch.dtype, device: str, do_bench, c
         "torch": lambda t: torch.softmax(t, dim=-1),
     }
     if compile_ok:
-        impls["torch.compile"] = torch.compile(lambda t: torch.softmax(t, dim=-1), dynamic=False)
+        impls["torch.compile"] = common.strict_compile(lambda t: torch.softmax(t, dim=-1))
     results = []
     for C in cols:
         x = torch.randn(rows, C, device=device, dtype=dtype)
@@ -51,12 +51,14 @@ def run(rows: int, cols: list[int], dtype: torch.dtype, device: str, do_bench, c
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common.add_timer_args(p)
     p.add_argument("--rows", type=int, default=4096)
     p.add_argument("--cols", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/softmax_<device>.json)")
     args = p.parse_args(argv)
+    common.set_timer(args.timer)
     if not common.require_cuda("bench_softmax"):
         return 0
     name = common.device_name()
@@ -66,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run(args.rows, args.cols, dtype, "cuda", common.do_bench, compile_ok=not args.no_compile)
     common.print_bandwidth_table(results, [("C", 6)], peak, base_impl="torch", base_label="torch")
     common.save_results("softmax", results, device=name, out=args.out, peak_bw=peak, peak_from=peak_from)
+    common.save_plot("softmax", name, common.bandwidth_plot(results, "C", peak), args.out)
     return 0
 
 

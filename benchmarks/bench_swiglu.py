@@ -31,7 +31,7 @@ def implementations() -> dict:
         return F.silu(g) * u
 
     impls = {"minite triton": lambda g, u: swiglu(g, u, backend="triton"), "torch eager": eager,
-             "torch.compile": torch.compile(eager, dynamic=False)}
+             "torch.compile": common.strict_compile(eager)}
     try:
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
@@ -49,10 +49,13 @@ def run(rows: int, hiddens: list[int], dtype: torch.dtype, do_bench) -> list[dic
         g = torch.randn(rows, H, device="cuda", dtype=dtype, requires_grad=True)
         u = torch.randn(rows, H, device="cuda", dtype=dtype, requires_grad=True)
         dh = torch.randn(rows, H, device="cuda", dtype=dtype)
-        ref = swiglu_ref(g, u)
+        with torch.no_grad():
+            ref = swiglu_ref(g, u)
         for name, fn in implementations().items():
-            torch.testing.assert_close(fn(g, u).float(), ref.float(), atol=2e-2, rtol=2e-2)  # never time a wrong op
-            times = common.fwd_bwd_ms(lambda: fn(g, u), lambda: fn(g, u).backward(dh), [g, u], do_bench)
+            with torch.no_grad():  # never time a wrong op (no graph: g, u must meet autograd first in the timer)
+                torch.testing.assert_close(fn(g, u).float(), ref.float(), atol=2e-2, rtol=2e-2)
+            gg, ug = g.detach().clone().requires_grad_(), u.detach().clone().requires_grad_()
+            times = common.fwd_bwd_ms(lambda: fn(g, u), lambda: fn(gg, ug).backward(dh), [gg, ug], do_bench)
             for mode, passes in (("fwd", 3), ("fwd+bwd", 8)):
                 ms = times[mode]
                 out.append({"impl": name, "N": rows, "H": H, "dtype": str(dtype), "mode": mode, "ms": ms,
@@ -62,10 +65,12 @@ def run(rows: int, hiddens: list[int], dtype: torch.dtype, do_bench) -> list[dic
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_timer_args(p)
     p.add_argument("--rows", type=int, default=8192, help="N = B * T tokens")
     p.add_argument("--hidden", type=int, nargs="+", default=[4096, 11008, 14336], help="MLP hidden widths H")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     args = p.parse_args(argv)
+    common.set_timer(args.timer)
     if not common.require_cuda("bench_swiglu"):
         return 0
     name = common.device_name()
@@ -75,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     common.print_bandwidth_table(results, [("N", 6), ("H", 6)], bw, rate="GBs", base_impl="torch eager",
                                  ms_fmt="8.3f", rate_width=7)
     common.save_results("swiglu", results, device=name, peak_bw=bw, peak_from=key)
+    common.save_plot("swiglu", name, common.bandwidth_plot(results, "H", bw, rate="GBs"))
     return 0
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -72,6 +73,84 @@ def nanogpt_tokens_per_s(steps: int, device: str, V: int = 65, L: int = 4, H: in
     return steps * B * T / (time.perf_counter() - t0)
 
 
+class _NanoGPT(nn.Module):
+    """nanoGPT's model in plain PyTorch (LayerNorm, GELU MLP, learned positions, tied head, biases):
+    forward(x, y) -> (logits, loss) like minite's GPT."""
+
+    def __init__(self, V: int, L: int, H: int, C: int, T: int, dropout: float):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(V, C), nn.Embedding(T, C)
+        self.blocks, self.ln_f, self.drop = nn.ModuleList([_NanoBlock(C, H) for _ in range(L)]), nn.LayerNorm(C), \
+            nn.Dropout(dropout)
+
+    def forward(self, x, y):
+        h = self.drop(self.wte(x) + self.wpe(torch.arange(x.shape[1], device=x.device)))
+        for b in self.blocks:
+            h = b(h)
+        logits = F.linear(self.ln_f(h), self.wte.weight)  # (B, T, V), tied weights
+        return logits, F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
+
+
+def step_ms(model: nn.Module, V: int, B: int, T: int, steps: int, compile_mode: str | None) -> tuple[float, float]:
+    """(ms per training step, seconds of warm-up incl. compile): bf16 autocast, fused AdamW, clip 1.0, random
+    tokens; the same loop for every model. compile_mode None = eager."""
+    if compile_mode is not None:
+        model.compile(mode=None if compile_mode == "default" else compile_mode)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x, y = (torch.randint(0, V, (B, T), device="cuda", generator=g) for _ in range(2))
+    t_start, t0 = time.perf_counter(), 0.0
+    warm = 5
+    for i in range(steps + warm):
+        if i == warm:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()  # the training loop logs it: one host sync per step, as in minite.train and nanoGPT
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - t0) / steps, t0 - t_start
+
+
+def run_steps(steps: int) -> list[dict]:
+    """minite's gpu-preset GPT (eager / compiled / CUDA graphs, Triton kernels or the torch reference) beside
+    nanoGPT's shakespeare-char model in plain PyTorch + torch.compile, same shape, same loop, same GPU."""
+    from minite.config import make_config
+    from minite.models.gpt import GPT
+
+    cfg = make_config("gpu", {"model.vocab_size": "65"}).model
+    V, B, T = 65, 64, cfg.block_size
+    rows = []
+    cases = [("nanoGPT (plain PyTorch)", None, "default"), ("minite triton", "auto", None),
+             ("minite triton", "auto", "default"), ("minite triton", "auto", "reduce-overhead"),
+             ("minite torch ref", "torch", "default"), ("nanoGPT (plain PyTorch)", None, "reduce-overhead")]
+    only = os.environ.get("STEP_CASES")  # e.g. "0,3,5": a subset of the cases above
+    cases = [c for i, c in enumerate(cases) if only is None or str(i) in only.split(",")]
+    for name, backend, mode in cases:
+        torch.manual_seed(0)
+        torch._dynamo.reset()
+        if backend is None:
+            model = _NanoGPT(V, cfg.n_layer, cfg.n_head, cfg.n_embd, T, cfg.dropout).cuda()
+        else:
+            model = GPT(make_config("gpu", {"model.vocab_size": "65", "model.backend": backend}).model).cuda()
+        try:
+            ms, warm = step_ms(model, V, B, T, steps, mode)
+        except Exception as e:
+            print(f"  {name} compile={mode}: FAILED {type(e).__name__}: {str(e)[:300]}")
+            continue
+        rows.append({"impl": name, "compile": mode or "off", "ms_per_step": ms, "warmup_s": warm,
+                     "tokens_per_s": B * T / ms * 1e3, "B": B, "T": T, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd})
+        print(f"  {name:>24} compile={str(mode):>16}: {ms:7.2f} ms/step (warm-up {warm:5.1f} s)", flush=True)
+    base = next((r["ms_per_step"] for r in rows if r["impl"].startswith("nanoGPT")), None)
+    for r in rows:
+        r["vs_nanogpt"] = r["ms_per_step"] / base if base else None
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", default=None, help="a text file (e.g. tinyshakespeare.txt); default: Shakespeare")
@@ -79,7 +158,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", type=float, default=1.9, help="val loss whose time-to-reach is reported")
     p.add_argument("--nanogpt", type=int, default=0, help="also time N steps of a nanoGPT-shaped model (0 = off)")
     p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/train_<device>.json)")
+    p.add_argument("--steps", type=int, default=0, help="GPU: time N training steps of minite's gpu-preset GPT "
+                   "(eager / compile / CUDA graphs) beside nanoGPT's model + torch.compile, same shape (0 = off)")
+    p.add_argument("--no-train", action="store_true", help="only the --steps comparison, no training run")
     args, rest = p.parse_known_args(argv)
+    if args.steps and torch.cuda.is_available():
+        rows = run_steps(args.steps)
+        name = common.device_name()
+        path = common.write_json(common.results_path("train_step", name), {"device": name, "torch": torch.__version__,
+                                                                           "steps": args.steps, "results": rows})
+        print(f"saved {path}")
+
+        def bars(fig):
+            ax = fig.add_subplot(1, 1, 1)
+            ax.barh([f"{r['impl']} ({r['compile']})" for r in rows], [r["ms_per_step"] for r in rows])
+            ax.set_xlabel("ms per training step (lower is better)")
+            ax.invert_yaxis()
+        common.save_plot("train_step", name, bars)
+        if args.no_train:
+            return 0
     _, overrides, _ = parse_cli(rest)
     if args.data:
         overrides["data.path"] = args.data
@@ -108,6 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.nanogpt:
         result["nanogpt_cpu_config_tokens_per_s"] = round(nanogpt_tokens_per_s(args.nanogpt, dev))
     out = common.write_json(common.results_path("train", result["device"], args.out), result)
+
+    def curve_plot(fig):
+        ax = fig.add_subplot(1, 1, 1)
+        ax.plot([r["elapsed_s"] for r in curve], [r["val_loss"] for r in curve], "o-", label="minite val loss")
+        ax.set(xlabel="seconds since start", ylabel="val loss")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    common.save_plot("train", result["device"], curve_plot, args.out)
     print(f"\ndevice            {result['device']}")
     print(f"model             {s['params'] / 1e6:.2f}M params, {s['steps']} steps, preset {preset}")
     print(f"throughput        {result['tokens_per_s']:,} tokens/s")

@@ -57,17 +57,92 @@ def require_cuda(script: str) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------- timing
-def do_bench(fn, grad_to_none=None) -> float:
-    """Milliseconds per call of fn (triton.testing.do_bench with its defaults: warm-up, then the mean of ~100 ms
-    of repetitions, L2 flushed between them). `grad_to_none`: tensors whose .grad is reset before each call."""
+_STREAM = None
+TIMER = "graph"  # "graph": CUDA-graph replays (kernel time, no Python/launch overhead); "eager": plain calls
+
+
+def _do_bench_eager(fn, grad_to_none=None) -> float:
     from triton.testing import do_bench as _do_bench  # GPU only: needs an active driver, so imported on use
 
-    return _do_bench(fn, grad_to_none=grad_to_none)
+    return _do_bench(fn, grad_to_none=grad_to_none, return_mode="median")
 
 
-def fwd_bwd_ms(fwd, fwd_bwd, grads: list, bench=do_bench) -> dict[str, float]:
+def _do_bench_graph(fn, grad_to_none=None, reps: int = 50) -> float:
+    """Median ms of replaying a CUDA graph of one fn() call, L2 flushed before each replay (like do_bench).
+
+    The graph removes the CPU side (Python, autograd, launch latency) from every implementation alike, so the
+    number is what the kernels cost on the GPU. Grads in `grad_to_none` are reset before the capture, so the
+    captured backward writes (does not accumulate into) them."""
+    global _STREAM
+    _STREAM = stream = _STREAM or torch.cuda.Stream()  # one side stream for every capture of the process
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # warm-up: compiles, autotunes, allocator pools
+            for t in grad_to_none or []:
+                t.grad = None
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    for t in grad_to_none or []:
+        t.grad = None
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    cache = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")  # > L2: flush between replays
+    times = []
+    for _ in range(reps):
+        cache.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def do_bench(fn, grad_to_none=None, eager: bool = False) -> float:
+    """Milliseconds per call of fn: CUDA-graph replay when TIMER == "graph" and fn can be captured (a host sync
+    inside fn cannot), else triton.testing.do_bench (median, L2 flushed). `grad_to_none`: grads reset per call.
+    eager=True: always the eager timer (for code known to sync with the host, e.g. Liger's CE: a failed capture
+    leaves the CUDA context unusable). Leaf tensors timed with grads must not have been used in a graph on
+    another stream before (their AccumulateGrad node would tie the capture to that stream)."""
+    if TIMER == "graph" and not eager:
+        try:
+            return _do_bench_graph(fn, grad_to_none)
+        except Exception as e:  # capture refused (a .item() / host sync inside): time it eagerly, and say so
+            print(f"  (not capturable, timed eagerly: {type(e).__name__}: {str(e).splitlines()[0][:100]})")
+            torch.cuda.synchronize()
+    return _do_bench_eager(fn, grad_to_none)
+
+
+def fwd_bwd_ms(fwd, fwd_bwd, grads: list, bench=None) -> dict[str, float]:
     """{"fwd": ms of fwd(), "fwd+bwd": ms of fwd_bwd()}; the .grad of `grads` is reset before each backward."""
+    bench = bench or do_bench
     return {"fwd": bench(fwd), "fwd+bwd": bench(fwd_bwd, grad_to_none=grads)}
+
+
+def strict_compile(fn, **kwargs):
+    """torch.compile(fn, dynamic=False) that fails loudly instead of silently running eager: raises the
+    recompile limit (one graph per shape and per requires_grad) and turns hitting it into an error."""
+    import torch._dynamo.config as dc
+
+    for key in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dc, key):
+            setattr(dc, key, max(getattr(dc, key), 256))
+    if hasattr(dc, "fail_on_recompile_limit_hit"):
+        dc.fail_on_recompile_limit_hit = True
+    return torch.compile(fn, dynamic=False, **kwargs)
+
+
+def add_timer_args(p) -> None:
+    p.add_argument("--timer", default="graph", choices=["graph", "eager"],
+                   help="graph: CUDA-graph replays (kernel time); eager: plain calls (includes launch overhead)")
+
+
+def set_timer(name: str) -> None:
+    global TIMER
+    TIMER = name
 
 
 # ------------------------------------------------------------------------------------------------- output
@@ -110,7 +185,51 @@ def save_results(concept: str, results: list[dict], *, device: str, out: str | P
     from minite._triton import triton
 
     payload = {"device": device, "torch": torch.__version__, "triton": getattr(triton, "__version__", None),
-               **meta, "results": results}
+               "timer": TIMER, **meta, "results": results}
     path = write_json(results_path(concept, device, out), payload)
     print(f"saved {path}")
     return path
+
+
+def save_plot(concept: str, device: str, draw, out: str | Path | None = None) -> Path | None:
+    """Save a PNG beside the JSON (same name, .png): draw(fig) fills the figure; the title names the device."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:  # matplotlib missing: the JSON is the result, the plot a convenience
+        print(f"(no plot: {type(e).__name__}: {e})")
+        return None
+    fig = plt.figure(figsize=(11, 4.5))
+    draw(fig)
+    fig.suptitle(f"{concept} on {device}, torch {torch.__version__} ({TIMER} timer)", fontsize=10)
+    fig.tight_layout()
+    path = results_path(concept, device, out).with_suffix(".png")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"saved {path}")
+    return path
+
+
+def bandwidth_plot(results: list[dict], key: str, peak: float, rate: str = "GBps", panels=("fwd", "fwd+bwd"),
+                   group: str | None = None):
+    """draw(fig) for save_plot: % of HBM peak against `key`, one line per implementation, one panel per mode
+    (and per value of `group`, e.g. the op)."""
+    groups = sorted({r[group] for r in results}) if group else [None]
+
+    def draw(fig):
+        n = len(groups) * len(panels)
+        for i, (g, mode) in enumerate((g, m) for g in groups for m in panels):
+            ax = fig.add_subplot(1, n, i + 1)
+            rows = [r for r in results if r["mode"] == mode and (g is None or r[group] == g)]
+            for impl in dict.fromkeys(r["impl"] for r in rows):
+                pts = sorted((r[key], 100 * r[rate] * 1e9 / peak) for r in rows if r["impl"] == impl)
+                ax.plot([str(p[0]) for p in pts], [p[1] for p in pts], marker="o", label=impl)
+            ax.set_title(f"{g + ' ' if g else ''}{mode}", fontsize=9)
+            ax.set_xlabel(key)
+            ax.set_ylabel("% of HBM peak")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    return draw

@@ -2,6 +2,7 @@
 
 Every op takes tensors positionally, options keyword-only, and ``backend=None`` ("auto" | "torch" | "triton").
 """
+from minite.kernels import _library  # noqa: F401,E402  (registers the torch.compile custom ops on CUDA)
 from minite.kernels.attention import attention  # noqa: F401
 from minite.kernels.cross_entropy import cross_entropy, linear_cross_entropy  # noqa: F401
 from minite.kernels.fp8_gemm import fp8_gemm  # noqa: F401

@@ -6,10 +6,9 @@
     python -m minite.train --init_from out/ckpt.pt --lora.r=8 --data notes.txt --out_dir out/lora   # LoRA (ch. 09)
     python -m minite.train --help                            # every field, its doc and its default
 
-One loop, nanoGPT-style: AdamW with linear warm-up and cosine decay, gradient clipping, gradient accumulation,
-evaluation on fixed val batches, and checkpoints written atomically with every RNG state, so that a resumed run
-reproduces the uninterrupted one exactly. Precision: fp32, bf16 / fp16 autocast (fp16 with minite's
-DynamicLossScaler), or fp8 (minite's fp8_autocast over every minite.nn.Linear).
+One loop, nanoGPT-style: AdamW with warm-up and cosine decay, gradient clipping and accumulation, fixed val batches,
+atomic checkpoints with every RNG state (a resumed run reproduces the uninterrupted one). Precision: fp32, bf16/fp16
+autocast, or fp8 (fp8_autocast over every minite.nn.Linear). torch.compile on CUDA by default (minite/compile.py).
 """
 from __future__ import annotations
 
@@ -27,6 +26,7 @@ import numpy as np
 import torch
 
 from minite import finetune
+from minite.compile import compile_model, eager_mode
 from minite.config import ConfigError, RunConfig, apply_overrides, config_help, make_config
 from minite.data import BatchSampler, DataError, prepare
 from minite.models.gpt import GPT
@@ -236,9 +236,9 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
     train_ids, val_ids = data.split("train"), data.split("val")
     sampler = BatchSampler(train_ids, block, t.batch_size, seed=t.seed, split="train", device=dev)
     BatchSampler(val_ids, block, t.batch_size, split="val")  # fail now, not at the first evaluation
-
     model = GPT(cfg.model).to(dev)
     finetune.prepare_model(model, cfg, base)  # base weights, LoRA adapters (base frozen), trainable vs total
+    compiled = compile_model(model, t, dev)  # in place: state_dict keys unchanged
     if dev.type == "cpu":
         torch.set_num_threads(t.threads or _pick_threads(model, t, block))
     opt = _optimizer(model, t, dev)
@@ -263,7 +263,7 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
     n_params = model.num_params()
     prec = t.precision if t.precision != "auto" else "bf16" if dev.type == "cuda" else "fp32"
     print(f"minite.train: {n_params / 1e6:.2f}M parameters, {dev}, precision {prec}, "
-          f"threads {torch.get_num_threads()}, data {data.dir} (vocab {tok.vocab_size}, "
+          f"compile {compiled}, threads {torch.get_num_threads()}, data {data.dir} (vocab {tok.vocab_size}, "
           f"{len(train_ids):,} train tokens), {'resuming at step ' + str(step) if resume else 'from scratch'}",
           flush=True)
 
@@ -336,7 +336,7 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
     if t.sample_tokens > 0:
         g = torch.Generator(device=dev).manual_seed(t.seed)
         prompt = torch.tensor([tok.encode("\n") if tok.kind == "byte" or "\n" in tok.chars else [0]], device=dev)
-        with ctx():
+        with ctx(), eager_mode():  # one compiled graph per prompt length would be wasted on a one-off sample
             ids = model.generate(prompt, t.sample_tokens, temperature=0.8, top_k=None, generator=g)
         sample = tok.decode(ids[0].tolist())
     tps = tokens_per_step * (step - start_step) / max(train_time, 1e-9)

@@ -15,7 +15,7 @@ from torch import nn
 
 from minite._triton import interpreting, tl, triton
 from minite.backend import resolve_backend
-from minite.kernels._common import _acc
+from minite.kernels._common import _acc, compute_dtype, launchable, op, row_launch
 
 __all__ = ["cross_entropy_ref", "cross_entropy", "CrossEntropyFunction", "linear_cross_entropy_ref",
            "linear_cross_entropy", "LinearCrossEntropyFunction", "LinearCrossEntropy"]
@@ -99,20 +99,22 @@ def _ce_bwd_kernel(X_ptr, X_row_stride, T_ptr, LSE_ptr, DL_ptr, DL_stride, DX_pt
 
 
 # ------------------------------------------------------------------------------------------ 3. launchers
-def _block_size(V: int) -> int:
-    # 4096 fp32 lanes = 32 per thread at 4 warps: wide enough to stream HBM, small enough not to spill.
+def _block_size(V: int) -> tuple[int, int]:
+    # (BLOCK_SIZE, num_warps): blocks of up to 4096 columns walk the row (8 warps: 16 fp32 per thread).
     # Under the interpreter a bigger block means fewer Python-level loop iterations.
-    return max(16, min(8192 if interpreting() else 4096, triton.next_power_of_2(V)))
+    return row_launch(V, 8192 if interpreting() else 4096)
 
 
 def cross_entropy_fwd(logits, target, ignore_index: int, label_smoothing: float):
     """Per-row loss and logsumexp, both (N,) fp32 (fp64 for fp64 logits). logits (N, V) with unit column stride."""
     N, V = logits.shape
-    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    acc = compute_dtype(logits.dtype)
     loss, lse = (torch.empty(N, device=logits.device, dtype=acc) for _ in range(2))
     if N:
-        _ce_fwd_kernel[(N,)](logits, logits.stride(0), target, loss, lse, V, ignore_index, float(label_smoothing),
-                             BLOCK_SIZE=_block_size(V), FP64=acc == torch.float64)
+        block, warps = _block_size(V)
+        launchable(_ce_fwd_kernel)[(N,)](logits, logits.stride(0), target, loss, lse, V, ignore_index,
+                                         float(label_smoothing), BLOCK_SIZE=block, FP64=acc == torch.float64,
+                                         num_warps=warps)
     return loss, lse
 
 
@@ -122,9 +124,10 @@ def cross_entropy_bwd(dl, logits, target, lse, ignore_index: int, label_smoothin
     dx = torch.empty_like(logits) if out is None else out
     dl = dl.to(lse.dtype).contiguous()
     if N:
-        _ce_bwd_kernel[(N,)](logits, logits.stride(0), target, lse, dl, 1 if dl.numel() > 1 else 0, dx, dx.stride(0),
-                             V, ignore_index, float(label_smoothing), BLOCK_SIZE=_block_size(V),
-                             FP64=lse.dtype == torch.float64)
+        block, warps = _block_size(V)
+        launchable(_ce_bwd_kernel)[(N,)](logits, logits.stride(0), target, lse, dl, 1 if dl.numel() > 1 else 0, dx,
+                                         dx.stride(0), V, ignore_index, float(label_smoothing), BLOCK_SIZE=block,
+                                         FP64=lse.dtype == torch.float64, num_warps=warps)
     return dx
 
 
@@ -141,7 +144,7 @@ def _ce_chunk_torch(logits, target, dl, ignore_index, label_smoothing):
 def linear_cross_entropy_fwd(x, weight, target, ignore_index, reduction, label_smoothing, chunk_size, use_triton,
                              need_dx=True, need_dw=True):
     """Loss, and dx (N, C) / dW (V, C) for an upstream gradient of 1, never holding more than (chunk_size, V)."""
-    N, valid, acc = len(x), (target != ignore_index).sum(), torch.float64 if x.dtype == torch.float64 else torch.float32
+    N, valid, acc = len(x), (target != ignore_index).sum(), compute_dtype(x.dtype)
     dl = torch.ones(1, dtype=acc, device=x.device) / (valid.clamp(min=1) if reduction == "mean" else 1)  # every row
     rows = torch.empty(N, dtype=acc, device=x.device)  # per-row loss
     dx = torch.empty_like(x) if need_dx else None  # (N, C)
@@ -169,7 +172,7 @@ def linear_cross_entropy_fwd(x, weight, target, ignore_index, reduction, label_s
 class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, ignore_index, reduction, label_smoothing):
-        rows, lse = cross_entropy_fwd(logits, target, ignore_index, label_smoothing)
+        rows, lse = op("cross_entropy_fwd", cross_entropy_fwd)(logits, target, ignore_index, label_smoothing)
         valid = (target != ignore_index).sum()
         ctx.save_for_backward(logits, target, lse, valid)  # logits are alive anyway; lse is (N,)
         ctx.args = (ignore_index, reduction, label_smoothing)
@@ -180,7 +183,8 @@ class CrossEntropyFunction(torch.autograd.Function):
         logits, target, lse, valid = ctx.saved_tensors
         ignore_index, reduction, label_smoothing = ctx.args
         dl = dloss.reshape(-1) / (valid.clamp(min=1) if reduction == "mean" else 1)  # (N,) for "none", else (1,)
-        return cross_entropy_bwd(dl, logits, target, lse, ignore_index, label_smoothing), None, None, None, None
+        dx = op("cross_entropy_bwd", cross_entropy_bwd)(dl, logits, target, lse, ignore_index, label_smoothing)
+        return dx, None, None, None, None
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):

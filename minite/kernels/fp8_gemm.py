@@ -5,6 +5,15 @@ the tensor-core rate). The kernel is a plain tiled matmul: load fp8 tiles, ``tl.
 accumulator, and apply the two per-tensor scales once, in the epilogue (a per-tensor scale commutes with the
 sum over K, so there is no reason to touch every product). The output is bf16 / fp16 / fp32.
 
+Accumulation. Hopper's FP8 tensor cores add the products of one MMA chain into an accumulator that keeps only
+about 14 bits (DeepSeek-V3 §3.3.2), and Triton on sm_90 never promotes it by default: at K = 8192 the error is
+~46x cuBLAS's. ``accumulate="split"`` promotes the partial sums to the fp32 accumulator every N_C = BLOCK_K = 128
+elements of K (``tl.dot(..., max_num_imprecise_acc=BLOCK_K)``), which matches cuBLAS's error (H100, measured);
+``"fast"`` never promotes. TransformerEngine's convention, followed by ``minite.nn.Linear``: fast accumulation in
+the forward GEMM, split accumulation in dgrad and wgrad (gradients are summed over many more terms). Hopper's
+FP8 MMA also wants both operands K-contiguous ("TN"): the launcher makes K-contiguous copies of strided
+operands (1 byte per element, a cheap transpose) instead of letting the kernel stream a transposed tile.
+
 There is no autograd here: fp8 operands have no gradient. ``minite.nn.Linear`` (layers/linear.py) wires three
 of these GEMMs (forward, dgrad, wgrad) into an autograd Function. Sections 4 and 6 of a concept file (Function,
 Module) therefore live there.
@@ -14,13 +23,15 @@ from __future__ import annotations
 
 import torch
 
-from minite._triton import interpreting, tl, triton
+from minite._triton import tl, triton
 from minite.backend import resolve_backend
 from minite.formats.fp8 import Float8Tensor
+from minite.kernels._common import launchable, use_op
 
-__all__ = ["fp8_gemm", "fp8_gemm_ref", "fp8_gemm_fwd"]
+__all__ = ["fp8_gemm", "fp8_gemm_ref", "fp8_gemm_fwd", "ACCUMULATE"]
 
 _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+ACCUMULATE = ("fast", "split")  # never promote / promote every BLOCK_K elements of K to fp32
 
 
 # ----------------------------------------------------------------------------------------------- 1. reference
@@ -34,7 +45,7 @@ def fp8_gemm_ref(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype = torc
 def _fp8_gemm_kernel(A_ptr, B_ptr, C_ptr, A_scale_inv_ptr, B_scale_inv_ptr, M, N, K,
                      A_row_stride, A_col_stride, B_row_stride, B_col_stride, C_row_stride, C_col_stride,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr):
+                     GROUP_M: tl.constexpr, SPLIT_ACC: tl.constexpr):
     # C (M, N) = A (M, K) @ B (K, N). One program per (BLOCK_M, BLOCK_N) tile of C.
     pid = tl.program_id(0).to(tl.int64)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -58,7 +69,12 @@ def _fp8_gemm_kernel(A_ptr, B_ptr, C_ptr, A_scale_inv_ptr, B_scale_inv_ptr, M, N
         b_mask = ((k0 + offs_k)[:, None] < K) & (offs_n[None, :] < N)
         a = tl.load(a_ptrs, mask=a_mask, other=0.0)                    # fp8 tile, stays fp8
         b = tl.load(b_ptrs, mask=b_mask, other=0.0)
-        acc = tl.dot(a, b, acc)                                        # fp8 x fp8 -> fp32 accumulator
+        if SPLIT_ACC:
+            # Promote every BLOCK_K products: the MMA chain of one K-block runs in the tensor core's ~14-bit
+            # accumulator, then is added to `acc` in full fp32 (what cuBLAS does unless fast accumulation is on).
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+        else:
+            acc = tl.dot(a, b, acc)                                    # fp8 x fp8 -> (imprecise) fp32
         a_ptrs += BLOCK_K * A_col_stride
         b_ptrs += BLOCK_K * B_row_stride
     # Epilogue: both per-tensor scales at once, sum_k (qa*sa)(qb*sb) = sa*sb * sum_k qa*qb.
@@ -68,33 +84,76 @@ def _fp8_gemm_kernel(A_ptr, B_ptr, C_ptr, A_scale_inv_ptr, B_scale_inv_ptr, M, N
     tl.store(c_ptrs, acc.to(C_ptr.dtype.element_ty), mask=c_mask)     # one rounding, to the output dtype
 
 
+# (M, N) -> (N, M) copy of a byte tensor, tile by tile: reads and writes both coalesced (Triton stages the tile
+# through shared memory to change its layout), where torch's strided copy of a transposed 1-byte tensor is not.
+@triton.jit
+def _transpose_kernel(X_ptr, Y_ptr, M, N, X_row_stride, X_col_stride,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                   # (BLOCK_M,) rows of X
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                   # (BLOCK_N,) cols of X
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    x = tl.load(X_ptr + offs_m[:, None] * X_row_stride + offs_n[None, :] * X_col_stride, mask=mask, other=0)
+    tl.store(Y_ptr + offs_n[None, :] * M + offs_m[:, None], x, mask=mask)   # Y (N, M) contiguous
+
+
 # ----------------------------------------------------------------------------------------------- 3. launcher
-def _blocks(M: int, N: int, K: int, on_gpu: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps). tl.dot needs every block >= 16."""
+# H100 tiles per accumulation mode: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). BLOCK_K = 128 = N_C, the
+# promotion interval of "split". From benchmarks/bench_fp8_gemm.py --sweep on an H100 (8192^3, 2026-11-23):
+# 256x128x128, 8 warps, 3 stages was the fastest of 8 tilings in both modes (fast 1302, split 1020 TFLOP/s);
+# 128x128x128 gave 1146 / 869, 128x256x128 1089 / 605 (split needs a second accumulator: registers).
+GPU_TILES = {"fast": (256, 128, 128, 8, 3), "split": (256, 128, 128, 8, 3)}
+
+
+def _tiles(M: int, N: int, K: int, on_gpu: bool, accumulate: str) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). On the GPU every fp8 tl.dot dim must be >= 16 (K >= 32)."""
     if on_gpu:
-        # H100 fp8: 128x128x64 tiles, 8 warps (the Triton matmul tutorial's fp8 configuration).
-        return 128, 128, 64, 8
+        return GPU_TILES[accumulate]
     # Interpreter: ~0.5 ms per program and per loop step, so tiles as large as the problem (capped at 64).
-    def fit(n):
-        return max(16, min(64, triton.next_power_of_2(n)))
-    return fit(M), fit(N), fit(K), 4
+    def fit(n, lo):
+        return max(lo, min(64, triton.next_power_of_2(n)))
+    return fit(M, 16), fit(N, 16), fit(K, 32), 4, 1
 
 
-def fp8_gemm_fwd(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """Launch the kernel: (M, K) @ (K, N) -> (M, N) of `out_dtype`. Operands may be strided views."""
-    (M, K), (_, N) = a.shape, b.shape
+def _k_major(t: torch.Tensor, k_dim: int) -> torch.Tensor:
+    """`t` (2-D, bytes) with unit stride along `k_dim`: itself if so already, else a transposed copy (viewed back
+    to t's shape). Hopper's FP8 MMA reads both operands K-major; a strided tile would go through a slow path."""
+    if t.stride(k_dim) == 1:
+        return t
+    src = t if k_dim == 0 else t.t()                                   # the copy is made along rows of src
+    M, N = src.shape
+    out = torch.empty((N, M), dtype=t.dtype, device=t.device)          # (N, M) contiguous = src^T
+    if M and N:
+        launchable(_transpose_kernel)[(triton.cdiv(M, 64), triton.cdiv(N, 64))](
+            src.view(torch.uint8), out.view(torch.uint8), M, N, src.stride(0), src.stride(1), BLOCK_M=64, BLOCK_N=64)
+    return out.t() if k_dim == 0 else out                              # t's shape, unit stride along k_dim
+
+
+def fp8_gemm_raw(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
+                 out_dtype: torch.dtype, split_acc: bool) -> torch.Tensor:
+    """(M, K) @ (K, N) fp8 data with fp32 per-tensor scale_inv (1-element tensors) -> (M, N) of `out_dtype`.
+    Plain tensors only, so ``torch.library`` can register it (see kernels/_library.py)."""
+    (M, K), N = a.shape, b.shape[1]
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return out
     if K == 0:
         return out.zero_()
-    BM, BN, BK, warps = _blocks(M, N, K, a.data.is_cuda)
+    a, b = _k_major(a, 1), _k_major(b, 0)                              # A (M, K) and B (K, N), both K-contiguous
+    BM, BN, BK, warps, stages = _tiles(M, N, K, a.is_cuda, "split" if split_acc else "fast")
     grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
-    _fp8_gemm_kernel[grid](a.data, b.data, out, a.scale_inv.reshape(1), b.scale_inv.reshape(1), M, N, K,
-                           a.data.stride(0), a.data.stride(1), b.data.stride(0), b.data.stride(1),
-                           out.stride(0), out.stride(1), BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=8,
-                           num_warps=warps, num_stages=1 if interpreting() else 3)
+    launchable(_fp8_gemm_kernel)[grid](a, b, out, a_scale_inv.reshape(1), b_scale_inv.reshape(1), M, N, K,
+                                       a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
+                                       out.stride(1), BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=8,
+                                       SPLIT_ACC=split_acc, num_warps=warps, num_stages=stages)
     return out
+
+
+def fp8_gemm_fwd(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, accumulate: str = "split") -> torch.Tensor:
+    """Launch the kernel: (M, K) @ (K, N) -> (M, N) of `out_dtype`. Operands may be strided views."""
+    fn = torch.ops.minite.fp8_gemm if use_op("fp8_gemm") else fp8_gemm_raw
+    return fn(a.data, b.data, a.scale_inv, b.scale_inv, out_dtype, accumulate == "split")
 
 
 # ------------------------------------------------------------------------------------- 5. functional API
@@ -114,12 +173,16 @@ def _check(a, b, out_dtype):
 
 
 def fp8_gemm(a: Float8Tensor, b: Float8Tensor, *, out_dtype: torch.dtype = torch.bfloat16,
-             backend: str | None = None) -> torch.Tensor:
+             accumulate: str = "split", backend: str | None = None) -> torch.Tensor:
     """(a.data @ b.data) * a.scale_inv * b.scale_inv with fp32 accumulation, returned as `out_dtype`.
 
     a: (M, K) and b: (K, N) ``Float8Tensor``s, any mix of E4M3/E5M2, any strides (``w_q.t()`` is fine).
+    accumulate: "split" promotes partial sums to fp32 every 128 elements of K (cuBLAS's accuracy); "fast" keeps
+    them in the tensor core's ~14-bit accumulator on Hopper (faster, ~40x the error at K = 8192).
     """
     _check(a, b, out_dtype)
+    if accumulate not in ACCUMULATE:
+        raise ValueError(f"fp8_gemm: accumulate must be one of {ACCUMULATE}, got {accumulate!r}")
     if resolve_backend(a.data, backend) == "triton":
-        return fp8_gemm_fwd(a, b, out_dtype)
+        return fp8_gemm_fwd(a, b, out_dtype, accumulate)
     return fp8_gemm_ref(a, b, out_dtype)

@@ -17,6 +17,7 @@ from torch import nn
 
 from minite._triton import tl, triton
 from minite.backend import resolve_backend
+from minite.kernels._common import compute_dtype, launchable, op, tl_compute_dtype
 
 __all__ = ["rope_cos_sin", "rope_ref", "rope_fwd", "rope_bwd", "RoPEFunction", "rope", "RotaryEmbedding"]
 
@@ -38,7 +39,7 @@ def rope_cos_sin(T: int, D: int, *, base: float = 10000.0, offset: int = 0, devi
 
 # ------------------------------------------------------------------------------------------ 1. reference
 def _rotate(x, cos, sin, layout: str):
-    xf = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)  # fp32 math, fp64 for gradcheck
+    xf = x.to(compute_dtype(x.dtype))  # fp32 math, fp64 for gradcheck
     if layout == "bthd":
         cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, D/2) broadcasts over H in (B, T, H, D/2)
     x1, x2 = xf.chunk(2, dim=-1)  # halves (..., D/2)
@@ -97,21 +98,20 @@ def _launch(x, cos, sin, layout: str, sign: int):
         xs, ys = (x.stride(0), x.stride(2), x.stride(1)), (y.stride(0), y.stride(2), y.stride(1))
     if B * T * H == 0:
         return y
-    _rope_kernel[(B * T,)](x, y, cos, sin, T, H, *xs, *ys, cos.stride(0), HALF=D // 2, SIGN=sign,
-                           ACC=tl.float64 if x.dtype == torch.float64 else tl.float32,
-                           BLOCK_H=triton.next_power_of_2(H), BLOCK_HALF=triton.next_power_of_2(D // 2),
-                           num_warps=4 if H * D <= 4096 else 8)
+    launchable(_rope_kernel)[(B * T,)](x, y, cos, sin, T, H, *xs, *ys, cos.stride(0), HALF=D // 2, SIGN=sign,
+                                       ACC=tl_compute_dtype(x.dtype), BLOCK_H=triton.next_power_of_2(H),
+                                       BLOCK_HALF=triton.next_power_of_2(D // 2), num_warps=4 if H * D <= 4096 else 8)
     return y
 
 
 def rope_fwd(x, cos, sin, *, layout: str = "bhtd"):
-    """y = rotate(x, +t theta)."""
-    return _launch(x, cos, sin, layout, 1)
+    """y = rotate(x, +t theta). Under torch.compile: torch.ops.minite.rope (kernels/_library.py)."""
+    return op("rope", _launch)(x, cos, sin, layout, 1)
 
 
 def rope_bwd(dy, cos, sin, *, layout: str = "bhtd"):
     """dx = rotate(dy, -t theta): the transpose of a rotation is its inverse."""
-    return _launch(dy, cos, sin, layout, -1)
+    return op("rope", _launch)(dy, cos, sin, layout, -1)
 
 
 # ------------------------------------------------------------------------------------------ 4. autograd

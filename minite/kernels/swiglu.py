@@ -13,7 +13,7 @@ from torch import nn
 
 from minite._triton import interpreting, tl, triton
 from minite.backend import resolve_backend
-from minite.kernels._common import _acc
+from minite.kernels._common import _acc, compute_dtype, launchable, op, row_launch
 
 __all__ = ["swiglu_ref", "swiglu", "SwiGLUFunction", "SwiGLU", "swiglu_fwd", "swiglu_bwd"]
 
@@ -23,8 +23,7 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # ----------------------------------------------------------------------------------------- 1. reference
 def swiglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, computed in fp32 (fp64 stays fp64), returned in gate's dtype. The spec."""
-    ct = torch.float64 if gate.dtype == torch.float64 else torch.float32
-    g, u = gate.to(ct), up.to(ct)
+    g, u = gate.to(compute_dtype(gate.dtype)), up.to(compute_dtype(gate.dtype))
     return (g * torch.sigmoid(g) * u).to(gate.dtype)
 
 
@@ -69,7 +68,7 @@ def _swiglu_bwd_kernel(DY_ptr, DY_row_stride, G_ptr, G_row_stride, U_ptr, U_row_
 def _block_size(H: int) -> int:
     # GPU: 1024 columns per program streams HBM well for an elementwise op (4 warps x 32 lanes x 8 elements).
     # CPU interpreter: every program costs ~0.5 ms of Python overhead, so fewer, larger programs.
-    return max(16, min(4096 if interpreting() else 1024, triton.next_power_of_2(H)))
+    return row_launch(H, 4096 if interpreting() else 1024)[0]
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -85,8 +84,8 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     y = torch.empty((N, H), dtype=g.dtype, device=g.device)
     if y.numel():
         bs = _block_size(H)
-        _swiglu_fwd_kernel[(N, triton.cdiv(H, bs))](g, g.stride(0), u, u.stride(0), y, H,
-                                                     BLOCK_SIZE=bs, FP64=g.dtype == torch.float64)
+        launchable(_swiglu_fwd_kernel)[(N, triton.cdiv(H, bs))](g, g.stride(0), u, u.stride(0), y, H,
+                                                                BLOCK_SIZE=bs, FP64=g.dtype == torch.float64)
     return y.view(gate.shape)
 
 
@@ -97,8 +96,8 @@ def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[
     dg, du = torch.empty((N, H), dtype=g.dtype, device=g.device), torch.empty((N, H), dtype=u.dtype, device=u.device)
     if dg.numel():
         bs = _block_size(H)
-        _swiglu_bwd_kernel[(N, triton.cdiv(H, bs))](d, d.stride(0), g, g.stride(0), u, u.stride(0), dg, du, H,
-                                                     BLOCK_SIZE=bs, FP64=g.dtype == torch.float64)
+        launchable(_swiglu_bwd_kernel)[(N, triton.cdiv(H, bs))](
+            d, d.stride(0), g, g.stride(0), u, u.stride(0), dg, du, H, BLOCK_SIZE=bs, FP64=g.dtype == torch.float64)
     return dg.view(gate.shape), du.view(gate.shape)
 
 
@@ -107,12 +106,12 @@ class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
         ctx.save_for_backward(gate, up)  # only the inputs: silu(gate) is recomputed in the backward
-        return swiglu_fwd(gate, up)
+        return op("swiglu_fwd", swiglu_fwd)(gate, up)  # torch.ops.minite.swiglu_fwd under torch.compile
 
     @staticmethod
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
-        return swiglu_bwd(dy, gate, up)
+        return op("swiglu_bwd", swiglu_bwd)(dy, gate, up)
 
 
 # -------------------------------------------------------------------------------------------- 5. functional

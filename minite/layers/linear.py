@@ -11,6 +11,10 @@ Each of the three quantized tensors (input, weight, grad_output) has its own ``S
 and scale) kept by the module, updated by the recipe after every quantization. The forward saves the *fp8*
 input and weight for the backward: half the activation memory of bf16. The bias is added in the output dtype.
 
+Accumulation follows TransformerEngine: ``FP8_ACCUMULATE = {"fprop": "fast", "dgrad": "split", "wgrad": "split"}``
+(split = partial sums promoted to fp32 every 128 elements of K; see kernels/fp8_gemm.py). Change the module-level
+dict to select another mode per GEMM.
+
 The backend switch picks Triton (quantize kernel + FP8 GEMM kernel) or the torch reference (torch casts +
 fp32 matmul of the dequantized operands): the same quantization math, so both give the same fp8 bits.
 """
@@ -30,6 +34,7 @@ from minite.kernels.fp8_gemm import fp8_gemm
 __all__ = ["Linear", "fp8_linear", "fp8_linear_states"]
 
 ROLES = ("input", "weight", "grad_output")
+FP8_ACCUMULATE = {"fprop": "fast", "dgrad": "split", "wgrad": "split"}  # TransformerEngine's default
 
 
 def fp8_linear_states(recipe: DelayedScaling | CurrentScaling, device=None) -> dict[str, ScalingState]:
@@ -56,7 +61,8 @@ class FP8LinearFunction(torch.autograd.Function):
         x2 = x.reshape(-1, K)                                              # (N, K)
         qx = _quantize(x2, states["input"], recipe, backend)              # E4M3 (N, K)
         qw = _quantize(weight, states["weight"], recipe, backend)         # E4M3 (O, K)
-        y = fp8_gemm(qx, qw.t(), out_dtype=x.dtype, backend=backend)       # (N, K) @ (K, O) -> (N, O)
+        y = fp8_gemm(qx, qw.t(), out_dtype=x.dtype, accumulate=FP8_ACCUMULATE["fprop"],
+                     backend=backend)       # (N, K) @ (K, O) -> (N, O)
         if bias is not None:
             y = y + bias.to(y.dtype)
         ctx.save_for_backward(qx.data, qx.scale_inv, qw.data, qw.scale_inv)   # fp8: 1 byte per element
@@ -74,9 +80,11 @@ class FP8LinearFunction(torch.autograd.Function):
         qg = _quantize(g2, ctx.states["grad_output"], ctx.recipe, ctx.backend)   # E5M2 under HYBRID
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = fp8_gemm(qg, qw, out_dtype=ctx.x_dtype, backend=ctx.backend).reshape(ctx.x_shape)  # (N, K)
+            dx = fp8_gemm(qg, qw, out_dtype=ctx.x_dtype, accumulate=FP8_ACCUMULATE["dgrad"],
+                          backend=ctx.backend).reshape(ctx.x_shape)                # (N, O) @ (O, K)
         if ctx.needs_input_grad[1]:
-            dw = fp8_gemm(qg.t(), qx, out_dtype=ctx.w_dtype, backend=ctx.backend)   # (O, N) @ (N, K)
+            dw = fp8_gemm(qg.t(), qx, out_dtype=ctx.w_dtype, accumulate=FP8_ACCUMULATE["wgrad"],
+                          backend=ctx.backend)                                     # (O, N) @ (N, K)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g2.float().sum(0).to(ctx.w_dtype)                         # bias grad in full precision
         return dx, dw, db, None, None, None
