@@ -25,11 +25,11 @@ _counts = {"triton_passed": 0, "triton_failed": 0, "triton_skipped": 0}
 def pytest_collection_modifyitems(config, items):
     cuda = torch.cuda.is_available()
     for item in items:
-        if "gpu" in item.keywords and not cuda:
+        if item.get_closest_marker("gpu") and not cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
-        elif "triton" in item.keywords and not HAS_TRITON:
+        elif item.get_closest_marker("triton") and not HAS_TRITON:
             item.add_marker(pytest.mark.skip(reason="triton is not installed"))
-        elif "triton" in item.keywords and not cuda and not interpreting():
+        elif item.get_closest_marker("triton") and not cuda and not interpreting():
             item.add_marker(pytest.mark.skip(reason="no CUDA and TRITON_INTERPRET is off"))
 
 
