@@ -524,7 +524,7 @@ def rewrite_check(source: str, name: str, mode: str) -> tuple[str, dict]:
         raise ValueError(f"check {name!r} does not parse: line {err.lineno}: {err.msg}") from None
     rw = _Rewrite(mode)
     tree = ast.fix_missing_locations(rw.visit(tree))
-    return f"_minite.begin({name!r})\n" + ast.unparse(tree), rw.tests
+    return f"_minite.begin({name!r})\n" + ast.unparse(tree) + "\n_minite.flush()", rw.tests
 
 
 class _Unknown(Exception):
@@ -724,8 +724,8 @@ def _records(outputs) -> list[dict]:
                 rec = torch.load(io.BytesIO(base64.b64decode(data[RECORD_MIME])), weights_only=True)
             except Exception:  # noqa: BLE001 - an unreadable record is no record
                 continue
-            if isinstance(rec, dict) and rec.get("kind") in ("op", "close", "assert") and "rid" in rec:
-                out.append(rec)
+            out += [r for r in (rec if isinstance(rec, list) else [])
+                    if isinstance(r, dict) and r.get("kind") in ("op", "close", "assert") and "rid" in r]
     return out
 
 
