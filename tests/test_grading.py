@@ -62,10 +62,9 @@ def tiny_solution():
               "    x, y = torch.randn(n, generator=g), torch.randn(n, generator=g)\n"
               "    assert check_op(f'add {n}', add, torch.add, x, y, grad=False)\nprint('PASS: add')", check="add"),
         _code(f"def area(r):\n    {BEGIN}\n    return math.pi * r * r\n    {END}", task="area"),
-        _code("# CHECK: area\nr = torch.linspace(0.5, 2.0, 7, dtype=torch.float64)\n"
-              "assert torch.allclose(area(r), math.pi * r ** 2, rtol=1e-12), 'area'\n"
-              "assert_close(area(r), torch.pi * r * r, name='area')\n"
-              "assert round(float(area(torch.tensor(2.0))), 4) == 12.5664\nprint('PASS: area')", check="area"),
+        _code("# CHECK: area\nr = torch.linspace(0.5, 2.0, 7, dtype=torch.float64)\na = area(r)\n"
+              "assert torch.allclose(a, math.pi * r ** 2, rtol=1e-12), 'area'\n"
+              "assert_close(a, torch.pi * r * r, name='area')\nprint('PASS: area')", check="area"),
         _code(f"{BEGIN}\nSCALE = 3.0\n{END}", task="scale"),
         _code("# CHECK: scale\nassert check_op('scale', lambda t: t * SCALE, lambda t: t * 3, torch.arange(4.0))\n"
               "print('PASS: scale')", check="scale"),
@@ -251,14 +250,6 @@ def test_exercise_solved_before_a_rebuild_with_fresh_ids_still_scores_full(tmp_p
     new_sol = write(nbformat.from_dict(rebuilt), tmp_path / "rebuilt" / "99_tiny.ipynb")
     rep = grade(student, new_sol, timeout=120)
     assert (rep.score, rep.total) == (3, 3), rep.summary()
-
-
-@pytest.mark.notebook
-def test_timeout_is_reported_per_task(tmp_path, tiny):
-    sol = nbformat.read(tiny, as_version=4)
-    loop = solve(make_exercise(sol), {"area": "while True:\n    pass"})
-    rep = grade(write(loop, tmp_path / "loop.ipynb"), tiny, timeout=8)
-    assert rep.reasons["area"] == "timed out after 8 s", rep.summary()
 
 
 @pytest.mark.notebook
