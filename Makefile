@@ -3,7 +3,8 @@
 #   make setup       create .venv (torch==2.13.0, triton==3.7.1 pinned; minite editable with [dev])
 #   make train       train the GPT on the default corpus (CPU preset unless CUDA is present)
 #   make test        the whole suite: library tests (Triton under TRITON_INTERPRET=1 on CPU), notebooks, grading
-#   make check-fast  ruff, exercises in sync with solutions, line budgets (< 60 s)
+#   make check-fast  ruff (notebooks' .py too), notebook checks (copied answers, jupytext pairs in sync, exercises
+#                    without outputs and in sync with solutions), line budgets (< 60 s)
 #   make lab         JupyterLab on the course notebooks
 #   make exercises   regenerate exercises/ from solutions/
 #   make grade NB=exercises/00_triton_from_zero.ipynb    score a student's notebook
@@ -51,8 +52,8 @@ test-notebooks: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_JOBS) --dist loadfile notebooks --nbval-lax --nbval-current-env $(ARGS)
 
 check-fast: $(STAMP)
-	$(PY) -m ruff check minite tests tools benchmarks
-	$(PY) -m minite.grading generate --check
+	$(PY) -m ruff check minite tests tools benchmarks notebooks solutions
+	$(PY) tools/check_notebooks.py
 	$(PY) tools/budgets.py
 
 lab: $(STAMP)
