@@ -5,9 +5,10 @@
 #   make test        the whole suite: library tests (Triton under TRITON_INTERPRET=1 on CPU), notebooks, grading
 #   make check-fast  ruff (notebooks' .py too), notebook checks (copied answers, jupytext pairs in sync, exercises
 #                    without outputs and in sync with solutions), line budgets (< 60 s)
-#   make lab         JupyterLab on the course notebooks
+#   make lab         JupyterLab on the course (notebooks/, exercises/); jupytext saves both files of a pair
 #   make exercises   regenerate exercises/ from solutions/
-#   make grade NB=exercises/00_triton_from_zero.ipynb    score a student's notebook
+#   make grade NB=exercises/00_triton_from_zero.ipynb [TIMEOUT=300]    score a student's notebook
+#   make bundle      dist/minite-course.zip: the course for learners, without solutions/ (and tests/)
 #   make bench       every benchmark: kernel ones need CUDA (they say so and exit on CPU); bench_train also runs on CPU
 
 SHELL := /bin/bash
@@ -23,7 +24,7 @@ NPROC := $(shell nproc 2>/dev/null || echo 2)
 # Library tests + notebooks, spread over the cores; notebooks stay whole per worker (--dist loadfile).
 PYTEST_JOBS ?= $(NPROC)
 
-.PHONY: notebooks setup train test test-lib test-notebooks check-fast lab exercises grade bench clean-venv
+.PHONY: notebooks setup train test test-lib test-notebooks check-fast lab exercises grade bundle bench clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	@echo "== setting up $(VENV) (once; re-run when pyproject.toml or the Makefile change) =="
@@ -56,8 +57,12 @@ check-fast: $(STAMP)
 	$(PY) tools/check_notebooks.py
 	$(PY) tools/budgets.py
 
+# Rooted at the repository so exercises/ is reachable and jupytext.toml applies; the jupytext server extension
+# (installed with jupytext) makes every save write both the .ipynb and its paired .py.
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab notebooks
+	@$(VENV)/bin/jupyter server extension list 2>&1 | grep -q "jupyterlab_jupytext.*enabled" || \
+		$(VENV)/bin/jupyter server extension enable --sys-prefix jupyterlab_jupytext
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir="$(CURDIR)" notebooks/00_triton_from_zero.ipynb
 
 # Re-create each NB's .ipynb from its jupytext .py and execute it: make notebooks NB="notebooks/03_rmsnorm.py"
 notebooks: $(STAMP)
@@ -69,7 +74,10 @@ exercises: $(STAMP)
 
 grade: $(STAMP)
 	@test -n "$(NB)" || { echo "usage: make grade NB=exercises/00_triton_from_zero.ipynb"; exit 2; }
-	$(PY) -m minite.grading grade $(NB)
+	$(PY) -m minite.grading grade $(NB) $(if $(TIMEOUT),--timeout $(TIMEOUT),)
+
+bundle:
+	$(PYTHON) tools/bundle.py
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(PY) $$b $(ARGS) || exit 1; done

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -152,3 +153,26 @@ def test_cli_takes_a_timeout(capsys):
         main(["grade", "x.ipynb", "--timeout", "0"])
     assert "--timeout must be a positive" in capsys.readouterr().err
     assert sys.platform != "linux" or __import__("minite.grading").grading._subreaper(False)
+
+
+def test_make_bundle_ships_exercises_without_solutions(tmp_path):
+    """h (and the solutions it could read): what an instructor hands out has no solutions/ to read."""
+    import zipfile
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import bundle
+    root = tmp_path / "repo"
+    for name, text in {"README.md": "x", "minite/__init__.py": "", "exercises/00_x.ipynb": "{}",
+                       "solutions/00_x.ipynb": "{}", "solutions/00_x.py": "### BEGIN SOLUTION",
+                       "tests/test_x.py": ""}.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    out = tmp_path / "course.zip"
+    bundle.bundle(root, out)
+    names = zipfile.ZipFile(out).namelist()
+    assert "minite-course/exercises/00_x.ipynb" in names and "minite-course/README.md" in names
+    assert not [n for n in names if "/solutions/" in n or "/tests/" in n], names
+    leaked = nbformat.v4.new_notebook()
+    leaked.cells = [nbformat.v4.new_code_cell("def f():\n    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION")]
+    nbformat.write(leaked, root / "exercises" / "00_x.ipynb")
+    with pytest.raises(SystemExit, match="solution regions"):
+        bundle.bundle(root, out)
