@@ -76,7 +76,8 @@ BEGIN_YOURS, END_YOURS = "### BEGIN YOUR CODE", "### END YOUR CODE"
 STUB = "raise NotImplementedError()"
 CHECK_TAG = "nbval-check-output"
 RECORD_MIME = "application/x-minite-record"
-DEFAULT_TIMEOUT = 300
+DEFAULT_TIMEOUT = 300  # seconds per task cell and per check cell (--timeout)
+OTHER_CELLS_TIMEOUT = 600  # the notebook's other cells (set-up, imports)
 _CHECK_RE = re.compile(r"^\s*#\s*CHECK:\s*(.+?)\s*$")
 
 
@@ -730,7 +731,8 @@ def _records(outputs) -> list[dict]:
 
 
 def _execute(nb, timeout: int) -> list[_Cell]:
-    """Run `nb` in a fresh kernel (cwd: a temporary folder), `timeout` s per cell, every cell even after errors.
+    """Run `nb` in a fresh kernel (cwd: a temporary folder), every cell even after errors: `timeout` s for each
+    task and check cell, max(timeout, OTHER_CELLS_TIMEOUT) for the others (set-up, imports, ...).
     Afterwards kill the kernel and every process it left behind, then return what each cell did."""
     from nbclient import NotebookClient
     from nbclient.exceptions import DeadKernelError
@@ -741,9 +743,11 @@ def _execute(nb, timeout: int) -> list[_Cell]:
     reaper = _subreaper(True)
     try:
         with tempfile.TemporaryDirectory(prefix="minite-grade-") as tmp:
+            other = max(timeout, OTHER_CELLS_TIMEOUT)
             client = NotebookClient(
                 nb, timeout=timeout, kernel_name="python3", allow_errors=True, interrupt_on_timeout=True,
-                error_on_timeout={"ename": "Timeout", "evalue": f"timed out after {timeout} s", "traceback": []},
+                timeout_func=lambda cell: timeout if task_name(cell) or check_name(cell) else other,
+                error_on_timeout={"ename": "Timeout", "evalue": "timed out", "traceback": []},
                 resources={"metadata": {"path": tmp}},
                 on_cell_executed=lambda cell, cell_index, execute_reply: replies.__setitem__(cell_index,
                                                                                              execute_reply))
@@ -765,13 +769,34 @@ def _execute(nb, timeout: int) -> list[_Cell]:
                         res.ok = False
                         res.timed_out = content.get("ename") == "Timeout"
                         res.error = f"{content.get('ename')}: {content.get('evalue')}"[:300] \
-                            if not res.timed_out else content.get("evalue")
+                            if not res.timed_out else f"timed out after {client._get_timeout(cell)} s"
                     res.records = _records(cell.outputs)
+                    if res.timed_out and not _responds(client, i):
+                        for j in range(i + 1, len(nb.cells)):
+                            results[j] = _Cell(False, f"not run: the kernel did not recover from the timeout in "
+                                                      f"cell {i}")
+                        break
     finally:
         _kill_new_children(before)
         if reaper:
             _subreaper(False)
     return results
+
+
+def _responds(client, index: int, wait: int = 20) -> bool:
+    """After interrupted cell `index`: does the kernel run a trivial cell again within `wait` seconds? (The probe
+    takes that cell's place in the client's notebook; its results were read already.)"""
+    probe = copy.deepcopy(client.nb.cells[index])
+    probe.source, probe.outputs = "pass", []
+    saved = client.timeout, client.interrupt_on_timeout, client.error_on_timeout, client.timeout_func
+    client.timeout, client.interrupt_on_timeout, client.error_on_timeout, client.timeout_func = wait, False, None, None
+    try:
+        client.execute_cell(probe, index)
+        return True
+    except Exception:  # noqa: BLE001 - a dead or stuck kernel
+        return False
+    finally:
+        client.timeout, client.interrupt_on_timeout, client.error_on_timeout, client.timeout_func = saved
 
 
 def _prepare(nb, mode: str, timeout: int):
@@ -799,8 +824,10 @@ _REFERENCE_CACHE: dict[tuple, dict] = {}
 
 
 def _reference(solution: Path, sol_nb, timeout: int) -> dict[str, list[dict]]:
-    """The reference run of a solution (cached per content): records of each check, by name."""
-    key = (str(solution.resolve()), hashlib.sha256(solution.read_bytes()).hexdigest(), timeout)
+    """The reference run of a solution (cached per content): records of each check, by name. It runs under
+    max(timeout, DEFAULT_TIMEOUT): a short --timeout is for the student's answers."""
+    timeout = max(timeout, DEFAULT_TIMEOUT)
+    key = (str(solution.resolve()), hashlib.sha256(solution.read_bytes()).hexdigest())
     if key not in _REFERENCE_CACHE:
         nb, _ = _prepare(sol_nb, "reference", timeout)
         cells = _execute(nb, timeout)

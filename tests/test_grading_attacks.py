@@ -147,6 +147,20 @@ def test_an_infinite_loop_is_stopped_by_the_per_task_timeout(tmp_path, sol_path)
     assert time.monotonic() - t0 < 120
 
 
+@pytest.mark.notebook
+def test_a_loop_that_ignores_interrupts_does_not_hang_grading(tmp_path, sol_path):
+    """The kernel is interrupted at the timeout; if it does not come back, the rest is not run (and the kernel is
+    killed), instead of every later cell waiting out its own timeout."""
+    sol = nbformat.read(sol_path, as_version=4)
+    stuck = solve(make_exercise(sol), {"area": "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                                               "while True:\n    pass", "scale": "SCALE = 3.0"})
+    t0 = time.monotonic()
+    rep = grade(write(stuck, tmp_path / "stuck.ipynb"), sol_path, timeout=5, lint=False)
+    assert rep.reasons["area"] == "timed out after 5 s", rep.summary()
+    assert "did not recover" in rep.reasons["scale"], rep.summary()
+    assert time.monotonic() - t0 < 150
+
+
 def test_cli_takes_a_timeout(capsys):
     from minite.grading import main
     with pytest.raises(SystemExit):
