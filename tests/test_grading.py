@@ -23,6 +23,7 @@ from minite.grading import (
     generate_all,
     grade,
     make_exercise,
+    regions,
     task_cells,
 )
 
@@ -261,3 +262,32 @@ def test_solution_scores_full_and_blank_exercise_scores_zero(solution):
     assert rep.score == rep.total, rep.summary()
     rep = grade(ROOT / "exercises" / solution.name, solution)
     assert rep.score == 0, f"a blank exercise must fail every check:\n{rep.summary()}"
+    # ... and fail only at its stubs: every other cell that fails, fails with the stub's NotImplementedError
+    assert all(e.startswith("task ") or "NotImplementedError" in e for e in rep.errors), rep.summary()
+
+
+@pytest.mark.notebook
+@pytest.mark.slow
+def test_chapter_solved_before_a_rebuild_with_fresh_ids_still_scores_full(tmp_path):
+    """An exercise solved against today's build, graded against the solution re-created from its .py (as
+    `make notebooks` does) with a fresh cell id on every cell."""
+    jupytext = pytest.importorskip("jupytext")
+    solution = ROOT / "solutions" / "00_triton_from_zero.ipynb"
+    old = nbformat.read(solution, as_version=4)
+    answers = {}
+    for name, i in task_cells(old).items():
+        lines = old.cells[i].source.splitlines()
+        answers[name] = ["\n".join(lines[b + 1:e]) for b, e in regions(old.cells[i].source, name)]
+    student = nbformat.read(ROOT / "exercises" / solution.name, as_version=4)
+    for c in student.cells:
+        name = c.get("metadata", {}).get("minite", {}).get("task")
+        if name:
+            lines, todo = c.source.splitlines(), list(answers[name])
+            c.source = "\n".join(todo.pop(0) if ln.strip() == STUB else ln for ln in lines)
+    rebuilt = jupytext.read(solution.with_suffix(".py"))
+    for c in rebuilt.cells:
+        c["id"] = uuid.uuid4().hex[:8]
+    assert not {c.get("id") for c in old.cells} & {c["id"] for c in rebuilt.cells}
+    new_sol = write(nbformat.from_dict(rebuilt), tmp_path / "solutions" / solution.name)
+    rep = grade(write(student, tmp_path / "exercises" / solution.name), new_sol)
+    assert rep.score == rep.total >= 2, rep.summary()
