@@ -264,6 +264,25 @@ def _bound_names(nodes) -> set[str]:
     return out
 
 
+def _module_names(nodes) -> set[str]:
+    """Names bound at module level by `nodes` (not inside the functions, lambdas or classes they define)."""
+    out, todo = set(), list(nodes)
+    while todo:
+        n = todo.pop()
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(n.name)
+            todo += n.decorator_list
+            continue
+        if isinstance(n, ast.Lambda):
+            continue
+        if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)):
+            out.add(n.id)
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            out.update((a.asname or a.name).split(".")[0] for a in n.names)
+        todo += list(ast.iter_child_nodes(n))
+    return out
+
+
 def _enclosing_function(tree, path):
     node, fn = tree, None
     for p in path:
@@ -296,7 +315,7 @@ def _lint(stmts, local: set[str], notebook_names: set[str], top_level: bool) -> 
                     what = ast.unparse(n)
                     return f"line {n.lineno}: assigning to {what!r} changes an object your answer did not create"
         if top_level:
-            clash = _bound_names([st]) & notebook_names
+            clash = _module_names([st]) & notebook_names
             if clash:
                 return f"line {st.lineno}: an answer may not rebind {sorted(clash)}, which the notebook defines"
     return None
@@ -333,8 +352,6 @@ def _verify_answers(solution_src: str, spliced: str, notebook_names: set[str], w
         cuts.append((path, b + 2, e))
         fn = _enclosing_function(tree, path)
         local = _bound_names(mine) | (_bound_names([fn]) if fn is not None else set())
-        if fn is None:
-            local -= notebook_names
         why = _lint(mine, local, notebook_names, top_level=fn is None)
         if why:
             raise ValueError(f"{where}: {why}")
@@ -381,7 +398,7 @@ def _notebook_names(nb) -> set[str]:
     for c in nb.cells:
         if c.cell_type == "code" and not task_name(c):
             try:
-                out |= _bound_names([ast.parse(_python(c.source))])
+                out |= _module_names([ast.parse(_python(c.source))])
             except SyntaxError:
                 pass
     return out
