@@ -3,10 +3,12 @@
 #   make setup       create .venv (torch==2.13.0, triton==3.7.1 pinned; minite editable with [dev])
 #   make train       train the GPT on the default corpus (CPU preset unless CUDA is present)
 #   make test        the whole suite: library tests (Triton under TRITON_INTERPRET=1 on CPU), notebooks, grading
-#   make check-fast  ruff, exercises in sync with solutions, line budgets (< 60 s)
-#   make lab         JupyterLab on the course notebooks
+#   make check-fast  ruff (notebooks' .py too), notebook checks (copied answers, jupytext pairs in sync, exercises
+#                    without outputs and in sync with solutions), line budgets (< 60 s)
+#   make lab         JupyterLab on the course (notebooks/, exercises/); jupytext saves both files of a pair
 #   make exercises   regenerate exercises/ from solutions/
-#   make grade NB=exercises/00_triton_from_zero.ipynb    score a student's notebook
+#   make grade NB=exercises/00_triton_from_zero.ipynb [TIMEOUT=300]    score a student's notebook
+#   make bundle      dist/minite-course.zip: the course for learners, without solutions/ (and tests/)
 #   make bench       every benchmark: kernel ones need CUDA (they say so and exit on CPU); bench_train also runs on CPU
 
 SHELL := /bin/bash
@@ -22,7 +24,7 @@ NPROC := $(shell nproc 2>/dev/null || echo 2)
 # Library tests + notebooks, spread over the cores; notebooks stay whole per worker (--dist loadfile).
 PYTEST_JOBS ?= $(NPROC)
 
-.PHONY: notebooks setup train test test-lib test-notebooks check-fast lab exercises grade bench clean-venv
+.PHONY: notebooks setup train test test-lib test-notebooks check-fast lab exercises grade bundle bench clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	@echo "== setting up $(VENV) (once; re-run when pyproject.toml or the Makefile change) =="
@@ -51,12 +53,16 @@ test-notebooks: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_JOBS) --dist loadfile notebooks --nbval-lax --nbval-current-env $(ARGS)
 
 check-fast: $(STAMP)
-	$(PY) -m ruff check minite tests tools benchmarks
-	$(PY) -m minite.grading generate --check
+	$(PY) -m ruff check minite tests tools benchmarks notebooks solutions
+	$(PY) tools/check_notebooks.py
 	$(PY) tools/budgets.py
 
+# Rooted at the repository so exercises/ is reachable and jupytext.toml applies; the jupytext server extension
+# (installed with jupytext) makes every save write both the .ipynb and its paired .py.
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab notebooks
+	@$(VENV)/bin/jupyter server extension list 2>&1 | grep -q "jupyterlab_jupytext.*enabled" || \
+		$(VENV)/bin/jupyter server extension enable --sys-prefix jupyterlab_jupytext
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir="$(CURDIR)" notebooks/00_triton_from_zero.ipynb
 
 # Re-create each NB's .ipynb from its jupytext .py and execute it: make notebooks NB="notebooks/03_rmsnorm.py"
 notebooks: $(STAMP)
@@ -68,7 +74,10 @@ exercises: $(STAMP)
 
 grade: $(STAMP)
 	@test -n "$(NB)" || { echo "usage: make grade NB=exercises/00_triton_from_zero.ipynb"; exit 2; }
-	$(PY) -m minite.grading grade $(NB)
+	$(PY) -m minite.grading grade $(NB) $(if $(TIMEOUT),--timeout $(TIMEOUT),)
+
+bundle:
+	$(PYTHON) tools/bundle.py
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(PY) $$b $(ARGS) || exit 1; done

@@ -1,10 +1,12 @@
-"""The exercise pipeline: generation, sync, and tamper-proof grading.
+"""The exercise pipeline: generation, sync, task identity by name, and grading.
 
 A tiny synthetic notebook exercises every rule quickly; the real course notebooks are then graded in full:
-each solution must score n/n, each blank exercise 0/n, and a saved wrong answer must fail.
+each solution must score n/n, each blank exercise 0/n, and an exercise solved before a rebuild of its solution
+with fresh cell ids must still score n/n. The attacks on grading are in test_grading_attacks.py.
 """
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 import nbformat
@@ -21,63 +23,101 @@ from minite.grading import (
     generate_all,
     grade,
     make_exercise,
+    regions,
+    task_cells,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
 
 
-def _code(src, tags=None):
+def _code(src, task=None, check=None):
     c = nbformat.v4.new_code_cell(src)
-    if tags:
-        c.metadata["tags"] = tags
+    if task:
+        c.metadata["minite"] = {"task": task}
+    if check:
+        c.metadata["minite"] = {"check": check}
+        c.metadata["tags"] = ["nbval-check-output"]
+        c.outputs = [nbformat.v4.new_output("stream", name="stdout", text=f"PASS: {check}\n")]
+        c.execution_count = 3
     return c
 
 
-def _tiny_solution():
+def tiny_solution():
+    """Three tasks: a Triton kernel (check_op through a launcher), a Python function (raw asserts and
+    assert_close), a top-level constant (check_op with gradients)."""
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["jupytext"] = {"formats": "ipynb,py:percent"}
     nb.cells = [
         nbformat.v4.new_markdown_cell("# tiny"),
-        _code("import math"),
-        _code(f"def double(x):\n    {BEGIN}\n    return 2 * x\n    {END}"),
-        _code("# CHECK: double\nassert double(21) == 42\nprint('PASS: double')", ["nbval-check-output"]),
-        _code(f"def area(r):\n    {BEGIN}\n    return math.pi * r * r\n    {END}"),
-        _code("# CHECK: area\nassert round(area(2.0), 6) == 12.566371\nprint('PASS: area')", ["nbval-check-output"]),
-        _code(f"import torch\nfrom minite.testing import check_op\n{BEGIN}\nSCALE = 3.0\n{END}"),
-        _code("# CHECK: scale\nassert check_op('scale', lambda t: t * SCALE, lambda t: t * 3, torch.arange(4.0))",
-              ["nbval-check-output"]),
+        _code("import os, math, torch\nos.environ['TRITON_INTERPRET'] = '1'\n"
+              "from minite._triton import triton, tl\nfrom minite.testing import check_op, assert_close"),
+        _code(f"@triton.jit\ndef add_kernel(X, Y, Z, n, BLOCK: tl.constexpr):\n    {BEGIN}\n"
+              "    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)\n    mask = offs < n\n"
+              "    tl.store(Z + offs, tl.load(X + offs, mask=mask) + tl.load(Y + offs, mask=mask), mask=mask)\n"
+              f"    {END}\n\n\ndef add(x, y):\n    z = torch.empty_like(x)\n"
+              "    add_kernel[(triton.cdiv(x.numel(), 16),)](x, y, z, x.numel(), BLOCK=16)\n    return z",
+              task="add"),
+        _code("# CHECK: add\ng = torch.Generator().manual_seed(0)\nfor n in (5, 40):\n"
+              "    x, y = torch.randn(n, generator=g), torch.randn(n, generator=g)\n"
+              "    assert check_op(f'add {n}', add, torch.add, x, y, grad=False)\nprint('PASS: add')", check="add"),
+        _code(f"def area(r):\n    {BEGIN}\n    return math.pi * r * r\n    {END}", task="area"),
+        _code("# CHECK: area\nr = torch.linspace(0.5, 2.0, 7, dtype=torch.float64)\na = area(r)\n"
+              "assert torch.allclose(a, math.pi * r ** 2, rtol=1e-12), 'area'\n"
+              "assert_close(a, torch.pi * r * r, name='area')\nprint('PASS: area')", check="area"),
+        _code(f"{BEGIN}\nSCALE = 3.0\n{END}", task="scale"),
+        _code("# CHECK: scale\nassert check_op('scale', lambda t: t * SCALE, lambda t: t * 3, torch.arange(4.0))\n"
+              "print('PASS: scale')", check="scale"),
     ]
-    for c in nb.cells:  # the stored outputs nbval compares against
-        if c.cell_type == "code" and "CHECK" in c.source:
-            name = c.source.splitlines()[0].split(":")[1].strip()
-            text = f"PASS: {name}\n" if name != "scale" else "PASS: scale [float32 (4,)]: output, grad[0]\n"
-            c.outputs = [nbformat.v4.new_output("stream", name="stdout", text=text)]
-            c.execution_count = 1
     return nb
+
+
+def write(nb, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, path)
+    return path
+
+
+def solve(ex, answers: dict[str, str]):
+    """The exercise with each named task's stub replaced by `answers[name]` (indented like the stub)."""
+    ex = nbformat.from_dict(ex)
+    for cell in ex.cells:
+        name = cell.get("metadata", {}).get("minite", {}).get("task")
+        if name in answers:
+            lines = cell.source.splitlines()
+            i = next(k for k, ln in enumerate(lines) if ln.strip() == STUB)
+            ind = lines[i][: len(lines[i]) - len(lines[i].lstrip())]
+            lines[i:i + 1] = [ind + ln if ln else ln for ln in answers[name].splitlines()]
+            cell.source = "\n".join(lines)
+    return ex
 
 
 @pytest.fixture()
 def tiny(tmp_path):
-    sol = tmp_path / "solutions" / "99_tiny.ipynb"
-    sol.parent.mkdir()
-    nbformat.write(_tiny_solution(), sol)
-    return sol
+    return write(tiny_solution(), tmp_path / "solutions" / "99_tiny.ipynb")
 
 
-def test_make_exercise_stubs_regions_and_keeps_the_rest():
-    sol = _tiny_solution()
+def test_make_exercise_stubs_regions_clears_outputs_and_pairing():
+    sol = tiny_solution()
     ex = make_exercise(sol)
-    assert ex.cells[2].source == f"def double(x):\n    {BEGIN_YOURS}\n    {STUB}\n    {END_YOURS}"
+    assert f"    {BEGIN_YOURS}\n    {STUB}\n    {END_YOURS}\n" in ex.cells[2].source
     assert BEGIN not in ex.cells[4].source and STUB in ex.cells[4].source
-    assert ex.cells[3].source == sol.cells[3].source and ex.cells[3].outputs == sol.cells[3].outputs
-    assert [n for _, n in check_cells(ex)] == ["double", "area", "scale"]
+    assert ex.cells[3].source == sol.cells[3].source
+    assert all(c.outputs == [] and c.execution_count is None for c in ex.cells if c.cell_type == "code")
+    assert "jupytext" not in ex.metadata
+    assert [n for _, n in check_cells(ex)] == ["add", "area", "scale"]
+    assert list(task_cells(ex)) == ["add", "area", "scale"]
 
 
-def test_make_exercise_rejects_unbalanced_markers():
-    nb = _tiny_solution()
-    nb.cells[2].source = f"def f():\n    {BEGIN}\n    return 1"
+def test_make_exercise_rejects_unbalanced_markers_and_unnamed_tasks():
+    nb = tiny_solution()
+    nb.cells[4].source = f"def f():\n    {BEGIN}\n    return 1"
     with pytest.raises(ValueError, match="never closed"):
+        make_exercise(nb)
+    nb = tiny_solution()
+    del nb.cells[4].metadata["minite"]
+    with pytest.raises(ValueError, match="no task name"):
         make_exercise(nb)
 
 
@@ -94,60 +134,123 @@ def test_course_exercises_are_in_sync_with_solutions():
     assert stale == [], f"run `make exercises`: {stale}"
 
 
-def test_assemble_takes_only_the_answers(tiny):
-    sol = nbformat.read(tiny, as_version=4)
-    student = make_exercise(sol)
-    student.cells[3].source = "# CHECK: double\nprint('PASS: double')"  # tampered check cell
-    student.cells[2].metadata["tags"] = ["nbval-skip", "raises-exception"]
-    # an answer, a skip marker inside it, and a replacement of the function after the region
-    student.cells[2].source = (f"def double(x):\n    {BEGIN_YOURS}\n    # NBVAL_SKIP\n    return x + x\n"
-                               f"    {END_YOURS}\ndouble = lambda x: 42")
+def test_assemble_matches_tasks_by_name_and_takes_only_the_answers():
+    sol = tiny_solution()
+    student = solve(make_exercise(sol), {"area": "return math.pi * r ** 2"})
+    student.cells[5].source = "# CHECK: area\nprint('PASS: area')"  # tampered check cell: ignored
+    student.cells[4].metadata["tags"] = ["nbval-skip", "raises-exception"]
+    student.cells.reverse()  # order and ids do not matter, names do
+    for c in student.cells:
+        c["id"] = uuid.uuid4().hex[:8]
     notes = []
     graded = assemble(student, sol, notes)
-    assert graded.cells[3].source.startswith("# CHECK: double\n")
-    assert "assert double(21) == 42" in graded.cells[3].source
-    assert graded.cells[2].metadata.get("tags", []) == []
-    assert graded.cells[2].source == f"def double(x):\n    {BEGIN}\n    return x + x\n    {END}"
     assert notes == []
-    # a task cell whose markers were deleted, and one that is gone: stubbed, with a note saying why
+    assert graded.cells[4].source == f"def area(r):\n    {BEGIN}\n    return math.pi * r ** 2\n    {END}"
+    assert "assert torch.allclose" in graded.cells[5].source and "tags" not in graded.cells[4].metadata
+    # a task whose markers were deleted, and one that is gone: stubbed, with a note saying why
+    student = make_exercise(sol)
     student.cells[4].source = "def area(r):\n    return 3.14159 * r * r"
     del student.cells[6]
     notes = []
     graded = assemble(student, sol, notes)
     assert STUB in graded.cells[4].source and STUB in graded.cells[6].source
-    assert "expected 1 answer region(s)" in notes[0] and "not found in your notebook" in notes[1]
+    assert "expected 1 answer region(s)" in notes[0] and "no cell with this task name" in notes[1]
+
+
+def test_assemble_reads_old_notebooks_without_names_by_order_or_says_why():
+    sol = tiny_solution()
+    old = solve(make_exercise(sol), {"area": "return 1.0"})
+    for c in old.cells:
+        c.metadata.pop("minite", None)
+    notes = []
+    graded = assemble(old, sol, notes)
+    assert "return 1.0" in graded.cells[4].source and "matched to tasks by order" in notes[0]
+    del old.cells[4]
+    with pytest.raises(ValueError, match="carry no task names"):
+        assemble(old, sol, [])
+
+
+@pytest.mark.parametrize("answer, why", [
+    ("return math.pi * r * r\narea = 1", None),  # stays inside the function: fine
+    ("return 1\ndef area(r):\n    return math.pi * r * r", "must be code inside its own block"),
+    ("import os\nreturn 1", "may import only"),
+    ("return globals()['math'].pi * r * r", "may not use 'globals'"),
+    ("math.pi = 3\nreturn 1", "did not create"),
+    ("return r.__class__", "attribute '.__class__'"),
+    ("global math\nreturn 1", "'global' is not allowed"),
+    ("return (1", "does not parse"),
+])
+def test_answers_must_stay_in_their_block(answer, why):
+    sol = tiny_solution()
+    ex = make_exercise(sol)
+    cell = ex.cells[4]
+    if "def area" in answer:  # a dedent: written at column 0 on purpose
+        first, rest = answer.split("\n", 1)
+        cell.source = cell.source.replace(f"    {STUB}", f"    {first}\n{rest}")
+    else:
+        ex = solve(ex, {"area": answer})
+    notes = []
+    assemble(ex, sol, notes)
+    if why is None:
+        assert notes == []
+    else:
+        assert len(notes) == 1 and why in notes[0], notes
+
+
+def test_top_level_answer_may_not_rebind_the_notebooks_names():
+    sol = tiny_solution()
+    notes = []
+    assemble(solve(make_exercise(sol), {"scale": "SCALE = 3.0\ncheck_op = print"}), sol, notes)
+    assert "may not rebind ['check_op']" in notes[0]
 
 
 @pytest.mark.notebook
 def test_grading_rules_on_a_tiny_notebook(tmp_path, tiny):
     sol = nbformat.read(tiny, as_version=4)
-    full = grade(tiny, tiny)
+    full = grade(tiny, tiny, timeout=120)
     assert (full.score, full.total, full.failed) == (3, 3, []), full.summary()
 
-    blank = tmp_path / "blank.ipynb"
-    nbformat.write(make_exercise(sol), blank)
-    rep = grade(blank, tiny)
-    assert (rep.score, rep.failed) == (0, ["double", "area", "scale"])
-    assert rep.reasons["double"].startswith("NotImplementedError")
-    assert "FAIL  double: NotImplementedError" in rep.summary()
+    blank = write(make_exercise(sol), tmp_path / "blank.ipynb")
+    rep = grade(blank, tiny, timeout=120)
+    assert (rep.score, rep.failed) == (0, ["add", "area", "scale"]), rep.summary()
+    assert "NotImplementedError" in rep.reasons["area"]
+    assert "FAIL  add: " in rep.summary()
 
-    # A wrong answer whose (fake) PASS output was saved, a check cell rewritten to always pass, a skip marker on
-    # the task, a wrapper that bypasses the answer, and an answer that patches check_op: none of it helps.
-    wrong = make_exercise(sol)
-    wrong.cells[2].source = (f"def double(x):\n    {BEGIN_YOURS}\n    return x + 1\n    {END_YOURS}\n"
-                             "double = lambda x: 42")
-    wrong.cells[2].metadata["tags"] = ["nbval-skip"]
-    wrong.cells[3].source = "# CHECK: double\nprint('PASS: double')"
-    wrong.cells[4].source = wrong.cells[4].source.replace(STUB, "return math.pi * r * r")
-    wrong.cells[6].source = ("import torch\n"
-                             f"{BEGIN_YOURS}\nimport minite.testing as mt\nSCALE = 2.0\n"
-                             "mt.check_op = check_op = lambda *a, **k: "
-                             f"print('PASS: scale [float32 (4,)]: output, grad[0]') or True\n{END_YOURS}")
-    tampered = tmp_path / "tampered.ipynb"
-    nbformat.write(wrong, tampered)
-    rep = grade(tampered, tiny)
-    assert (rep.score, rep.failed) == (1, ["double", "scale"]), rep.summary()
-    assert rep.reasons["double"].startswith("AssertionError")
+    # wrong answers that run: the grader's own comparison fails them, with the worst error
+    wrong = solve(make_exercise(sol), {
+        "add": "offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)\nmask = offs < n\n"
+               "tl.store(Z + offs, tl.load(X + offs, mask=mask) - tl.load(Y + offs, mask=mask), mask=mask)",
+        "area": "return 3.14 * r * r",
+        "scale": "SCALE = 2.0",
+    })
+    rep = grade(write(wrong, tmp_path / "wrong.ipynb"), tiny, timeout=120)
+    assert (rep.score, rep.failed) == (0, ["add", "area", "scale"]), rep.summary()
+    assert "elements differ" in rep.reasons["add"] and "AssertionError: area" in rep.reasons["area"]
+
+
+@pytest.mark.notebook
+def test_exercise_solved_before_a_rebuild_with_fresh_ids_still_scores_full(tmp_path, tiny):
+    """Task identity is the name in the cell metadata: rebuild the solution through jupytext (fresh cell ids,
+    as a re-executed .py would get) and grade an exercise made from the old build."""
+    jupytext = pytest.importorskip("jupytext")
+    sol = nbformat.read(tiny, as_version=4)
+    solved = solve(make_exercise(sol), {
+        "add": "offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)\nmask = offs < n\n"
+               "tl.store(Z + offs, tl.load(X + offs, mask=mask) + tl.load(Y + offs, mask=mask), mask=mask)",
+        "area": "return math.pi * r ** 2",
+        "scale": "SCALE = 1.5 * 2",
+    })
+    student = write(solved, tmp_path / "student.ipynb")
+    text = jupytext.writes(sol, fmt="py:percent")
+    rebuilt = jupytext.reads(text, fmt="py:percent")
+    for c in rebuilt.cells:
+        c["id"] = uuid.uuid4().hex[:8]
+    rebuilt.metadata["kernelspec"] = sol.metadata["kernelspec"]
+    old_ids = {c.get("id") for c in sol.cells}
+    assert not old_ids & {c["id"] for c in rebuilt.cells}
+    new_sol = write(nbformat.from_dict(rebuilt), tmp_path / "rebuilt" / "99_tiny.ipynb")
+    rep = grade(student, new_sol, timeout=120)
+    assert (rep.score, rep.total) == (3, 3), rep.summary()
 
 
 @pytest.mark.notebook
@@ -157,36 +260,34 @@ def test_solution_scores_full_and_blank_exercise_scores_zero(solution):
     rep = grade(solution, solution)
     assert rep.total >= 2, f"{solution.name}: a chapter needs at least two graded tasks"
     assert rep.score == rep.total, rep.summary()
-    exercise = ROOT / "exercises" / solution.name
-    rep = grade(exercise, solution)
+    rep = grade(ROOT / "exercises" / solution.name, solution)
     assert rep.score == 0, f"a blank exercise must fail every check:\n{rep.summary()}"
+    # ... and fail only at its stubs: every other cell that fails, fails with the stub's NotImplementedError
+    assert all(e.startswith("task ") or "NotImplementedError" in e for e in rep.errors), rep.summary()
 
 
 @pytest.mark.notebook
 @pytest.mark.slow
-def test_saved_wrong_answer_fails_on_chapter_00(tmp_path):
+def test_chapter_solved_before_a_rebuild_with_fresh_ids_still_scores_full(tmp_path):
+    """An exercise solved against today's build, graded against the solution re-created from its .py (as
+    `make notebooks` does) with a fresh cell id on every cell."""
+    jupytext = pytest.importorskip("jupytext")
     solution = ROOT / "solutions" / "00_triton_from_zero.ipynb"
-    if not solution.exists():
-        pytest.fail("solutions/00_triton_from_zero.ipynb is missing")
-    nb = nbformat.read(solution, as_version=4)
-    # Break the first task's answer but keep every stored output (including the check's PASS line).
-    task = next(c for c in nb.cells if c.cell_type == "code" and BEGIN in c.source)
-    lines = task.source.splitlines()
-    b = next(i for i, x in enumerate(lines) if x.strip() == BEGIN)
-    e = next(i for i, x in enumerate(lines) if x.strip() == END)
-    indent = lines[b][: len(lines[b]) - len(lines[b].lstrip())]
-    body = lines[b + 1:e]
-    # the same answer storing x - y instead of x + y: wrong, but it runs
-    wrong = [ln.replace("x + y", "x - y") for ln in body]
-    assert wrong != body, "test needs 'x + y' in the first task's answer (the vector add)"
-    task.source = "\n".join(lines[: b + 1] + wrong + [f"{indent}{END}"] + lines[e + 1:])
-    # ... and rewrite the check cell that follows to print its stored PASS output without checking anything.
-    i = nb.cells.index(task)
-    chk = next(c for c in nb.cells[i + 1:] if "nbval-check-output" in c.metadata.get("tags", []))
-    stored = "".join(o.get("text", "") for o in chk.outputs)
-    assert "PASS" in stored
-    chk.source = chk.source.splitlines()[0] + f"\nprint({stored!r}, end='')"
-    path = tmp_path / solution.name
-    nbformat.write(nb, path)
-    rep = grade(path, solution)
-    assert rep.score == rep.total - 1 and len(rep.failed) == 1, rep.summary()
+    old = nbformat.read(solution, as_version=4)
+    answers = {}
+    for name, i in task_cells(old).items():
+        lines = old.cells[i].source.splitlines()
+        answers[name] = ["\n".join(lines[b + 1:e]) for b, e in regions(old.cells[i].source, name)]
+    student = nbformat.read(ROOT / "exercises" / solution.name, as_version=4)
+    for c in student.cells:
+        name = c.get("metadata", {}).get("minite", {}).get("task")
+        if name:
+            lines, todo = c.source.splitlines(), list(answers[name])
+            c.source = "\n".join(todo.pop(0) if ln.strip() == STUB else ln for ln in lines)
+    rebuilt = jupytext.read(solution.with_suffix(".py"))
+    for c in rebuilt.cells:
+        c["id"] = uuid.uuid4().hex[:8]
+    assert not {c.get("id") for c in old.cells} & {c["id"] for c in rebuilt.cells}
+    new_sol = write(nbformat.from_dict(rebuilt), tmp_path / "solutions" / solution.name)
+    rep = grade(write(student, tmp_path / "exercises" / solution.name), new_sol)
+    assert rep.score == rep.total >= 2, rep.summary()

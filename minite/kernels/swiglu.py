@@ -139,20 +139,30 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None) 
 
 # ----------------------------------------------------------------------------------------------- 6. Module
 class SwiGLU(nn.Module):
-    """The gated MLP: down(silu(gate(x)) * up(x)); x (..., dim) -> (..., dim) through a (..., hidden) middle."""
+    """The gated MLP: down(silu(gate(x)) * up(x)); x (..., dim) -> (..., dim) through a (..., hidden) middle.
+    ``fused=True`` computes gate and up with one (dim -> 2 * hidden) projection ``gate_up`` (one GEMM instead of
+    two; the kernel reads the two halves as strided views): the GPT's MLP is this module."""
 
-    def __init__(self, dim: int, hidden: int, bias: bool = False, backend: str | None = None):
+    def __init__(self, dim: int, hidden: int, bias: bool = False, backend: str | None = None, *,
+                 fused: bool = False):
         super().__init__()
         from minite.layers.linear import Linear  # lazy: layers may import kernels
 
-        self.gate = Linear(dim, hidden, bias=bias)  # (dim) -> (hidden)
-        self.up = Linear(dim, hidden, bias=bias)  # (dim) -> (hidden)
+        if fused:
+            self.gate_up = Linear(dim, 2 * hidden, bias=bias)  # (dim) -> (2 * hidden): [gate | up]
+        else:
+            self.gate = Linear(dim, hidden, bias=bias)  # (dim) -> (hidden)
+            self.up = Linear(dim, hidden, bias=bias)  # (dim) -> (hidden)
         self.down = Linear(hidden, dim, bias=bias)  # (hidden) -> (dim)
-        self.dim, self.hidden, self.backend = dim, hidden, backend
+        self.dim, self.hidden, self.backend, self.fused = dim, hidden, backend, fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(swiglu(self.gate(x), self.up(x), backend=self.backend))
+        if self.fused:
+            gate, up = self.gate_up(x).split(self.hidden, dim=-1)  # (..., hidden) each, strided views
+        else:
+            gate, up = self.gate(x), self.up(x)
+        return self.down(swiglu(gate, up, backend=self.backend))
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, hidden={self.hidden}, backend={self.backend!r}"
+        return f"dim={self.dim}, hidden={self.hidden}, fused={self.fused}, backend={self.backend!r}"
 

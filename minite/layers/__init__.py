@@ -1,1 +1,1 @@
-"""Layers that are more than one op: Linear (fp8-aware), LoRALinear, KVCache, CausalSelfAttention."""
+"""Layers that are more than one op: ``Linear`` (fp8-aware, linear.py) and ``CausalSelfAttention`` (attention.py)."""

@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minite.kernels.rope import RotaryEmbedding
 from minite.layers.linear import Linear
-from minite.ops import attention, rope, rope_cos_sin
+from minite.ops import attention
 
 __all__ = ["CausalSelfAttention"]
 
@@ -51,10 +52,8 @@ class CausalSelfAttention(nn.Module):
         self.qkv = Linear(n_embd, (n_head + 2 * n_kv_head) * head_dim, bias=bias)
         self.proj = Linear(n_head * head_dim, n_embd, bias=bias)
         self.resid_dropout = nn.Dropout(dropout)
-        # RoPE tables, (max_seq_len, D/2) each; not saved in checkpoints (they are a function of the config).
-        cos, sin = rope_cos_sin(max_seq_len, head_dim, base=rope_base)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        # minite.nn.RotaryEmbedding: the cos/sin tables (max_seq_len, D/2), not saved in checkpoints.
+        self.rotary = RotaryEmbedding(head_dim, max_seq_len, base=rope_base, backend=backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape  # batch, sequence length, model width
@@ -66,9 +65,8 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, T, KVH, D).transpose(1, 2)  # (B, KVH, T, D)
         v = v.view(B, T, KVH, D).transpose(1, 2)  # (B, KVH, T, D)
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, D/2)
-        q = rope(q, cos, sin, backend=self.backend)  # (B, H, T, D)
-        k = rope(k, cos, sin, backend=self.backend)  # (B, KVH, T, D)
+        q = self.rotary(q)  # (B, H, T, D), positions 0 .. T-1
+        k = self.rotary(k)  # (B, KVH, T, D)
         y = attention(q, k, v, causal=True, backend=self.backend)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, H * D)  # (B, T, C): heads side by side again
         return self.resid_dropout(self.proj(y))  # (B, T, C)

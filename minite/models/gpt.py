@@ -18,9 +18,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from minite.layers.attention import CausalSelfAttention
-from minite.layers.linear import Linear
-from minite.nn import RMSNorm
-from minite.ops import cross_entropy, swiglu
+from minite.nn import RMSNorm, SwiGLU
+from minite.ops import cross_entropy
 
 __all__ = ["GPTConfig", "GPT", "Block", "MLP"]
 
@@ -80,19 +79,16 @@ class GPTConfig:
         return asdict(self)
 
 
-class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up fused into one projection."""
+class MLP(SwiGLU):
+    """SwiGLU feed-forward: minite.nn.SwiGLU (down(silu(gate(x)) * up(x)), gate and up fused into one
+    projection ``gate_up``), then residual dropout."""
 
     def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.hidden, self.backend = cfg.mlp_hidden, _backend_arg(cfg)
-        self.gate_up = Linear(cfg.n_embd, 2 * cfg.mlp_hidden, bias=cfg.bias)  # C -> 2 * hidden, one matmul
-        self.down = Linear(cfg.mlp_hidden, cfg.n_embd, bias=cfg.bias)  # hidden -> C
+        super().__init__(cfg.n_embd, cfg.mlp_hidden, bias=cfg.bias, backend=_backend_arg(cfg), fused=True)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).split(self.hidden, dim=-1)  # (B, T, hidden) each
-        return self.dropout(self.down(swiglu(gate, up, backend=self.backend)))  # (B, T, C)
+        return self.dropout(super().forward(x))  # (B, T, C)
 
 
 class Block(nn.Module):

@@ -256,3 +256,21 @@ def test_triton_backend_matches_torch_over_3_training_steps(monkeypatch):
     # so allow 10x the fp32 single-op tolerance.
     tol = {k: 10 * v for k, v in dtype_tols(torch.float32).items()}
     assert_close(tri, ref, name="losses triton vs torch", **tol)
+
+
+def test_gpt_runs_minite_nn_swiglu_and_rotary_embedding(monkeypatch):
+    """The GPT's MLP is minite.nn.SwiGLU and its attention rotates with minite.nn.RotaryEmbedding: editing either
+    module changes what the GPT computes (the state_dict keys above stay as they were)."""
+    import minite.nn as mnn
+    m = tiny()
+    assert all(isinstance(b.mlp, mnn.SwiGLU) and isinstance(b.attn.rotary, mnn.RotaryEmbedding) for b in m.blocks)
+    idx = torch.randint(0, 60, (2, 16), generator=torch.Generator().manual_seed(0))
+    base = m(idx)[0]
+    with monkeypatch.context() as mp:
+        mp.setattr(mnn.SwiGLU, "forward", lambda self, x: torch.zeros_like(x))
+        no_mlp = m(idx)[0]
+    with monkeypatch.context() as mp:
+        mp.setattr(mnn.RotaryEmbedding, "forward", lambda self, x, offset=0: x)
+        no_rope = m(idx)[0]
+    assert not torch.equal(no_mlp, base) and not torch.equal(no_rope, base)
+    assert torch.equal(m(idx)[0], base)
