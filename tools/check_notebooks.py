@@ -28,7 +28,9 @@ sys.path.insert(0, str(ROOT))
 from minite.grading import BEGIN, generate_all, regions  # noqa: E402
 
 RUN = 12     # a run of this many consecutive tokens of an answer found in the lesson counts as copied ...
-SHARE = 0.5  # ... and an answer is a copy when such runs cover this share of its tokens
+SHARE = 0.7  # ... and an answer is a copy when such runs cover this share of its tokens. Not lower: a 2-D
+#             tile kernel shares its offsets/mask/load idiom with the lesson's matmul (measured 52-55 % on two
+#             honest answers in 00 and 01); a transcribed answer covers ~100 %.
 
 _STR = r"'(?:\\.|[^'\\\n])*'" + "|" + r'"(?:\\.|[^"\\\n])*"'
 _TOKEN = re.compile(r"[A-Za-z_]\w*|\d[\w.]*|" + _STR + r"|\*\*=?|//=?|->|[-+*/%&|^<>=!]=|<<|>>|\S")
