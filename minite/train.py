@@ -114,15 +114,11 @@ def _precision(cfg: RunConfig, dev: torch.device):
         scaler = None
         if p == "fp16":  # fp16's 5 exponent bits underflow small gradients: scale the loss up, unscale grads
             from minite.formats import DynamicLossScaler
-            if DynamicLossScaler is None:
-                raise ConfigError("precision fp16 needs minite.formats.DynamicLossScaler (chapter 01), not built yet")
             scaler = DynamicLossScaler(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
                                        growth_interval=1000)
         return (lambda: torch.autocast(device_type=dev.type, dtype=dtype)), scaler
     if p == "fp8":
         from minite.formats import DelayedScaling, fp8_autocast
-        if fp8_autocast is None or DelayedScaling is None:
-            raise ConfigError("precision fp8 needs minite.formats.fp8_autocast and DelayedScaling (chapter 02)")
         recipe = DelayedScaling()
         return (lambda: fp8_autocast(enabled=True, recipe=recipe)), None
     raise ConfigError(f"train.precision must be auto | fp32 | bf16 | fp16 | fp8, got {p!r}")

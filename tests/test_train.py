@@ -190,29 +190,11 @@ def test_corrupt_or_truncated_checkpoint_names_the_file(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ precisions
-def _formats_has(*names):
-    try:
-        import minite.formats as f
-    except Exception:
-        return False
-    return all(getattr(f, n, None) is not None for n in names)
-
-
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "fp8"])
 def test_reduced_precision_trains(run_cfg, precision):
-    needs = {"fp16": ("DynamicLossScaler",), "fp8": ("fp8_autocast", "DelayedScaling"), "bf16": ()}[precision]
-    if not _formats_has(*needs):
-        pytest.skip(f"minite.formats.{'/'.join(needs)} not available yet")
     s = train(run_cfg(**{"train.precision": precision, "train.max_iters": 4, "train.eval_interval": 4}))
     losses = list(s["losses"].values())
     assert all(torch.isfinite(torch.tensor(losses))) and s["val_loss"] < 4.0, losses
-
-
-def test_fp16_without_scaler_is_a_clear_error(run_cfg, monkeypatch):
-    import minite.formats as f
-    monkeypatch.setattr(f, "DynamicLossScaler", None)
-    with pytest.raises(ConfigError, match="DynamicLossScaler"):
-        mtrain._precision(run_cfg(**{"train.precision": "fp16"}), torch.device("cpu"))
 
 
 def test_pick_threads_leaves_the_rng_alone(run_cfg):

@@ -47,13 +47,15 @@ def test_plain_outside_autocast_and_state_dict_compatible():
 @pytest.mark.triton
 @pytest.mark.parametrize("shape", [((3, 11, 65), 17), ((64, 64), 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_fp8_linear_matches_same_quantization_formula(shape, dtype):
+def test_fp8_linear_matches_same_quantization_formula(shape, dtype, device):
     (xshape, O), K = shape, shape[0][-1]
     torch.manual_seed(0)
-    lin = Linear(K, O).to(dtype)
+    lin = Linear(K, O).to(device, dtype)
     recipe = DelayedScaling(amax_history_len=4, fp8_format=Format.HYBRID)
-    x0, x1 = torch.randn(xshape).to(dtype), (3 * torch.randn(xshape)).to(dtype)
-    gy = (0.01 * torch.randn(*xshape[:-1], O)).to(dtype)
+    g = torch.Generator().manual_seed(0)  # inputs drawn on the CPU (the same on every device), then moved
+    x0 = torch.randn(xshape, generator=g).to(device, dtype)
+    x1 = (3 * torch.randn(xshape, generator=g)).to(device, dtype)
+    gy = (0.01 * torch.randn(*xshape[:-1], O, generator=g)).to(device, dtype)
     outs = {}
     for backend in ("triton", "torch"):
         m = copy.deepcopy(lin)
@@ -76,10 +78,11 @@ def test_fp8_linear_matches_same_quantization_formula(shape, dtype):
 
 
 @pytest.mark.triton
-def test_fp8_linear_close_to_full_precision():
+def test_fp8_linear_close_to_full_precision(device):
     torch.manual_seed(1)
-    lin = Linear(48, 24, backend="triton")
-    x, gy = torch.randn(20, 48), torch.randn(20, 24)
+    lin = Linear(48, 24, backend="triton").to(device)
+    g = torch.Generator().manual_seed(1)
+    x, gy = torch.randn(20, 48, generator=g).to(device), torch.randn(20, 24, generator=g).to(device)
     y8, dx8, dw8, _ = _step(lin, x, gy, CurrentScaling())
     xr = x.clone().requires_grad_(True)
     yr = F.linear(xr, lin.weight, lin.bias)
@@ -155,7 +158,7 @@ def test_fp8_mlp_trains():
 
 
 @pytest.mark.triton
-def test_fp8_gpt_trains_same_with_triton_kernels(monkeypatch):
+def test_fp8_gpt_trains_same_with_triton_kernels(monkeypatch, device):
     """3 FP8 training steps of a tiny GPT: Triton quantize + FP8 GEMM kernels vs the torch reference path."""
     import minite
     from minite.formats import fp8 as fp8_mod
@@ -164,7 +167,8 @@ def test_fp8_gpt_trains_same_with_triton_kernels(monkeypatch):
 
     def run(linear_backend):
         torch.manual_seed(0)
-        model = GPT(GPTConfig(vocab_size=16, block_size=16, n_layer=1, n_head=2, n_embd=32, vocab_multiple=16))
+        model = GPT(GPTConfig(vocab_size=16, block_size=16, n_layer=1, n_head=2, n_embd=32,
+                              vocab_multiple=16)).to(device)
         for m in model.modules():
             if isinstance(m, Linear):
                 m.backend = linear_backend                  # module attribute beats the use_backend() context
@@ -172,7 +176,7 @@ def test_fp8_gpt_trains_same_with_triton_kernels(monkeypatch):
         recipe, g, losses = DelayedScaling(amax_history_len=4), torch.Generator().manual_seed(1), []
         with minite.use_backend("torch"):                   # all other ops: reference, in both runs
             for _ in range(3):
-                x = torch.randint(16, (4, 16), generator=g)                       # (B, T)
+                x = torch.randint(16, (4, 16), generator=g).to(device)            # (B, T)
                 with fp8_autocast(recipe=recipe):
                     _, loss = model(x, torch.roll(x, -1, dims=1))
                 opt.zero_grad(set_to_none=True)
