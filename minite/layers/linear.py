@@ -95,6 +95,13 @@ def _check(x, weight, bias):
         raise ValueError(f"fp8_linear: x is on {x.device}, weight on {weight.device}")
 
 
+def _check_states(states) -> None:
+    missing = [r for r in ROLES if not isinstance(states, dict) or not isinstance(states.get(r), ScalingState)]
+    if missing:
+        raise ValueError(f"fp8_linear: states must hold 'input', 'weight' and 'grad_output' ScalingStates (or be "
+                         f"None for fresh ones); missing {missing}")
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                recipe: DelayedScaling | CurrentScaling | None = None, states: dict | None = None,
                backend: str | None = None) -> torch.Tensor:
@@ -106,6 +113,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     """
     _check(x, weight, bias)
     recipe = recipe or get_fp8_recipe() or CurrentScaling()
+    if states is not None:
+        _check_states(states)
     states = states if states is not None else fp8_linear_states(recipe, x.device)
     return FP8LinearFunction.apply(x, weight, bias, recipe, states, resolve_backend(x, backend))
 

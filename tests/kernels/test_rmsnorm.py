@@ -155,7 +155,7 @@ def test_bad_inputs():
         rmsnorm(torch.ones(3, 10, dtype=torch.long), w)
     with pytest.raises(ValueError, match="at least 1 dimension"):
         rmsnorm(torch.tensor(1.0), w)
-    with pytest.raises(ValueError, match="eps must be > 0"):
+    with pytest.raises(ValueError, match=r"eps must be finite and > 0, got 0.0"):
         rmsnorm(x, w, eps=0.0)
     with pytest.raises(ValueError, match="is on meta but x is on cpu"):
         rmsnorm(x, w.to("meta"))
