@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from minite.models.gpt import GPTConfig
 
@@ -30,6 +33,24 @@ def _doc(text: str, default):
     return field(default=default, metadata={"doc": text})
 
 
+def _check(section: str, obj, rules: dict) -> None:
+    """torchtitan-style field validation: ``rules = {field: (predicate, "what is valid")}``; the first violation
+    raises a ConfigError naming the command-line flag and its value (the checks run when the dataclass is built,
+    i.e. while the command line is parsed, before any data or model exists)."""
+    for name, (ok, valid) in rules.items():
+        v = getattr(obj, name)
+        try:
+            good = ok(v)
+        except (TypeError, ValueError):
+            good = False
+        if not good:
+            raise ConfigError(f"--{section}.{name}={v!r}: must be {valid}")
+
+
+def _finite(lo: float):
+    return lambda v: math.isfinite(v) and v >= lo
+
+
 @dataclass
 class DataConfig:
     """Where the tokens come from."""
@@ -38,6 +59,13 @@ class DataConfig:
     data_dir: str = _doc("cache directory for prepared corpora", "data")
     tokenizer: str = _doc("char (one id per character) or byte (256 ids)", "char")
     block_size: int = _doc("training sequence length; 0 = the model's block_size (must not exceed it)", 0)
+
+    def __post_init__(self):
+        _check("data", self, {
+            "tokenizer": (lambda v: v in ("char", "byte"), "char or byte"),
+            "block_size": (lambda v: v >= 0, ">= 0 (0 = the model's block_size)"),
+            "path": (lambda v: not v or Path(v).is_file(), "an existing text file ('' = the default corpus)"),
+            "data_dir": (lambda v: not Path(v).exists() or Path(v).is_dir(), "a directory, not a file")})
 
 
 @dataclass
@@ -67,12 +95,42 @@ class TrainConfig:
     sample_tokens: int = _doc("characters of text to sample at the end (0 = none)", 300)
     progress: bool = _doc("show a tqdm progress bar", True)
 
+    def __post_init__(self):
+        _check("train", self, {
+            "out_dir": (lambda v: v and (not Path(v).exists() or Path(v).is_dir()), "a directory, not a file"),
+            **{k: (lambda v: v >= 1, "an int >= 1") for k in ("batch_size", "grad_accum", "max_iters",
+                                                              "eval_interval", "eval_iters", "log_interval")},
+            **{k: (lambda v: v >= 0, "an int >= 0") for k in ("warmup_iters", "threads", "sample_tokens")},
+            "ckpt_interval": (lambda v: v >= 0, "an int >= 0 (0 = at every evaluation)"),
+            "seed": (lambda v: 0 <= v < 2**32, "an int in [0, 2**32) (numpy's seed range)"),
+            "lr": (lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
+            "min_lr": (_finite(0.0), "a finite number >= 0"),
+            "weight_decay": (_finite(0.0), "a finite number >= 0"),
+            "grad_clip": (_finite(0.0), "a finite number >= 0 (0 = off)"),
+            "beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
+            "beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
+            "device": (lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v) is not None, "auto, cpu, cuda or cuda:N"),
+            "precision": (lambda v: v in ("auto", "fp32", "bf16", "fp16", "fp8"), "auto, fp32, bf16, fp16 or fp8")})
+        if self.min_lr > self.lr:
+            raise ConfigError(f"--train.min_lr={self.min_lr!r}: must be <= --train.lr={self.lr!r}")
+
 
 @dataclass
 class RunConfig:
     model: GPTConfig = field(default_factory=GPTConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self):
+        # Cross-section check: the data file must hold at least a train and a val window of the block size.
+        block = self.data.block_size or self.model.block_size
+        if self.data.block_size > self.model.block_size:
+            raise ConfigError(f"data.block_size={self.data.block_size} is larger than the model's block_size="
+                              f"{self.model.block_size}")
+        if self.data.path and (size := Path(self.data.path).stat().st_size) < 20 * (block + 1):
+            raise ConfigError(f"--data.path={self.data.path!r}: the file has {size} bytes; it needs at least "
+                              f"{20 * (block + 1)} (10% of it is the val split, which must hold one window of "
+                              f"block_size + 1 = {block + 1} tokens)")
 
 
 # Presets. `cpu`: sized to finish `make train` in under 5 minutes on 2 cores (measured, see benchmarks/).
@@ -136,6 +194,8 @@ def config_from_dict(d: dict) -> RunConfig:
     """Rebuild a RunConfig from ``{"model": {...}, "data": {...}, "train": {...}}`` (e.g. from a checkpoint)."""
     try:
         return RunConfig(**{s: cls(**d.get(s, {})) for s, cls in _SECTIONS.items()})
+    except ConfigError:
+        raise
     except (TypeError, ValueError) as e:  # a field the dataclass does not know, or a value GPTConfig rejects
         raise ConfigError(f"bad configuration: {e}") from e
 
