@@ -3,16 +3,22 @@ lines, corruption detected. Each failed on the main branch before the fix (the n
 """
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from minite import ops
+from minite.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from minite.config import ConfigError, make_config
 from minite.formats import E4M3, DelayedScaling, DynamicLossScaler, encode, fp8_autocast, quantize
 from minite.kernels.cross_entropy import cross_entropy, cross_entropy_ref, linear_cross_entropy
 from minite.kernels.rope import RotaryEmbedding
 from minite.layers.linear import fp8_linear
+from minite.train import main, train
 
 BOTH = ["torch", pytest.param("triton", marks=pytest.mark.triton)]
 INF = float("inf")
@@ -160,4 +166,190 @@ def test_validation_keeps_the_valid_spellings():
     assert ops.rmsnorm(torch.ones(2, 4), torch.ones(4), eps=1).shape == (2, 4)
     assert DelayedScaling(margin=0).margin == 0 and fp8_autocast(enabled=False).enabled is False
     assert math.isclose(DelayedScaling(margin=3).margin, 3)
-    json.dumps({})  # (keeps the import list honest for the training half below)
+
+
+# ============================================================================================ training runs
+TINY = {"model.n_layer": 1, "model.n_head": 2, "model.n_embd": 16, "model.block_size": 16, "model.backend": "torch",
+        "train.batch_size": 4, "train.max_iters": 8, "train.eval_interval": 4, "train.eval_iters": 2,
+        "train.warmup_iters": 2, "train.log_interval": 1, "train.threads": 1, "train.progress": False,
+        "train.sample_tokens": 0, "train.lr": 1e-2}
+
+
+@pytest.fixture
+def run_cfg(tmp_path, make_corpus):
+    make_corpus(tmp_path / "corpus.txt", n_chars=6000, marks=".")
+
+    def build(**over):
+        o = {**TINY, "data.path": str(tmp_path / "corpus.txt"), "data.data_dir": str(tmp_path / "data"),
+             "train.out_dir": str(tmp_path / "out"), **over}
+        return make_config("cpu", o)
+    return build
+
+
+class Crash(Exception):
+    pass
+
+
+def _crash_at(n):
+    def cb(step, loss):
+        if step == n:
+            raise Crash
+    return cb
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "fp8"])
+def test_resume_is_bit_exact_in_every_precision(run_cfg, tmp_path, precision):
+    # was: fp8 diverged from step 31 on (amax histories and scales were not in the checkpoint); the FP8 states
+    # now travel as each Linear's module extra state.
+    over = {"train.precision": precision, "train.device": "cpu"}
+    full = train(run_cfg(**over, **{"train.out_dir": str(tmp_path / "full")}))
+    cut = run_cfg(**over, **{"train.out_dir": str(tmp_path / "cut")})
+    with pytest.raises(Crash):
+        train(cut, callback=_crash_at(6))              # the checkpoint at step 4 is the last one
+    resumed = train(cut, resume=True, resume_overrides={"train.out_dir": str(tmp_path / "cut")})
+    assert resumed["losses"] == {k: v for k, v in full["losses"].items() if k > 4}   # bit for bit
+    a, b = load_checkpoint(tmp_path / "full" / "ckpt.pt"), load_checkpoint(tmp_path / "cut" / "ckpt.pt")
+    assert a["model"].keys() == b["model"].keys()
+    for k, v in a["model"].items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(v, b["model"][k]), k
+        elif v is not None:                            # FP8 extra state: amax histories and scales
+            for role, st in v["states"].items():
+                assert torch.equal(st["amax_history"], b["model"][k]["states"][role]["amax_history"]), (k, role)
+                assert torch.equal(st["scale"], b["model"][k]["states"][role]["scale"]), (k, role)
+    if precision == "fp8":
+        assert any(k.endswith("_extra_state") and v is not None for k, v in a["model"].items())
+
+
+_KILLER = """
+import os, signal, sys
+from minite.config import make_config
+from minite.train import train
+cfg = make_config("cpu", dict(a.split("=", 1) for a in sys.argv[1:]))
+def cb(step, loss):
+    if step == 6:
+        os.kill(os.getpid(), signal.SIGKILL)           # kill -9: no finally, no atexit, buffers lost
+train(cfg, callback=cb)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "kill") or sys.platform == "win32", reason="needs POSIX signals")
+def test_kill_9_then_resume_leaves_a_complete_duplicate_free_log(tmp_path, make_corpus):
+    # was: the loss lines written since the last val line were still in Python's buffer when the checkpoint
+    # claimed their steps; kill -9 lost them for good.
+    make_corpus(tmp_path / "c.txt", n_chars=6000, marks=".")
+    out = tmp_path / "out"
+    over = {**TINY, "data.path": str(tmp_path / "c.txt"), "data.data_dir": str(tmp_path / "data"),
+            "train.out_dir": str(out), "train.eval_interval": 8, "train.ckpt_interval": 4}
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-c", _KILLER, *(f"{k}={v}" for k, v in over.items())], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == -9, p.stderr[-2000:]
+    assert load_checkpoint(out / "ckpt.pt")["step"] == 4
+    train(make_config("cpu", over), resume=True, resume_overrides={"train.out_dir": str(out)})
+    rows = [json.loads(r) for r in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 9))   # complete, each step once
+    assert [r["step"] for r in rows if "val_loss" in r] == [0, 8]
+
+
+def test_orphan_tmp_files_are_removed_at_start_and_reported(run_cfg, tmp_path, capsys):
+    # was: each kill during a write left a .ckpt.pt.tmp<pid> of the checkpoint's size, forever
+    out = tmp_path / "out"
+    out.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = out / f".ckpt.pt.tmp{int(dead.stdout)}"                    # a pid that has exited
+    orphan.write_bytes(b"x" * 3000)
+    live = out / f".ckpt.pt.tmp{os.getppid()}"                          # a live writer's file stays
+    live.write_bytes(b"y")
+    train(run_cfg(**{"train.max_iters": 1}))
+    assert not orphan.exists() and live.exists()
+    assert f"removed {orphan.name}" in capsys.readouterr().out
+
+
+def _ckpt(run_cfg):
+    cfg = run_cfg(**{"train.max_iters": 4})
+    train(cfg)
+    return cfg, cfg.train.out_dir + "/ckpt.pt"
+
+
+def test_flipped_bytes_in_a_checkpoint_are_refused(run_cfg):
+    # was: 64 flipped bytes loaded and resumed with exit 0 (one exp_avg went from -0.005 to 886.7)
+    cfg, path = _ckpt(run_cfg)
+    data = bytearray(open(path, "rb").read())
+    mid = len(data) // 2
+    data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
+    open(path, "wb").write(data)
+    with pytest.raises(CheckpointError, match=r"ckpt.pt is corrupt: its SHA-256 is .*, the one stored"):
+        load_checkpoint(path)
+    assert main(["--resume", "--out_dir", cfg.train.out_dir, "--data", cfg.data.path,
+                 "--data.data_dir=" + cfg.data.data_dir]) == 2
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda s: s["model"].__setitem__("wte.weight", torch.zeros(3, 5)),
+     r"does not fit the model \(wrong shapes: wte.weight: checkpoint \(3, 5\), model \(\d+, 16\)\)"),
+    (lambda s: s.pop("optimizer"), r"not a complete minite.train checkpoint \(missing \['optimizer'\]\)"),
+    (lambda s: s.__setitem__("step", "4"), r"'step' must be an int >= 0, got str '4'"),
+], ids=["wrong-shape", "no-optimizer", "step-str"])
+def test_damaged_checkpoints_give_clear_errors(run_cfg, damage, match):
+    # was: raw tracebacks (size mismatch from load_state_dict, KeyError 'optimizer', TypeError on the step)
+    cfg, path = _ckpt(run_cfg)
+    state = load_checkpoint(path)
+    damage(state)
+    save_checkpoint(path, state)
+    with pytest.raises(CheckpointError, match=match):
+        train(cfg, resume=True, resume_overrides={"train.out_dir": cfg.train.out_dir})
+
+
+def test_resume_with_an_invalid_model_value_names_the_value_not_a_change(run_cfg):
+    # was: "cannot change model fields ['n_embd']" for a value that is invalid in any run
+    cfg, _ = _ckpt(run_cfg)
+    with pytest.raises(ConfigError, match=r"n_embd=15 must be divisible by n_head=2"):
+        train(cfg, resume=True, resume_overrides={"train.out_dir": cfg.train.out_dir, "model.n_embd": "15"})
+    with pytest.raises(ConfigError, match=r"n_embd: 16 in the checkpoint, 32 requested"):
+        train(cfg, resume=True, resume_overrides={"train.out_dir": cfg.train.out_dir, "model.n_embd": "32"})
+
+
+BAD_CLI = [("--train.batch_size=0", "--train.batch_size=0: must be an int >= 1"),
+           ("--train.batch_size=-1", "--train.batch_size=-1: must be an int >= 1"),
+           ("--train.lr=-1", "--train.lr=-1.0: must be a finite number > 0"),
+           ("--train.lr=nan", "--train.lr=nan: must be a finite number > 0"),
+           ("--train.eval_interval=0", "--train.eval_interval=0: must be an int >= 1"),
+           ("--train.log_interval=0", "--train.log_interval=0: must be an int >= 1"),
+           ("--train.grad_accum=0", "--train.grad_accum=0: must be an int >= 1"),
+           ("--train.threads=-1", "--train.threads=-1: must be an int >= 0"),
+           ("--train.seed=-1", "--train.seed=-1: must be an int in [0, 2**32)"),
+           ("--train.device=tpu", "--train.device='tpu': must be auto, cpu, cuda or cuda:N"),
+           ("--data.tokenizer=word", "--data.tokenizer='word': must be char or byte"),
+           ("OUT_IS_FILE", "--train.out_dir="),
+           ("ONE_BYTE", "--data.path="),
+           ("--train.max_iters=0", "--train.max_iters=0: must be an int >= 1"),
+           ("--train.max_iters=-5", "--train.max_iters=-5: must be an int >= 1"),
+           ("--train.eval_iters=0", "--train.eval_iters=0: must be an int >= 1"),
+           ("--train.ckpt_interval=-1", "--train.ckpt_interval=-1: must be an int >= 0")]
+
+
+@pytest.mark.parametrize("arg, message", BAD_CLI, ids=[a for a, _ in BAD_CLI])
+def test_bad_command_lines_are_rejected_at_parse_time(arg, message, tmp_path, make_corpus, monkeypatch, capsys):
+    # was: 13 tracebacks (ZeroDivisionError, UnboundLocalError, ...) and 4 runs that "succeeded" with exit 0
+    import minite.train as T
+    monkeypatch.setattr(T, "prepare", lambda *a, **k: pytest.fail("reached data preparation: not parse time"))
+    make_corpus(tmp_path / "c.txt", n_chars=3000)
+    argv = ["--data", str(tmp_path / "c.txt"), "--out_dir", str(tmp_path / "out")]
+    if arg == "OUT_IS_FILE":
+        (tmp_path / "f").write_text("x")
+        arg = f"--out_dir={tmp_path / 'f'}"
+    elif arg == "ONE_BYTE":
+        (tmp_path / "one.txt").write_text("a")
+        arg = f"--data={tmp_path / 'one.txt'}"
+    assert main([*argv, arg]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+
+
+def test_non_utf8_data_suggests_the_real_flag(tmp_path, capsys):
+    # was: "use --tokenizer byte", a flag minite.train does not have
+    (tmp_path / "latin1.txt").write_bytes(("caf\xe9 au lait. " * 400).encode("latin-1"))
+    assert main(["--data", str(tmp_path / "latin1.txt"), "--out_dir", str(tmp_path / "o"),
+                 "--data.data_dir=" + str(tmp_path / "d"), "--train.threads=1"]) == 2
+    assert "--data.tokenizer=byte" in capsys.readouterr().err
