@@ -61,8 +61,7 @@ def _ce_fwd_kernel(X_ptr, X_row_stride, T_ptr, Loss_ptr, LSE_ptr, V, ignore_inde
         mask = start + cols < V
         x = _acc(tl.load(X_ptr + start + cols, mask=mask, other=float("-inf")), FP64)  # (BLOCK_SIZE,)
         m_new = tl.maximum(m, tl.max(x, axis=0))
-        # While every logit so far is -inf (a masked block), m_new = -inf and x - m_new = -inf - -inf = NaN:
-        # shift by 0 instead (the softmax kernel's guard). exp(-inf - 0) = 0 keeps s = 0 until a finite logit.
+        # All -inf so far (a masked block): x - m_new = -inf - -inf = NaN; shift by 0 instead (softmax's guard)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)  # masked lanes: exp(-inf) = 0
         m = m_new
@@ -248,12 +247,9 @@ def cross_entropy(logits, target, *, ignore_index: int = -100, reduction: str = 
     CUDA they are masked, not checked (a check costs a host sync): that row's loss is its logsumexp, no error."""
     _check_ce(logits, target, reduction, label_smoothing)
     _check_targets(target, logits.shape[1], ignore_index)
-    if logits.shape[1] == 0:  # no classes: every row must be ignored (checked above); torch's answers, not a crash
-        resolve_backend(logits, backend)
-        acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        rows = logits.to(acc).sum(-1)  # (N,) zeros, still attached to the graph
-        n_valid = (target != ignore_index).sum()
-        return rows if reduction == "none" else rows.sum() if reduction == "sum" else rows.sum() / n_valid
+    if logits.shape[1] == 0:  # no classes, so every row is ignored (checked above): torch's answers, no crash
+        rows = logits.to(torch.promote_types(logits.dtype, torch.float32)).sum(-1)  # (N,) zeros, in the graph
+        return rows if reduction == "none" else rows.sum() if reduction == "sum" else rows.sum() / 0.0
     if resolve_backend(logits, backend) == "triton":
         logits = logits if logits.stride(-1) == 1 else logits.contiguous()  # rows may be strided, columns not
         return CrossEntropyFunction.apply(logits, target.long().contiguous(), int(ignore_index), reduction,
@@ -265,8 +261,7 @@ def linear_cross_entropy(x, weight, target, *, ignore_index: int = -100, reducti
                          label_smoothing: float = 0.0, chunk_size: int = 1024, backend: str | None = None):
     """cross_entropy(x @ weight.T, target) without materialising the (N, V) logits. x (N, C), weight (V, C),
     target (N,). Rows are processed `chunk_size` at a time; the gradients are computed during the forward."""
-    for name, t in (("x", x), ("weight", weight), ("target", target)):
-        _v.tensor("linear_cross_entropy", name, t)
+    [_v.tensor("linear_cross_entropy", n, t) for n, t in (("x", x), ("weight", weight), ("target", target))]
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or x.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear_cross_entropy: x {tuple(getattr(x, 'shape', ()))} must be (N, C) and weight "
                          f"{tuple(getattr(weight, 'shape', ()))} (V, C) with the same C")

@@ -110,6 +110,27 @@ def test_module_histories_roll_per_tensor():
     assert st["weight"].amax_history[0].item() == lin.weight.abs().max().item()
 
 
+def test_fp8_states_travel_as_module_extra_state():
+    # TransformerEngine's way: the module owns its FP8 states and state_dict carries them once FP8 has run.
+    torch.manual_seed(3)
+    lin = Linear(8, 4, backend="torch")
+    assert list(lin.state_dict()) == ["weight", "bias"]                   # never ran under FP8: nn.Linear's keys
+    with fp8_autocast(recipe=DelayedScaling(amax_history_len=3)):
+        lin(torch.randn(5, 8) * 3).sum().backward()
+    sd = lin.state_dict()
+    assert list(sd) == ["weight", "bias", "_extra_state"] and sd["_extra_state"]["format"] == "HYBRID"
+    fresh = Linear(8, 4, backend="torch")
+    fresh.load_state_dict(sd)
+    for role, st in lin.fp8_states.items():
+        assert torch.equal(fresh.fp8_states[role].amax_history, st.amax_history)
+        assert torch.equal(fresh.fp8_states[role].scale, st.scale) and fresh.fp8_states[role].fp8_dtype == st.fp8_dtype
+    assert fresh._fp8_key == lin._fp8_key                                  # the same recipe reuses them, no reset
+    fresh.load_state_dict(nn.Linear(8, 4).state_dict())                   # no extra state: fresh states next time
+    assert fresh.fp8_states is None
+    with pytest.raises(ValueError, match="FP8 extra state must hold the states"):
+        fresh.load_state_dict({**sd, "_extra_state": {"states": {}}})
+
+
 def test_autocast_restored_after_exception_in_forward():
     lin = Linear(8, 4, backend="torch")
     with pytest.raises(ValueError, match="does not match weight"):
