@@ -135,6 +135,14 @@ def evaluate(model: GPT, ids: np.ndarray, cfg: RunConfig, block: int, dev, ctx) 
     return float(np.mean(losses))
 
 
+def _json_or_none(line: str) -> dict | None:
+    try:
+        d = json.loads(line)
+    except ValueError:
+        return None
+    return d if isinstance(d, dict) and isinstance(d.get("step"), int) else None
+
+
 def _plot(log_path: Path, png_path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -211,9 +219,10 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
             scaler.load_state_dict(state["scaler"])
         _set_rng_state(state["rng"], sampler)
         step, best_val, el0 = state["step"], state.get("best_val", best_val), state.get("elapsed_s", 0.0)
-        # Forget log lines written after this checkpoint (the steps about to be redone).
+        # Forget log lines written after this checkpoint (the steps about to be redone), and a line cut short by
+        # a kill in the middle of a write.
         if log_path.exists():
-            rows = [r for r in log_path.read_text().splitlines() if r.strip() and json.loads(r)["step"] <= step]
+            rows = [r for r in log_path.read_text().splitlines() if (d := _json_or_none(r)) and d["step"] <= step]
             log_path.write_text("".join(r + "\n" for r in rows))
     elif out.exists() and log_path.exists():
         log_path.unlink()

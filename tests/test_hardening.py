@@ -272,6 +272,16 @@ def _ckpt(run_cfg):
     return cfg, cfg.train.out_dir + "/ckpt.pt"
 
 
+def test_resume_drops_a_log_line_cut_short_by_a_kill(run_cfg):
+    cfg, _ = _ckpt(run_cfg)
+    log = cfg.train.out_dir + "/log.jsonl"
+    with open(log, "a") as f:
+        f.write('{"step": 5, "loss": 3.1')                             # the process died mid-write
+    train(cfg, resume=True, resume_overrides={"train.out_dir": cfg.train.out_dir, "train.max_iters": "5"})
+    rows = [json.loads(r) for r in open(log).read().splitlines()]     # every line parses
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5]
+
+
 def test_flipped_bytes_in_a_checkpoint_are_refused(run_cfg):
     # was: 64 flipped bytes loaded and resumed with exit 0 (one exp_avg went from -0.005 to 886.7)
     cfg, path = _ckpt(run_cfg)
