@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from minite.models.gpt import GPTConfig
 
@@ -31,6 +34,24 @@ def _doc(text: str, default):
     return field(default=default, metadata={"doc": text})
 
 
+def _check(section: str, obj, rules: dict) -> None:
+    """torchtitan-style field validation: ``rules = {field: (predicate, "what is valid")}``; the first violation
+    raises a ConfigError naming the command-line flag and its value (the checks run when the dataclass is built,
+    i.e. while the command line is parsed, before any data or model exists)."""
+    for name, (ok, valid) in rules.items():
+        v = getattr(obj, name)
+        try:
+            good = ok(v)
+        except (TypeError, ValueError):
+            good = False
+        if not good:
+            raise ConfigError(f"--{section}.{name}={v!r}: must be {valid}")
+
+
+def _finite(lo: float):
+    return lambda v: math.isfinite(v) and v >= lo
+
+
 @dataclass
 class DataConfig:
     """Where the tokens come from."""
@@ -41,6 +62,19 @@ class DataConfig:
     block_size: int = _doc("training sequence length; 0 = the model's block_size (must not exceed it)", 0)
     unknown_chars: str = _doc("characters a fine-tuned char base has no id for: error | drop | one replacement "
                               "character", "error")
+
+    def __post_init__(self):
+        _check("data", self, {
+            "tokenizer": (lambda v: v in ("char", "byte"), "char or byte"),
+            "block_size": (lambda v: v >= 0, ">= 0 (0 = the model's block_size)"),
+            "path": (lambda v: not v or Path(v).is_file() or v in _named_sources(),
+                     "an existing text file, a named source (pydoc-topics) or '' (the default corpus)"),
+            "data_dir": (lambda v: not Path(v).exists() or Path(v).is_dir(), "a directory, not a file")})
+
+
+def _named_sources():
+    from minite.data import NAMED_SOURCES  # lazily: minite.data is heavier than the config
+    return NAMED_SOURCES
 
 
 @dataclass
@@ -74,6 +108,28 @@ class TrainConfig:
                         "(auto = reduce-overhead on CUDA for bf16/fp32 runs of >= 500 steps; minite/compile.py)",
                         "auto")
 
+    def __post_init__(self):
+        _check("train", self, {
+            "out_dir": (lambda v: v and (not Path(v).exists() or Path(v).is_dir()), "a directory, not a file"),
+            **{k: (lambda v: v >= 1, "an int >= 1") for k in ("batch_size", "grad_accum", "max_iters",
+                                                              "eval_interval", "eval_iters", "log_interval")},
+            **{k: (lambda v: v >= 0, "an int >= 0") for k in ("warmup_iters", "threads", "sample_tokens")},
+            "ckpt_interval": (lambda v: v >= 0, "an int >= 0 (0 = at every evaluation)"),
+            "seed": (lambda v: 0 <= v < 2**32, "an int in [0, 2**32) (numpy's seed range)"),
+            "lr": (lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
+            "min_lr": (_finite(0.0), "a finite number >= 0"),
+            "weight_decay": (_finite(0.0), "a finite number >= 0"),
+            "grad_clip": (_finite(0.0), "a finite number >= 0 (0 = off)"),
+            "beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
+            "beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
+            "device": (lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v) is not None, "auto, cpu, cuda or cuda:N"),
+            "precision": (lambda v: v in ("auto", "fp32", "bf16", "fp16", "fp8"), "auto, fp32, bf16, fp16 or fp8"),
+            "compile": (lambda v: v in ("auto", "off", "default", "reduce-overhead", "max-autotune-no-cudagraphs"),
+                        "auto, off, default, reduce-overhead or max-autotune-no-cudagraphs"),
+            "init_from": (lambda v: not v or Path(v).is_file(), "an existing checkpoint file ('' = from scratch)")})
+        if self.min_lr > self.lr:
+            raise ConfigError(f"--train.min_lr={self.min_lr!r}: must be <= --train.lr={self.lr!r}")
+
 
 @dataclass
 class LoRASection:
@@ -85,6 +141,13 @@ class LoRASection:
     target_modules: str = _doc("all-linear | name suffixes, comma-separated (qkv,proj) | a regex", "all-linear")
     use_rslora: bool = _doc("scale by alpha / sqrt(r) (rsLoRA) instead of alpha / r", False)
 
+    def __post_init__(self):
+        _check("lora", self, {
+            "r": (lambda v: v >= 0, "an int >= 0 (0 = off)"),
+            "alpha": (lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
+            "dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
+            "target_modules": (lambda v: bool(v.strip()), "all-linear, comma-separated name suffixes, or a regex")})
+
 
 @dataclass
 class RunConfig:
@@ -92,6 +155,18 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     lora: LoRASection = field(default_factory=LoRASection)
+
+    def __post_init__(self):
+        # Cross-section check: the data file must hold at least a train and a val window of the block size.
+        block = self.data.block_size or self.model.block_size
+        if self.data.block_size > self.model.block_size:
+            raise ConfigError(f"data.block_size={self.data.block_size} is larger than the model's block_size="
+                              f"{self.model.block_size}")
+        path = Path(self.data.path) if self.data.path else None  # a named source (pydoc-topics) is no file
+        if path and path.is_file() and (size := path.stat().st_size) < 20 * (block + 1):
+            raise ConfigError(f"--data.path={self.data.path!r}: the file has {size} bytes; it needs at least "
+                              f"{20 * (block + 1)} (10% of it is the val split, which must hold one window of "
+                              f"block_size + 1 = {block + 1} tokens)")
 
 
 # Presets. `cpu`: sized to finish `make train` in under 5 minutes on 2 cores (measured, see benchmarks/).
@@ -156,6 +231,8 @@ def config_from_dict(d: dict) -> RunConfig:
     """Rebuild a RunConfig from ``{"model": {...}, "data": {...}, "train": {...}}`` (e.g. from a checkpoint)."""
     try:
         return RunConfig(**{s: cls(**d.get(s, {})) for s, cls in _SECTIONS.items()})
+    except ConfigError:
+        raise
     except (TypeError, ValueError) as e:  # a field the dataclass does not know, or a value GPTConfig rejects
         raise ConfigError(f"bad configuration: {e}") from e
 

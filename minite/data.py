@@ -152,7 +152,8 @@ def _read_user_text(path: Path, tokenizer: str) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(f"data file {path} is not UTF-8 text ({e}); convert it, or use --tokenizer byte") from e
+        raise DataError(f"data file {path} is not UTF-8 text ({e}); convert it, or train on its bytes with "
+                        "--data.tokenizer=byte (python -m minite.data: --tokenizer byte)") from e
 
 
 def _pydoc_topics() -> str:

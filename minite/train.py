@@ -27,54 +27,12 @@ import torch
 
 from minite import finetune
 from minite.compile import compile_model, eager_mode
+from minite.checkpoint import CheckpointError, clean_orphans, load_checkpoint, load_model_state, save_checkpoint
 from minite.config import ConfigError, RunConfig, apply_overrides, config_help, make_config
 from minite.data import BatchSampler, DataError, prepare
 from minite.models.gpt import GPT
 
 __all__ = ["train", "main", "save_checkpoint", "load_checkpoint", "CheckpointError", "parse_cli"]
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be read (missing, truncated, corrupt) or does not fit the configuration."""
-
-
-# ----------------------------------------------------------------------------------------------- checkpoints
-def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
-    """Write `state` to `path` atomically: a temp file in the same directory, fsync, then os.replace.
-
-    A crash at any moment leaves either the previous checkpoint or the new one, never a half-written file:
-    os.replace is atomic on POSIX and Windows when source and target are on the same filesystem.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())  # the bytes are on disk before the rename makes them visible
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():  # only when something failed before os.replace
-            tmp.unlink()
-    with contextlib.suppress(OSError):  # make the rename itself durable (POSIX; not possible on Windows)
-        fd = os.open(path.parent, os.O_RDONLY)
-        os.fsync(fd), os.close(fd)
-
-
-def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
-    """Read a checkpoint written by save_checkpoint; a clear CheckpointError naming the file otherwise."""
-    if not (path := Path(path)).is_file():
-        raise CheckpointError(f"checkpoint not found: {path}")
-    try:  # weights_only: a checkpoint is data (tensors, numbers, strings), never code to run
-        state = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:
-        why = (str(e).strip().splitlines() or [""])[0][:200]  # torch's first line, not its long weights_only essay
-        raise CheckpointError(f"checkpoint {path} is corrupt or truncated ({type(e).__name__}: {why})") from e
-    missing = [k for k in ("model", "config", "step") if not isinstance(state, dict) or k not in state]
-    if missing:
-        raise CheckpointError(f"checkpoint {path} is not a minite.train checkpoint (missing {missing})")
-    return state
 
 
 def _rng_state(sampler: BatchSampler) -> dict:
@@ -179,6 +137,14 @@ def evaluate(model: GPT, ids: np.ndarray, cfg: RunConfig, block: int, dev, ctx) 
     return float(np.mean(losses))
 
 
+def _json_or_none(line: str) -> dict | None:
+    try:
+        d = json.loads(line)
+    except ValueError:
+        return None
+    return d if isinstance(d, dict) and isinstance(d.get("step"), int) else None
+
+
 def _plot(log_path: Path, png_path: Path) -> None:
     from matplotlib.figure import Figure  # no pyplot: never switches the backend of a notebook that calls train()
     rows = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
@@ -205,12 +171,18 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
     out = Path(cfg.train.out_dir)
     ckpt_path, log_path = out / "ckpt.pt", out / "log.jsonl"
     state = None
+    for tmp, size in clean_orphans(ckpt_path):  # a run killed while writing a checkpoint left these
+        print(f"minite.train: removed {tmp.name} ({size / 1e6:.1f} MB), left by a checkpoint write that was "
+              f"interrupted", flush=True)
     if resume:
         state = load_checkpoint(ckpt_path)
-        cfg = apply_overrides(state["config"], resume_overrides or {})
-        changed = [k for k, v in cfg.model.to_dict().items() if state["config"]["model"].get(k) != v]
+        cfg = apply_overrides(state["config"], resume_overrides or {})  # invalid values fail here, named
+        old = state["config"]["model"]
+        changed = [f"{k}: {old.get(k)!r} in the checkpoint, {v!r} requested"
+                   for k, v in cfg.model.to_dict().items() if old.get(k) != v]
         if changed:
-            raise ConfigError(f"cannot change model fields {changed} when resuming from {ckpt_path}")
+            raise ConfigError(f"cannot change model fields when resuming from {ckpt_path} ({'; '.join(changed)}): "
+                              "the checkpoint fixes the model; drop those --model flags or use a new --out_dir")
     cfg, base, base_tok = finetune.setup(cfg)  # --init_from: the base's model fields and vocab (chapter 09)
     t = cfg.train
     dev = _device(t.device)
@@ -241,15 +213,22 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
     ctx, scaler = _precision(cfg, dev)
     step, best_val, el0 = 0, float("inf"), 0.0  # el0: seconds the run had taken before a resume
     if state is not None:
-        finetune.load_model_state(model, state["model"], cfg)  # under LoRA: the adapters only
-        opt.load_state_dict(state["optimizer"])
+        if cfg.lora.r > 0:
+            finetune.load_model_state(model, state["model"], cfg)  # under LoRA: the adapters only
+        else:
+            load_model_state(model, state["model"], ckpt_path)  # names a wrong-shaped or missing tensor
+        try:
+            opt.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError, TypeError, RuntimeError) as e:
+            raise CheckpointError(f"checkpoint {ckpt_path}: the optimizer state does not fit the model ({e})") from e
         if scaler is not None and state.get("scaler") is not None:
             scaler.load_state_dict(state["scaler"])
         _set_rng_state(state["rng"], sampler)
         step, best_val, el0 = state["step"], state.get("best_val", best_val), state.get("elapsed_s", 0.0)
-        # Forget log lines written after this checkpoint (the steps about to be redone).
+        # Forget log lines written after this checkpoint (the steps about to be redone), and a line cut short by
+        # a kill in the middle of a write.
         if log_path.exists():
-            rows = [r for r in log_path.read_text().splitlines() if r.strip() and json.loads(r)["step"] <= step]
+            rows = [r for r in log_path.read_text().splitlines() if (d := _json_or_none(r)) and d["step"] <= step]
             log_path.write_text("".join(r + "\n" for r in rows))
     elif out.exists() and log_path.exists():
         log_path.unlink()
@@ -264,6 +243,8 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
           flush=True)
 
     def checkpoint():
+        log.flush()  # every log line up to this step is on disk before the checkpoint that claims this step
+        os.fsync(log.fileno())
         save_checkpoint(ckpt_path, {
             "model": finetune.model_state(model, cfg), "optimizer": opt.state_dict(), "step": step,
             "config": {"model": cfg.model.to_dict(), "data": vars(cfg.data).copy(), "train": vars(t).copy(),

@@ -13,30 +13,35 @@ def test_tolerances_grow_as_precision_shrinks():
         dtype_tols(torch.int32)
 
 
-def test_assert_close_names_shape_dtype_and_worst_element():
-    a = torch.zeros(2, 3)
+def test_assert_close_names_shape_dtype_and_worst_element(device):
+    a = torch.zeros(2, 3, device=device)
     b = a.clone()
     b[1, 2] = 1.0
     with pytest.raises(AssertionError, match=r"out \(2, 3\) torch.float32: 1/6 elements differ.*at \(1, 2\)"):
         assert_close(a, b, name="out")
     with pytest.raises(AssertionError, match="shape"):
-        assert_close(a, torch.zeros(3, 2))
+        assert_close(a, torch.zeros(3, 2, device=device))
     assert_close(a, a + 1e-7)
 
 
-def test_check_op_passes_and_prints(capsys):
-    x = torch.randn(3, 7, dtype=torch.float64)
+def _randn(*shape, device, dtype=torch.float32):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(0), dtype=dtype).to(device)
+
+
+def test_check_op_passes_and_prints(capsys, device):
+    # On the suite's device: check_op's upstream gradients must be made where the outputs live.
+    x = _randn(3, 7, dtype=torch.float64, device=device)
     assert check_op("tanh", torch.tanh, lambda t: torch.sinh(t) / torch.cosh(t), x)
     assert capsys.readouterr().out.strip() == "PASS: tanh [float64 (3, 7)]: output, grad[0]"
 
 
-def test_check_op_catches_a_wrong_forward(capsys):
-    x = torch.randn(4, 5)
+def test_check_op_catches_a_wrong_forward(capsys, device):
+    x = _randn(4, 5, device=device)
     assert not check_op("bad", lambda t: t * 1.01, lambda t: t, x)
     assert "FAIL: bad" in capsys.readouterr().out
 
 
-def test_check_op_catches_a_wrong_gradient_only(capsys):
+def test_check_op_catches_a_wrong_gradient_only(capsys, device):
     class WrongGrad(torch.autograd.Function):
         @staticmethod
         def forward(ctx, t):
@@ -46,7 +51,7 @@ def test_check_op_catches_a_wrong_gradient_only(capsys):
         def backward(ctx, g):
             return g * 3  # should be 2
 
-    x = torch.randn(4, 5)
+    x = _randn(4, 5, device=device)
     assert not check_op("wrong grad", WrongGrad.apply, lambda t: t * 2, x)
     out = capsys.readouterr().out
     assert "FAIL: wrong grad" in out and "grad[0]" in out

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import threading
 
+from minite import _validate as _v
 from minite.formats.recipe import CurrentScaling, DelayedScaling
 
 __all__ = ["fp8_autocast", "is_fp8_enabled", "get_fp8_recipe"]
@@ -47,7 +48,7 @@ class fp8_autocast:  # noqa: N801 (lower case like torch.autocast and Transforme
     def __init__(self, enabled: bool = True, recipe: DelayedScaling | CurrentScaling | None = None):
         if recipe is not None and not isinstance(recipe, (DelayedScaling, CurrentScaling)):
             raise ValueError(f"recipe must be DelayedScaling or CurrentScaling, got {type(recipe).__name__}")
-        self.enabled = bool(enabled)
+        self.enabled = _v.boolean("fp8_autocast", "enabled", enabled)  # bool("false") would turn FP8 on
         self.recipe = recipe if recipe is not None else DelayedScaling()
         self._saved: list[tuple[bool, object]] = []  # one entry per active `with` of this instance
 

@@ -23,9 +23,9 @@ needs no scaler (``enabled=False`` makes every method a pass-through).
 """
 from __future__ import annotations
 
-import math
-
 import torch
+
+from minite import _validate as _v
 
 __all__ = ["DynamicLossScaler"]
 
@@ -35,16 +35,14 @@ class DynamicLossScaler:
 
     def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 1000, hysteresis: int = 1, min_scale: float = 1.0, enabled: bool = True):
-        if not (init_scale > 0 and math.isfinite(init_scale)):
-            raise ValueError(f"init_scale must be a positive finite number, got {init_scale}")
-        if growth_factor <= 1.0:
-            raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
-        if not 0.0 < backoff_factor < 1.0:
-            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
-        if growth_interval < 1 or hysteresis < 1:
-            raise ValueError(f"growth_interval and hysteresis must be >= 1, got {growth_interval}, {hysteresis}")
-        if not 0 < min_scale <= init_scale:
-            raise ValueError(f"min_scale must be in (0, init_scale={init_scale}], got {min_scale}")
+        w = "DynamicLossScaler"
+        init_scale = _v.real(w, "init_scale", init_scale, gt=0)
+        growth_factor = _v.real(w, "growth_factor", growth_factor, gt=1)
+        backoff_factor = _v.real(w, "backoff_factor", backoff_factor, gt=0, lt=1)
+        growth_interval = _v.integer(w, "growth_interval", growth_interval, lo=1)
+        hysteresis = _v.integer(w, "hysteresis", hysteresis, lo=1)
+        min_scale = _v.real(w, "min_scale", min_scale, gt=0, le=init_scale)
+        enabled = _v.boolean(w, "enabled", enabled)  # bool("no") is True
         self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
         self.growth_interval, self.hysteresis = int(growth_interval), int(hysteresis)
         self.min_scale, self.enabled = float(min_scale), bool(enabled)
@@ -125,12 +123,21 @@ class DynamicLossScaler:
         missing = {"scale", "growth_tracker", "hysteresis_tracker"} - set(state)
         if missing:
             raise KeyError(f"loss-scaler state is missing {sorted(missing)}")
-        for key in ("growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale", "enabled"):
-            if key in state:
-                setattr(self, key, type(getattr(self, key))(state[key]))
-        self._scale = float(state["scale"])
-        self._growth_tracker = int(state["growth_tracker"])
-        self._hysteresis_tracker = int(state["hysteresis_tracker"])
+        # The same checks as the constructor: a NaN or negative scale would poison every later step silently.
+        w = "DynamicLossScaler.load_state_dict"
+        checks = {"growth_factor": lambda v: _v.real(w, "growth_factor", v, gt=1),
+                  "backoff_factor": lambda v: _v.real(w, "backoff_factor", v, gt=0, lt=1),
+                  "growth_interval": lambda v: _v.integer(w, "growth_interval", v, lo=1),
+                  "hysteresis": lambda v: _v.integer(w, "hysteresis", v, lo=1),
+                  "min_scale": lambda v: _v.real(w, "min_scale", v, gt=0),
+                  "enabled": lambda v: _v.boolean(w, "enabled", v)}
+        new = {k: check(state[k]) for k, check in checks.items() if k in state}
+        scale = _v.real(w, "scale", state["scale"], gt=0)
+        growth = _v.integer(w, "growth_tracker", state["growth_tracker"], lo=0)
+        hyst = _v.integer(w, "hysteresis_tracker", state["hysteresis_tracker"])
+        for k, v in new.items():
+            setattr(self, k, v)
+        self._scale, self._growth_tracker, self._hysteresis_tracker = scale, growth, hyst
         self._found_inf = None
 
     def __repr__(self) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from minite import _validate as _v
 from minite._triton import tl, triton
 from minite.backend import resolve_backend
 from minite.formats.recipe import compute_scale, fp8_max
@@ -143,8 +144,18 @@ def _check(x, scale, fp8_dtype):
         raise ValueError(f"quantize: x must be a float32/float16/bfloat16 tensor, got {got}")
     if fp8_dtype not in FP8_DTYPES:
         raise ValueError(f"quantize: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}")
-    if scale is not None and torch.as_tensor(scale).numel() != 1:
-        raise ValueError(f"quantize: scale must be a scalar (per-tensor), got shape {tuple(scale.shape)}")
+    if scale is None:
+        return
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ValueError(f"quantize: scale must be a scalar (per-tensor), got shape {tuple(scale.shape)}")
+        _v.same_device("quantize", "scale", scale, "x", x)
+        if scale.device.type == "cpu":  # on CUDA reading the value is a host sync per call: the recipes guard it
+            _v.real("quantize", "scale", scale.item(), gt=0)
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"quantize: scale must be a number or a scalar tensor, got {_v.describe(scale)}")
+    else:  # 0 makes every value 0 (and scale_inv inf); NaN / inf make every value NaN
+        _v.real("quantize", "scale", scale, gt=0)
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor | float | None = None, *,

@@ -29,6 +29,8 @@ from enum import Enum
 
 import torch
 
+from minite import _validate as _v
+
 __all__ = ["Format", "DelayedScaling", "CurrentScaling", "ScalingState", "compute_scale", "fp8_max"]
 
 
@@ -128,6 +130,10 @@ class DelayedScaling:
     def __post_init__(self):
         if self.amax_compute_algo not in ("max", "most_recent"):
             raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got {self.amax_compute_algo!r}")
+        # scale = fp8_max / amax / 2**margin: a negative margin pushes values past fp8_max (-200: scale = inf,
+        # every product NaN); a huge one flushes everything to 0. TransformerEngine's margin is a small int >= 0.
+        self.margin = _v.integer("DelayedScaling", "margin", self.margin, lo=0, hi=64)
+        _v.integer("DelayedScaling", "amax_history_len", self.amax_history_len)
         if self.amax_history_len < 1:
             raise ValueError(f"amax_history_len must be >= 1, got {self.amax_history_len}")
         if not isinstance(self.fp8_format, Format):

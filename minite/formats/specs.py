@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minite import _validate as _v
 from minite._triton import interpreting, tl, triton
 from minite.backend import resolve_backend
 
@@ -272,6 +273,7 @@ def encode(x: torch.Tensor, spec: FormatSpec, *, saturate: bool | None = None, b
     `saturate`: overflow to ±max (True) or to ±inf / NaN (False); None: the format's rule (E4M3 saturates).
     """
     _check_spec(spec)
+    saturate = _v.boolean("encode", "saturate", saturate, allow_none=True)  # "no" is a truthy string
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.element_size() > 4:
         what = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"encode expects a floating tensor of <= 32 bits (fp32/fp16/bf16/fp8), got {what}; "

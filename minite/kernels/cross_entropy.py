@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minite import _validate as _v
 from minite._triton import interpreting, tl, triton
 from minite.backend import resolve_backend
 from minite.kernels._common import _acc, compute_dtype, launchable, op, row_launch
@@ -60,7 +61,9 @@ def _ce_fwd_kernel(X_ptr, X_row_stride, T_ptr, Loss_ptr, LSE_ptr, V, ignore_inde
         mask = start + cols < V
         x = _acc(tl.load(X_ptr + start + cols, mask=mask, other=float("-inf")), FP64)  # (BLOCK_SIZE,)
         m_new = tl.maximum(m, tl.max(x, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)  # masked lanes: exp(-inf) = 0
+        # All -inf so far (a masked block): x - m_new = -inf - -inf = NaN; shift by 0 instead (softmax's guard)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)  # masked lanes: exp(-inf) = 0
         m = m_new
         sum_x += tl.sum(tl.where(mask, x, 0.0), axis=0)
     lse = m + tl.log(s)
@@ -69,8 +72,10 @@ def _ce_fwd_kernel(X_ptr, X_row_stride, T_ptr, Loss_ptr, LSE_ptr, V, ignore_inde
     # (they are rejected before launch on the CPU; on CUDA checking would cost a host sync, see _check_ce).
     ok = valid & (t >= 0) & (t < V)
     x_t = _acc(tl.load(X_ptr + tl.where(ok, t, 0), mask=ok, other=0.0), FP64)
-    # (1 - eps) * (lse - x_t) + eps * (lse - mean(x))
-    loss = lse - (1.0 - smoothing) * x_t - smoothing * sum_x / V
+    # (1 - eps) * (lse - x_t) + eps * (lse - mean(x)); the smoothing term only when eps > 0: a masked (-inf)
+    # logit makes sum_x = -inf, and 0 * -inf would be NaN
+    smooth = tl.where(smoothing > 0, smoothing * sum_x / V, 0.0)
+    loss = lse - (1.0 - smoothing) * x_t - smooth
     tl.store(Loss_ptr + row, tl.where(valid, loss, 0.0))
     tl.store(LSE_ptr + row, lse)  # saved for the backward: softmax = exp(x - lse) without another reduction
 
@@ -207,8 +212,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
 # -------------------------------------------------------------------------------------------- 5. functional
 def _check_ce(logits, target, reduction, label_smoothing, name="logits"):
-    if not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor):
-        raise TypeError(f"cross_entropy: {name} and target must be tensors")
+    _v.tensor("cross_entropy", name, logits)
+    _v.tensor("cross_entropy", "target", target)
     if logits.dim() != 2:
         raise ValueError(f"cross_entropy: {name} must be 2-D, got shape {tuple(logits.shape)}; flatten (B, T, .)")
     if logits.dtype not in _FLOATS:
@@ -222,8 +227,7 @@ def _check_ce(logits, target, reduction, label_smoothing, name="logits"):
         raise ValueError(f"cross_entropy: target is on {target.device} but {name} is on {logits.device}")
     if reduction not in _REDUCTIONS:
         raise ValueError(f"cross_entropy: reduction={reduction!r}; expected one of {_REDUCTIONS}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"cross_entropy: label_smoothing={label_smoothing} must be in [0, 1]")
+    _v.real("cross_entropy", "label_smoothing", label_smoothing, ge=0.0, le=1.0)
 
 
 def _check_targets(target, V, ignore_index):
@@ -247,6 +251,9 @@ def cross_entropy(logits, target, *, ignore_index: int = -100, reduction: str = 
     CUDA they are masked, not checked (a check costs a host sync): that row's loss is its logsumexp, no error."""
     _check_ce(logits, target, reduction, label_smoothing)
     _check_targets(target, logits.shape[1], ignore_index)
+    if logits.shape[1] == 0:  # no classes, so every row is ignored (checked above): torch's answers, no crash
+        rows = logits.to(torch.promote_types(logits.dtype, torch.float32)).sum(-1)  # (N,) zeros, in the graph
+        return rows if reduction == "none" else rows.sum() if reduction == "sum" else rows.sum() / 0.0
     if resolve_backend(logits, backend) == "triton":
         logits = logits if logits.stride(-1) == 1 else logits.contiguous()  # rows may be strided, columns not
         return CrossEntropyFunction.apply(logits, target.long().contiguous(), int(ignore_index), reduction,
@@ -258,6 +265,7 @@ def linear_cross_entropy(x, weight, target, *, ignore_index: int = -100, reducti
                          label_smoothing: float = 0.0, chunk_size: int = 1024, backend: str | None = None):
     """cross_entropy(x @ weight.T, target) without materialising the (N, V) logits. x (N, C), weight (V, C),
     target (N,). Rows are processed `chunk_size` at a time; the gradients are computed during the forward."""
+    [_v.tensor("linear_cross_entropy", n, t) for n, t in (("x", x), ("weight", weight), ("target", target))]
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or x.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear_cross_entropy: x {tuple(getattr(x, 'shape', ()))} must be (N, C) and weight "
                          f"{tuple(getattr(weight, 'shape', ()))} (V, C) with the same C")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minite import _validate as _v
 from minite._triton import tl, triton
 from minite.backend import resolve_backend
 from minite.kernels._common import compute_dtype, launchable, op, row_launch, sm_count, tl_compute_dtype
@@ -227,6 +228,9 @@ class LayerNormFunction(torch.autograd.Function):
 
 # ------------------------------------------------------------------------------------------ 5. functional
 def _check_inputs(op: str, x, weight, bias, eps) -> None:
+    _v.tensor(op, "weight", weight)
+    if bias is not None:
+        _v.tensor(op, "bias", bias)
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         raise ValueError(f"{op}: x must be a tensor with at least 1 dimension (..., C), got {type(x).__name__} "
                          f"of shape {tuple(getattr(x, 'shape', ()))}")
@@ -238,8 +242,7 @@ def _check_inputs(op: str, x, weight, bias, eps) -> None:
             raise ValueError(f"{op}: {name} is on {p.device} but x is on {x.device}")
         if name != "x" and tuple(p.shape) != (C,):
             raise ValueError(f"{op}: {name} must have shape ({C},) to match x's last dim, got {tuple(p.shape)}")
-    if not eps > 0:
-        raise ValueError(f"{op}: eps must be > 0, got {eps}")
+    _v.real(op, "eps", eps, gt=0)
 
 
 def _check_size(op: str, x) -> None:
@@ -251,7 +254,7 @@ def _check_size(op: str, x) -> None:
 def rmsnorm(x, weight, *, eps: float = 1e-6, backend: str | None = None):
     """RMSNorm over the last dim: x (..., C), weight (C,) -> (..., C) in x.dtype."""
     _check_inputs("rmsnorm", x, weight, None, eps)
-    if resolve_backend(x, backend) == "triton":
+    if x.numel() and resolve_backend(x, backend) == "triton":  # empty: nothing to launch, the reference is exact
         _check_size("rmsnorm", x)
         return RMSNormFunction.apply(x, weight, eps)
     return rmsnorm_ref(x, weight, eps)
@@ -262,7 +265,7 @@ def layernorm(x, weight, bias, *, eps: float = 1e-5, backend: str | None = None)
     if bias is None:
         raise ValueError("layernorm: bias is required (pass torch.zeros(C) for none)")
     _check_inputs("layernorm", x, weight, bias, eps)
-    if resolve_backend(x, backend) == "triton":
+    if x.numel() and resolve_backend(x, backend) == "triton":
         _check_size("layernorm", x)
         return LayerNormFunction.apply(x, weight, bias, eps)
     return layernorm_ref(x, weight, bias, eps)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minite import _validate as _v
 from minite._triton import tl, triton
 from minite.backend import resolve_backend
 from minite.kernels._common import compute_dtype, launchable, op, tl_compute_dtype
@@ -156,7 +157,7 @@ def _check_inputs(x, cos, sin, layout: str) -> None:
 def rope(x, cos, sin, *, layout: str = "bhtd", backend: str | None = None):
     """Rotate x (B, H, T, D) (or (B, T, H, D) with layout="bthd") by the angles in cos/sin (T, D/2)."""
     _check_inputs(x, cos, sin, layout)
-    if resolve_backend(x, backend) == "triton":
+    if x.numel() and resolve_backend(x, backend) == "triton":  # empty (D = 0, T = 0, ...): the reference
         return RoPEFunction.apply(x, cos, sin, layout)
     return rope_ref(x, cos, sin, layout=layout)
 
@@ -178,6 +179,7 @@ class RotaryEmbedding(nn.Module):
         self.backend, self.layout = backend, layout
 
     def forward(self, x, offset: int = 0):
+        _v.integer("RotaryEmbedding", "offset", offset)
         T = x.shape[2 if self.layout == "bhtd" else 1] if x.dim() == 4 else 0  # rope() validates x's shape
         if offset < 0 or offset + T > self.max_seq_len:
             raise ValueError(f"RotaryEmbedding: positions {offset}..{offset + T - 1} are outside the cache "

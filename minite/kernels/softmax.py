@@ -212,6 +212,9 @@ def softmax(x: torch.Tensor, *, dim: int = -1, backend: str | None = None) -> to
     backend: None/"auto" (Triton on CUDA or under the interpreter, else PyTorch), "torch" or "triton".
     """
     dim = _check_inputs(x, dim)
+    if x.numel() == 0:  # torch.softmax's answer: an empty tensor of the same shape (nothing to normalise)
+        resolve_backend(x, backend)  # a bad backend name is still an error
+        return x.clone()
     if resolve_backend(x, backend) == "triton":
         return SoftmaxFunction.apply(x, dim)
     return softmax_ref(x, dim)

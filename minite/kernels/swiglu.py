@@ -132,7 +132,9 @@ def _check_inputs(gate: torch.Tensor, up: torch.Tensor) -> None:
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
     """silu(gate) * up. gate, up: (..., H), same shape, dtype and device -> (..., H) in their dtype."""
     _check_inputs(gate, up)
-    if resolve_backend(gate, backend) == "triton":
+    if gate.dim() == 0:  # a scalar: the kernels work on rows, so run it as one row of one element
+        return swiglu(gate.reshape(1), up.reshape(1), backend=backend).reshape(())
+    if gate.numel() and resolve_backend(gate, backend) == "triton":
         return SwiGLUFunction.apply(gate, up)
     return swiglu_ref(gate, up)
 

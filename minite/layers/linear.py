@@ -103,6 +103,13 @@ def _check(x, weight, bias):
         raise ValueError(f"fp8_linear: x is on {x.device}, weight on {weight.device}")
 
 
+def _check_states(states) -> None:
+    missing = [r for r in ROLES if not isinstance(states, dict) or not isinstance(states.get(r), ScalingState)]
+    if missing:
+        raise ValueError(f"fp8_linear: states must hold 'input', 'weight' and 'grad_output' ScalingStates (or be "
+                         f"None for fresh ones); missing {missing}")
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                recipe: DelayedScaling | CurrentScaling | None = None, states: dict | None = None,
                backend: str | None = None) -> torch.Tensor:
@@ -114,6 +121,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     """
     _check(x, weight, bias)
     recipe = recipe or get_fp8_recipe() or CurrentScaling()
+    if states is not None:
+        _check_states(states)
     states = states if states is not None else fp8_linear_states(recipe, x.device)
     return FP8LinearFunction.apply(x, weight, bias, recipe, states, resolve_backend(x, backend))
 
@@ -121,7 +130,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 class Linear(nn.Linear):
     """``nn.Linear`` that runs FP8 GEMMs inside ``fp8_autocast`` (plain linear outside).
 
-    The scaling states are plain attributes, not buffers, so ``state_dict`` is the same as ``nn.Linear``'s.
+    The module owns its FP8 scaling states (amax histories and scales) and saves them as *module extra state*,
+    the way TransformerEngine does: ``state_dict()`` gains a ``<prefix>_extra_state`` entry once the layer has run
+    under FP8, so a checkpoint resumes FP8 training bit for bit. Before that (or never under FP8) the state_dict is
+    exactly ``nn.Linear``'s, and an ``nn.Linear`` state_dict (no extra state) loads into it.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
@@ -139,6 +151,43 @@ class Linear(nn.Linear):
         elif self.fp8_states["input"].scale.device != torch.device(device):
             self.fp8_states = {k: s.to(device) for k, s in self.fp8_states.items()}
         return self.fp8_states
+
+    # ------------------------------------------------------------------ FP8 state as module extra state
+    def get_extra_state(self) -> dict | None:
+        """The FP8 states as plain data (tensors, strings, ints: loadable with ``torch.load(weights_only=True)``)."""
+        if self.fp8_states is None:
+            return None
+        kind, fmt, hist = self._fp8_key
+        return {"recipe": kind, "format": fmt.name, "amax_history_len": hist,
+                "states": {r: {"fp8_dtype": str(st.fp8_dtype).replace("torch.", ""),
+                               "amax_history": st.amax_history.clone(), "scale": st.scale.clone()}
+                           for r, st in self.fp8_states.items()}}
+
+    def set_extra_state(self, state: dict | None) -> None:
+        if state is None:  # a checkpoint from before FP8 ran (or from nn.Linear): fresh states on first use
+            self.fp8_states, self._fp8_key = None, None
+            return
+        if not isinstance(state, dict) or set(state.get("states", {})) != set(ROLES):
+            raise ValueError(f"Linear: FP8 extra state must hold the states {list(ROLES)}, got "
+                             f"{sorted(state.get('states', {})) if isinstance(state, dict) else type(state).__name__}")
+        from minite.formats.recipe import Format
+        states = {}
+        for r, d in state["states"].items():
+            st = ScalingState(getattr(torch, d["fp8_dtype"]), d["amax_history"].numel(), d["scale"].device)
+            st.amax_history.copy_(d["amax_history"])
+            st.scale.copy_(d["scale"])
+            states[r] = st
+        self.fp8_states = states
+        self._fp8_key = (state["recipe"], Format[state["format"]], int(state["amax_history_len"]))
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.fp8_states is None:  # never ran under FP8: nn.Linear's exact key set
+            destination.pop(prefix + "_extra_state", None)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        state_dict.setdefault(prefix + "_extra_state", None)  # nn.Linear's state_dict / no FP8 yet: no extra state
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not is_fp8_enabled():

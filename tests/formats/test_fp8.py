@@ -33,8 +33,8 @@ def _bits(q):
 @pytest.mark.parametrize("shape", [(37, 129), (64, 64), (5,)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("fp8_dtype", FP8)
-def test_quantize_triton_bit_exact(shape, dtype, fp8_dtype):
-    x = _wide(shape, dtype)
+def test_quantize_triton_bit_exact(shape, dtype, fp8_dtype, device):
+    x = _wide(shape, dtype).to(device)
     for scale in (1.0, 3.7, 1e3):
         a = quantize(x, scale, fp8_dtype=fp8_dtype, backend="triton")
         b = quantize(x, scale, fp8_dtype=fp8_dtype, backend="torch")
@@ -45,8 +45,8 @@ def test_quantize_triton_bit_exact(shape, dtype, fp8_dtype):
 
 
 @pytest.mark.triton
-def test_quantize_triton_amax_in_same_pass_and_nan():
-    x = torch.randn(3000)                                 # several programs: the partial amaxes are reduced
+def test_quantize_triton_amax_in_same_pass_and_nan(device):
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(0)).to(device)  # several programs' partial amaxes
     x[2500] = -9.0
     q = quantize(x, 1.0, backend="triton")
     assert q.amax.item() == 9.0
@@ -102,18 +102,18 @@ def test_quantize_bad_input():
 
 
 # ----------------------------------------------------------------------------------------------- FP8 GEMM
-def _q(shape, fp8_dtype, seed):
+def _q(shape, fp8_dtype, seed, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return quantize(torch.randn(shape, generator=g), fp8_dtype=fp8_dtype, backend="torch")
+    return quantize(torch.randn(shape, generator=g).to(device), fp8_dtype=fp8_dtype, backend="torch")
 
 
 @pytest.mark.triton
 @pytest.mark.parametrize("mkn", [(33, 65, 17), (64, 64, 64), (1, 20, 3)])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_fp8_gemm_triton_vs_ref(mkn, out_dtype):
+def test_fp8_gemm_triton_vs_ref(mkn, out_dtype, device):
     M, K, N = mkn
-    a = _q((M, K), torch.float8_e4m3fn, 0)
-    w = _q((N, K), torch.float8_e5m2, 1)                  # mixed formats, and B is a transposed view
+    a = _q((M, K), torch.float8_e4m3fn, 0, device)
+    w = _q((N, K), torch.float8_e5m2, 1, device)                  # mixed formats, and B is a transposed view
     out = fp8_gemm(a, w.t(), out_dtype=out_dtype, backend="triton")
     ref = fp8_gemm_ref(a, w.t(), out_dtype)
     # fp32: summation order only. fp16/bf16: one rounding of the output (the interpreter truncates bf16).
@@ -121,9 +121,9 @@ def test_fp8_gemm_triton_vs_ref(mkn, out_dtype):
 
 
 @pytest.mark.triton
-def test_fp8_gemm_triton_strided_operands():
-    a = _q((40, 24), torch.float8_e4m3fn, 2)
-    b = _q((40, 18), torch.float8_e4m3fn, 3)
+def test_fp8_gemm_triton_strided_operands(device):
+    a = _q((40, 24), torch.float8_e4m3fn, 2, device)
+    b = _q((40, 18), torch.float8_e4m3fn, 3, device)
     out = fp8_gemm(a.t(), b, out_dtype=torch.float32, backend="triton")     # (24, 40) @ (40, 18), like wgrad
     assert_close(out, fp8_gemm_ref(a.t(), b, torch.float32), name="wgrad-shaped gemm", atol=1e-4)
 

@@ -17,14 +17,15 @@ from minite.testing import assert_close, check_op
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def _data(N, V, dtype, seed=0, ignore=(1,), ignore_index=-100, scale=3.0):
+def _data(N, V, dtype, seed=0, ignore=(1,), ignore_index=-100, scale=3.0, device="cpu"):
+    """(logits, target) from a seeded CPU generator (the same numbers on every device), then moved to `device`."""
     g = torch.Generator().manual_seed(seed)
     logits = (scale * torch.randn(N, V, generator=g)).to(dtype)
     target = torch.randint(0, V, (N,), generator=g)
     for i in ignore:
         if i < N:
             target[i] = ignore_index
-    return logits, target
+    return logits.to(device), target.to(device)
 
 
 def _ce_triton(logits, target, **kw):
@@ -36,59 +37,61 @@ def _ce_triton(logits, target, **kw):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("N, V", [(5, 37), (4, 128), (3, 8195)])  # odd, power of two, several blocks
-def test_kernel_matches_reference(N, V, reduction, dtype):
-    logits, target = _data(N, V, dtype)
+def test_kernel_matches_reference(N, V, reduction, dtype, device):
+    logits, target = _data(N, V, dtype, device=device)
     # output (the fp32 loss) and dlogits in the logits dtype
     assert check_op("cross_entropy", _ce_triton, cross_entropy_ref, logits, target, reduction=reduction)
 
 
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_kernel_gpt2_vocab_and_smoothing(dtype):
-    logits, target = _data(2, 50304, dtype, ignore=())  # the padded GPT-2 vocabulary: 7 blocks of 8192 per row
+def test_kernel_gpt2_vocab_and_smoothing(dtype, device):
+    # the padded GPT-2 vocabulary: 7 blocks of 8192 per row
+    logits, target = _data(2, 50304, dtype, ignore=(), device=device)
     assert check_op("ce V=50304", _ce_triton, cross_entropy_ref, logits, target, label_smoothing=0.1,
                     ignore_index=7)
 
 
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_loss_is_fp32_from_half_logits(dtype):
-    logits, target = _data(4, 33, dtype)
+def test_loss_is_fp32_from_half_logits(dtype, device):
+    logits, target = _data(4, 33, dtype, device=device)
     assert _ce_triton(logits, target).dtype == torch.float32
     assert cross_entropy_ref(logits, target).dtype == torch.float32
     assert _ce_triton(logits, target, reduction="none").dtype == torch.float32
 
 
 @pytest.mark.triton
-def test_online_logsumexp_is_stable():
+def test_online_logsumexp_is_stable(device):
     # Huge logits: a naive sum(exp(x)) overflows; the running max keeps it finite.
-    logits, target = _data(3, 300, torch.float32, scale=1e4, ignore=())
+    logits, target = _data(3, 300, torch.float32, scale=1e4, ignore=(), device=device)
     loss = _ce_triton(logits, target, reduction="none")
     assert torch.isfinite(loss).all()
     assert_close(loss, F.cross_entropy(logits.double(), target, reduction="none").float(), name="loss(1e4 logits)")
 
 
 @pytest.mark.triton
-def test_strided_rows_padded_vocab():
+def test_strided_rows_padded_vocab(device):
     # Logits of a vocabulary padded to 64 (V=100 -> 128): a view of the first 100 columns, row stride 128.
-    padded, target = _data(4, 128, torch.float32, ignore=())
+    padded, target = _data(4, 128, torch.float32, ignore=(), device=device)
     target = target % 100
     view = padded[:, :100]
     assert check_op("ce strided", _ce_triton, cross_entropy_ref, view, target)
 
 
 @pytest.mark.triton
-def test_gradcheck_fp64():
-    logits, target = _data(3, 5, torch.float64, ignore=(1,))  # few inputs: every one costs two kernel launches
+def test_gradcheck_fp64(device):
+    # few inputs: every one costs two kernel launches
+    logits, target = _data(3, 5, torch.float64, ignore=(1,), device=device)
     x = logits.requires_grad_()
     assert torch.autograd.gradcheck(lambda z: _ce_triton(z, target, label_smoothing=0.2), (x,))
     assert torch.autograd.gradcheck(lambda z: _ce_triton(z, target, reduction="none"), (x,))
 
 
 @pytest.mark.triton
-def test_gradient_is_softmax_minus_one_hot():
+def test_gradient_is_softmax_minus_one_hot(device):
     # Independent check of the kernel's backward: d(sum loss)/dx = softmax(x) - one_hot(t), 0 on ignored rows.
-    logits, target = _data(5, 20, torch.float64, ignore=(2,))
+    logits, target = _data(5, 20, torch.float64, ignore=(2,), device=device)
     x = logits.requires_grad_()
     _ce_triton(x, target, reduction="sum").backward()
     expected = torch.softmax(logits.detach(), -1) - F.one_hot(target.clamp(min=0), 20)
@@ -116,13 +119,14 @@ def test_reference_matches_torch(reduction, label_smoothing, ignore_index):
 @pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.triton), "torch"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_linear_ce_matches_naive(backend, dtype, reduction):
+def test_linear_ce_matches_naive(backend, dtype, reduction, device):
     g = torch.Generator().manual_seed(5)
     N, C, V = 13, 16, 37  # 13 rows in chunks of 5: the last chunk is short
-    x = torch.randn(N, C, generator=g).to(dtype)
-    w = (0.3 * torch.randn(V, C, generator=g)).to(dtype)
+    x = torch.randn(N, C, generator=g).to(dtype).to(device)
+    w = (0.3 * torch.randn(V, C, generator=g)).to(dtype).to(device)
     t = torch.randint(0, V, (N,), generator=g)
     t[3] = -100
+    t = t.to(device)
 
     def fused(x, w, t, **kw):
         return linear_cross_entropy(x, w, t, chunk_size=5, backend=backend, **kw)
@@ -133,21 +137,22 @@ def test_linear_ce_matches_naive(backend, dtype, reduction):
 
 
 @pytest.mark.triton
-def test_linear_ce_gradcheck_fp64():
+def test_linear_ce_gradcheck_fp64(device):
     g = torch.Generator().manual_seed(6)
-    x = torch.randn(3, 2, dtype=torch.float64, generator=g, requires_grad=True)
-    w = torch.randn(5, 2, dtype=torch.float64, generator=g, requires_grad=True)
-    t = torch.tensor([1, -100, 4])  # two chunks of 2 and 1 rows, one ignored row
+    x = torch.randn(3, 2, dtype=torch.float64, generator=g).to(device).requires_grad_()
+    w = torch.randn(5, 2, dtype=torch.float64, generator=g).to(device).requires_grad_()
+    t = torch.tensor([1, -100, 4], device=device)  # two chunks of 2 and 1 rows, one ignored row
     assert torch.autograd.gradcheck(lambda a, b: linear_cross_entropy(a, b, t, chunk_size=2, backend="triton"),
                                     (x, w))
 
 
 @pytest.mark.triton
-def test_linear_ce_frozen_weight_and_module():
+def test_linear_ce_frozen_weight_and_module(device):
     torch.manual_seed(7)
-    head = LinearCrossEntropy(8, 21, chunk_size=3, backend="triton")
-    x = torch.randn(7, 8, requires_grad=True)
-    t = torch.randint(0, 21, (7,))
+    head = LinearCrossEntropy(8, 21, chunk_size=3, backend="triton").to(device)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(7, 8, generator=g).to(device).requires_grad_()
+    t = torch.randint(0, 21, (7,), generator=g).to(device)
     head.weight.requires_grad_(False)
     loss = head(x, t)
     loss.backward()
@@ -159,7 +164,7 @@ def test_linear_ce_frozen_weight_and_module():
 
 
 @pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.triton), "torch"])
-def test_linear_ce_under_no_grad_skips_the_gradient_work(backend, monkeypatch):
+def test_linear_ce_under_no_grad_skips_the_gradient_work(backend, monkeypatch, device):
     # ctx.needs_input_grad follows requires_grad, not grad mode: under no_grad (evaluation) the fused head must
     # not compute dlogits, dx or dW. Count the backward work and look at what the forward produced.
     import minite.kernels.cross_entropy as CE
@@ -181,10 +186,11 @@ def test_linear_ce_under_no_grad_skips_the_gradient_work(backend, monkeypatch):
         return out
     monkeypatch.setattr(CE, "linear_cross_entropy_fwd", fwd)
     g = torch.Generator().manual_seed(8)
-    x = torch.randn(7, 8, generator=g, requires_grad=True)
-    w = torch.randn(21, 8, generator=g, requires_grad=True)
+    x = torch.randn(7, 8, generator=g).to(device).requires_grad_()
+    w = torch.randn(21, 8, generator=g).to(device).requires_grad_()
     t = torch.randint(0, 21, (7,), generator=g)
     t[2] = -100
+    t = t.to(device)
     with torch.no_grad():
         loss = linear_cross_entropy(x, w, t, chunk_size=3, label_smoothing=0.1, backend=backend)
     assert seen["cross_entropy_bwd"] == seen["_ce_chunk_torch"] == 0 and seen["grads"] == [(None, None)], seen
@@ -236,7 +242,7 @@ def test_linear_ce_peak_memory_3x_below_naive_gpt2():
      "V=2147483648 is too large"),
     (lambda: cross_entropy(torch.randn(4, 5), torch.zeros(4, dtype=torch.long), reduction="avg"), "reduction='avg'"),
     (lambda: cross_entropy(torch.randn(4, 5), torch.zeros(4, dtype=torch.long), label_smoothing=1.5),
-     "label_smoothing=1.5"),
+     r"label_smoothing must be .* <= 1.0, got 1.5"),
     (lambda: cross_entropy(torch.ones(4, 5, dtype=torch.long), torch.zeros(4, dtype=torch.long)), "torch.int64 is not"),
     (lambda: linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 7), torch.zeros(4, dtype=torch.long)),
      r"x \(4, 8\) must be \(N, C\) and weight \(10, 7\)"),

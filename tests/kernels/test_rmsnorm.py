@@ -13,20 +13,21 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SHAPES = [(13, 37), (4, 64), (2, 3, 40)]
 
 
-def _inputs(shape, dtype, seed=0):
+def _inputs(shape, dtype, seed=0, device="cpu"):
+    """x, weight, bias drawn from a seeded CPU generator (the same numbers on every device), then moved."""
     g = torch.Generator().manual_seed(seed)
     C = shape[-1]
     x = torch.randn(shape, generator=g).to(dtype)
     w = (1 + 0.5 * torch.randn(C, generator=g)).to(dtype)  # not ones: a wrong use of w must show
     b = (0.5 * torch.randn(C, generator=g)).to(dtype)
-    return x, w, b
+    return x.to(device), w.to(device), b.to(device)
 
 
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_rmsnorm_triton_matches_reference(shape, dtype):
-    x, w, _ = _inputs(shape, dtype)
+def test_rmsnorm_triton_matches_reference(shape, dtype, device):
+    x, w, _ = _inputs(shape, dtype, device=device)
     # output, grad x, grad weight
     assert check_op("rmsnorm", lambda x, w: rmsnorm(x, w, eps=1e-6, backend="triton"),
                     lambda x, w: rmsnorm_ref(x, w, 1e-6), x, w)
@@ -35,16 +36,16 @@ def test_rmsnorm_triton_matches_reference(shape, dtype):
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_layernorm_triton_matches_reference(shape, dtype):
-    x, w, b = _inputs(shape, dtype)
+def test_layernorm_triton_matches_reference(shape, dtype, device):
+    x, w, b = _inputs(shape, dtype, device=device)
     # output, grad x, grad weight, grad bias
     assert check_op("layernorm", lambda x, w, b: layernorm(x, w, b, eps=1e-5, backend="triton"),
                     lambda x, w, b: layernorm_ref(x, w, b, 1e-5), x, w, b)
 
 
 @pytest.mark.triton
-def test_gradcheck_fp64():
-    x, w, b = (t.double().requires_grad_() for t in _inputs((5, 7), torch.float64))
+def test_gradcheck_fp64(device):
+    x, w, b = (t.double().requires_grad_() for t in _inputs((5, 7), torch.float64, device=device))
     assert torch.autograd.gradcheck(lambda x, w: K.RMSNormFunction.apply(x, w, 1e-6), (x, w), fast_mode=True)
     assert torch.autograd.gradcheck(lambda x, w, b: K.LayerNormFunction.apply(x, w, b, 1e-5), (x, w, b),
                                     fast_mode=True)
@@ -52,10 +53,10 @@ def test_gradcheck_fp64():
 
 @pytest.mark.triton
 @pytest.mark.parametrize("n_programs", [1, 3, 13])
-def test_two_stage_dw_any_program_count(n_programs):
+def test_two_stage_dw_any_program_count(n_programs, device):
     """dx, dw, db do not depend on how rows are split among programs (1 = serial, 13 = one row each)."""
-    x, w, b = _inputs((13, 24), torch.float32, seed=1)
-    dy = torch.randn_like(x)
+    x, w, b = _inputs((13, 24), torch.float32, seed=1, device=device)
+    dy = _inputs((13, 24), torch.float32, seed=2, device=device)[0]
     xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
     layernorm_ref(xr, wr, br, 1e-5).backward(dy)
     _, mean, rstd = K.layernorm_fwd(x, w, b, 1e-5)
@@ -72,8 +73,8 @@ def test_two_stage_dw_any_program_count(n_programs):
 
 
 @pytest.mark.triton
-def test_saved_statistics():
-    x, w, b = _inputs((6, 33), torch.float16)
+def test_saved_statistics(device):
+    x, w, b = _inputs((6, 33), torch.float16, device=device)
     _, mean, rstd = K.layernorm_fwd(x, w, b, 1e-5)
     xf = x.float()
     assert mean.dtype == rstd.dtype == torch.float32  # fp32 statistics for a fp16 input
@@ -84,26 +85,28 @@ def test_saved_statistics():
 
 
 @pytest.mark.triton
-def test_non_contiguous_input_and_modules():
-    x = torch.randn(40, 6).t()  # (6, 40), stride along C is 6
-    m = RMSNorm(40, backend="triton")
+def test_non_contiguous_input_and_modules(device):
+    x0, w, _ = _inputs((40, 6), torch.float32, seed=4, device=device)
+    x = x0.t()  # (6, 40), stride along C is 6
+    m = RMSNorm(40, backend="triton").to(device)
     with torch.no_grad():
-        m.weight.copy_(torch.randn(40))
+        m.weight.copy_(_inputs((40,), torch.float32, seed=5, device=device)[0])
     assert_close(m(x), rmsnorm_ref(x, m.weight.detach()), name="rmsnorm non-contiguous")
-    ln = LayerNorm(40, backend="triton")
+    ln = LayerNorm(40, backend="triton").to(device)
     assert_close(ln(x), F.layer_norm(x, (40,)), name="layernorm module")
 
 
 @pytest.mark.triton
 @pytest.mark.parametrize("op", ["rmsnorm", "layernorm"])
-def test_strided_weight_and_bias(op):
+def test_strided_weight_and_bias(op, device):
     # weight/bias as every-other-element views (stride 2): the kernels index W_ptr + cols, so the launchers
     # must hand them a contiguous copy. Forward and the grads that flow back into the strided parents.
     g = torch.Generator().manual_seed(3)
     C = 37
-    x0 = torch.randn(5, C, generator=g)
-    wb0, bb0 = 1 + 0.5 * torch.randn(2 * C, generator=g), 0.5 * torch.randn(2 * C, generator=g)
-    dy = torch.randn(5, C, generator=g)
+    x0 = torch.randn(5, C, generator=g).to(device)
+    wb0 = (1 + 0.5 * torch.randn(2 * C, generator=g)).to(device)
+    bb0 = (0.5 * torch.randn(2 * C, generator=g)).to(device)
+    dy = torch.randn(5, C, generator=g).to(device)
     outs = {}
     for backend in ("triton", "torch"):
         x, wb, bb = (t.clone().requires_grad_() for t in (x0, wb0, bb0))
@@ -111,7 +114,7 @@ def test_strided_weight_and_bias(op):
         assert w.stride() == (2,) and b.stride() == (2,)
         y = (rmsnorm(x, w, backend=backend) if op == "rmsnorm" else layernorm(x, w, b, backend=backend))
         y.backward(dy)
-        outs[backend] = (y, x.grad, wb.grad, bb.grad if op == "layernorm" else torch.zeros(1))
+        outs[backend] = (y, x.grad, wb.grad, bb.grad if op == "layernorm" else torch.zeros(1, device=device))
     for name, a, r in zip(("y", "dx", "dweight", "dbias"), outs["triton"], outs["torch"]):
         assert_close(a, r, name=f"{op} strided {name}")
 
@@ -152,16 +155,16 @@ def test_bad_inputs():
         rmsnorm(torch.ones(3, 10, dtype=torch.long), w)
     with pytest.raises(ValueError, match="at least 1 dimension"):
         rmsnorm(torch.tensor(1.0), w)
-    with pytest.raises(ValueError, match="eps must be > 0"):
+    with pytest.raises(ValueError, match=r"eps must be finite and > 0, got 0.0"):
         rmsnorm(x, w, eps=0.0)
     with pytest.raises(ValueError, match="is on meta but x is on cpu"):
         rmsnorm(x, w.to("meta"))
 
 
 @pytest.mark.triton
-def test_too_wide_row_is_refused():
+def test_too_wide_row_is_refused(device):
     with pytest.raises(ValueError, match="C=65537 exceeds 65536"):
-        rmsnorm(torch.ones(1, 65537), torch.ones(65537), backend="triton")
+        rmsnorm(torch.ones(1, 65537, device=device), torch.ones(65537, device=device), backend="triton")
 
 
 # ------------------------------------------------------------------------------------------ GPU only

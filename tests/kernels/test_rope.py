@@ -10,6 +10,11 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SHAPES = [(1, 3, 5, 6), (2, 4, 8, 16)]
 
 
+def _randn(*shape, seed=0, dtype=torch.float32, device="cpu"):
+    """Seeded on the CPU (the same numbers on every device), then moved to `device`."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
+
+
 def _complex_rope(x, positions, base=10000.0):
     """Independent formula: pair i is z_i = x[i] + j x[i + D/2]; multiply by exp(j * t * base^(-2i/D))."""
     D = x.shape[-1]
@@ -24,10 +29,10 @@ def _complex_rope(x, positions, base=10000.0):
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_triton_matches_reference_bhtd(shape, dtype):
+def test_triton_matches_reference_bhtd(shape, dtype, device):
     B, H, T, D = shape
-    cos, sin = rope_cos_sin(T, D, offset=3)
-    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+    cos, sin = rope_cos_sin(T, D, offset=3, device=device)
+    x = _randn(*shape, seed=0, dtype=dtype, device=device)
     # output and grad x (cos/sin are a fixed cache, not differentiated)
     assert check_op("rope bhtd", lambda x: rope(x, cos, sin, backend="triton"), lambda x: rope_ref(x, cos, sin), x)
 
@@ -35,36 +40,36 @@ def test_triton_matches_reference_bhtd(shape, dtype):
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_triton_matches_reference_bthd(shape, dtype):
+def test_triton_matches_reference_bthd(shape, dtype, device):
     B, H, T, D = shape
-    cos, sin = rope_cos_sin(T, D)
-    x = torch.randn(B, T, H, D, generator=torch.Generator().manual_seed(1)).to(dtype)  # (B, T, H, D)
+    cos, sin = rope_cos_sin(T, D, device=device)
+    x = _randn(B, T, H, D, seed=1, dtype=dtype, device=device)  # (B, T, H, D)
     assert check_op("rope bthd", lambda x: rope(x, cos, sin, layout="bthd", backend="triton"),
                     lambda x: rope_ref(x.transpose(1, 2), cos, sin).transpose(1, 2), x)
 
 
 @pytest.mark.triton
-def test_gradcheck_fp64():
-    x = torch.randn(1, 2, 3, 8, dtype=torch.float64, requires_grad=True)
-    cos, sin = rope_cos_sin(3, 8, offset=5)
+def test_gradcheck_fp64(device):
+    x = _randn(1, 2, 3, 8, dtype=torch.float64, device=device).requires_grad_()
+    cos, sin = rope_cos_sin(3, 8, offset=5, device=device)
     for layout in ("bhtd", "bthd"):
         assert torch.autograd.gradcheck(lambda x: RoPEFunction.apply(x, cos, sin, layout), (x,), fast_mode=True)
 
 
 @pytest.mark.triton
-def test_backward_is_inverse_rotation():
-    x = torch.randn(2, 3, 4, 8)
-    cos, sin = rope_cos_sin(4, 8)
+def test_backward_is_inverse_rotation(device):
+    x = _randn(2, 3, 4, 8, seed=2, device=device)
+    cos, sin = rope_cos_sin(4, 8, device=device)
     assert_close(rope_bwd(rope_fwd(x, cos, sin), cos, sin), x, name="R(-t) R(t) x")
     assert_close(rope_bwd(x, cos, sin), rope_ref(x, cos, -sin), name="bwd = rotation with sin negated")
 
 
 @pytest.mark.triton
-def test_strided_input_from_qkv_split():
+def test_strided_input_from_qkv_split(device):
     B, T, H, D = 2, 5, 3, 8
-    qkv = torch.randn(B, T, 3 * H * D)
+    qkv = _randn(B, T, 3 * H * D, seed=3, device=device)
     q = qkv.view(B, T, 3, H, D)[:, :, 0].transpose(1, 2)  # (B, H, T, D) view, not contiguous
-    cos, sin = rope_cos_sin(T, D)
+    cos, sin = rope_cos_sin(T, D, device=device)
     assert not q.is_contiguous()
     assert_close(rope(q, cos, sin, backend="triton"), rope_ref(q, cos, sin), name="strided q")
     q_bthd = qkv.view(B, T, 3, H, D)[:, :, 0]  # (B, T, H, D) view
@@ -73,10 +78,10 @@ def test_strided_input_from_qkv_split():
 
 
 @pytest.mark.triton
-def test_offset_matches_full_cache_slice():
+def test_offset_matches_full_cache_slice(device):
     """A KV-cache decode step at position 7 == the full-sequence result at row 7."""
-    x = torch.randn(1, 2, 10, 8)
-    rot = RotaryEmbedding(8, 16, backend="triton")
+    x = _randn(1, 2, 10, 8, seed=4, device=device)
+    rot = RotaryEmbedding(8, 16, backend="triton").to(device)
     full = rot(x)
     step = rot(x[:, :, 7:8], offset=7)
     assert_close(step, full[:, :, 7:8], name="offset 7")

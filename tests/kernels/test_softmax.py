@@ -11,7 +11,6 @@ import minite.kernels.softmax as S
 from minite.kernels.softmax import Softmax, SoftmaxFunction, softmax, softmax_ref
 from minite.testing import assert_close, check_op, dtype_tols
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Odd and power-of-two row lengths: a single column, < 1 block, exactly one block, one column past 4096,
 # a reduction over a middle dimension (dim=1 of (2, 3, 17): rows of 3 strided by 17 in the input).
@@ -22,43 +21,44 @@ def _triton(x, dim=-1):
     return softmax(x, dim=dim, backend="triton")
 
 
-def _randn(shape, dtype, scale=3.0, seed=0):
+def _randn(shape, dtype, device="cpu", scale=3.0, seed=0):
+    """Seeded on the CPU (the same numbers on every device), then moved to `device`."""
     g = torch.Generator().manual_seed(seed)
-    return (scale * torch.randn(shape, generator=g)).to(dtype).to(DEVICE)
+    return (scale * torch.randn(shape, generator=g)).to(dtype).to(device)
 
 
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape,dim", SHAPES_DIMS, ids=lambda v: str(v))
-def test_triton_matches_reference(shape, dim, dtype):
+def test_triton_matches_reference(shape, dim, dtype, device):
     # Output and input gradient (check_op back-propagates one random upstream gradient through both).
-    assert check_op("softmax", _triton, softmax_ref, _randn(shape, dtype), dim=dim)
+    assert check_op("softmax", _triton, softmax_ref, _randn(shape, dtype, device), dim=dim)
 
 
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_long_row_takes_the_looped_path(dtype):
+def test_long_row_takes_the_looped_path(dtype, device):
     C = 20000
     block, single, _ = S._launch_config(C)
     assert not single and block < C, "a 20000-column row must be walked in blocks"
-    assert check_op("softmax looped", _triton, softmax_ref, _randn((2, C), dtype))
+    assert check_op("softmax looped", _triton, softmax_ref, _randn((2, C), dtype, device))
 
 
 @pytest.mark.triton
 @pytest.mark.parametrize("shape,dim", [((2, 11), -1), ((3, 2, 2), 0)], ids=str)
 @pytest.mark.parametrize("max_block", [S.MAX_BLOCK_SIZE, 4], ids=["single", "looped"])
-def test_gradcheck_fp64(shape, dim, max_block, monkeypatch):
+def test_gradcheck_fp64(shape, dim, max_block, monkeypatch, device):
     # fp64 input computes in fp64 inside the kernels, so finite differences agree with the analytic backward.
     # Tiny shapes: full gradcheck runs the forward twice per input element (each a kernel launch).
     monkeypatch.setattr(S, "MAX_BLOCK_SIZE", max_block)
-    x = torch.randn(shape, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    x = _randn(shape, torch.float64, device, scale=1.0).requires_grad_()
     assert torch.autograd.gradcheck(lambda t: _triton(t, dim), (x,), eps=1e-6, atol=1e-8)
 
 
 @pytest.mark.triton
-def test_triton_path_is_really_taken():
+def test_triton_path_is_really_taken(device):
     # Guards the tests above: were the Triton path silently replaced by the reference, they would all pass.
-    x = torch.randn(2, 5, device=DEVICE, requires_grad=True)
+    x = _randn((2, 5), torch.float32, device).requires_grad_()
     assert type(_triton(x).grad_fn).__name__ == "SoftmaxFunctionBackward"
     assert SoftmaxFunction.apply(x.detach(), 1).shape == (2, 5)
     assert type(softmax(x, backend="torch").grad_fn).__name__ != "SoftmaxFunctionBackward"
@@ -66,27 +66,27 @@ def test_triton_path_is_really_taken():
 
 @pytest.mark.triton
 @pytest.mark.parametrize("max_block", [S.MAX_BLOCK_SIZE, 16], ids=["single", "looped"])
-def test_minus_inf_and_large_magnitudes_stay_finite(max_block, monkeypatch):
+def test_minus_inf_and_large_magnitudes_stay_finite(max_block, monkeypatch, device):
     monkeypatch.setattr(S, "MAX_BLOCK_SIZE", max_block)
-    x = _randn((4, 100), torch.float32, scale=1e4)  # exp(1e4) overflows fp32 unless the max is subtracted
+    x = _randn((4, 100), torch.float32, device, scale=1e4)  # exp(1e4) overflows fp32 unless the max is subtracted
     x[:, :40] = -float("inf")  # the first blocks of every row hold only -inf (a causal-mask-like pattern)
     x[1, 50:] = -float("inf")
     x = x.requires_grad_()
     y = _triton(x)
     y.backward(torch.randn_like(y))
     assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()
-    assert_close(y.sum(-1), torch.ones(4, device=DEVICE), name="row sums")
+    assert_close(y.sum(-1), torch.ones(4, device=device), name="row sums")
     assert (y[:, :40] == 0).all(), "exp(-inf) must be exactly 0"
     assert_close(y, softmax_ref(x.detach()), name="softmax with -inf and 1e4 entries")
 
 
 @pytest.mark.triton
 @pytest.mark.parametrize("max_block", [S.MAX_BLOCK_SIZE, 16], ids=["single", "looped"])
-def test_fp64_rows_far_below_fp32_range(max_block, monkeypatch):
+def test_fp64_rows_far_below_fp32_range(max_block, monkeypatch, device):
     # fp64 holds -1e300; the looped path's running max must not start above such values (a -3e38 start made
     # every row below it 0 / 0 = NaN). Row 1 also begins with a block of -inf only (the guard against -inf - -inf).
     monkeypatch.setattr(S, "MAX_BLOCK_SIZE", max_block)
-    x = -1e300 + 1e299 * _randn((3, 40), torch.float64, scale=1.0, seed=5)  # every value around -1e300
+    x = -1e300 + 1e299 * _randn((3, 40), torch.float64, device, scale=1.0, seed=5)  # every value around -1e300
     x[1, :20] = -float("inf")
     x = x.requires_grad_()
     y = _triton(x)
@@ -97,9 +97,9 @@ def test_fp64_rows_far_below_fp32_range(max_block, monkeypatch):
 
 
 @pytest.mark.triton
-def test_empty_and_noncontiguous_inputs():
-    assert _triton(torch.empty(0, 5, device=DEVICE)).shape == (0, 5)
-    x = _randn((6, 10), torch.float32).t()  # (10, 6), non-contiguous
+def test_empty_and_noncontiguous_inputs(device):
+    assert _triton(torch.empty(0, 5, device=device)).shape == (0, 5)
+    x = _randn((6, 10), torch.float32, device).t()  # (10, 6), non-contiguous
     assert_close(_triton(x, dim=0), softmax_ref(x, 0), name="transposed input")
 
 

@@ -17,26 +17,26 @@ def _triton(gate, up):
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_kernel_matches_reference(shape, dtype):
-    g = torch.Generator().manual_seed(0)
-    gate = (3 * torch.randn(shape, generator=g)).to(dtype)  # wide range: both tails of the sigmoid
-    up = torch.randn(shape, generator=g).to(dtype)
+def test_kernel_matches_reference(shape, dtype, device):
+    g = torch.Generator().manual_seed(0)  # seeded on the CPU (the same numbers on every device), then moved
+    gate = (3 * torch.randn(shape, generator=g)).to(dtype).to(device)  # wide range: both tails of the sigmoid
+    up = torch.randn(shape, generator=g).to(dtype).to(device)
     assert check_op("swiglu", _triton, swiglu_ref, gate, up)  # output, dgate, dup
 
 
 @pytest.mark.triton
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy's exp -> inf, on purpose
-def test_kernel_extreme_gates_no_nan():
+def test_kernel_extreme_gates_no_nan(device):
     # exp(-g) overflows to inf for g << 0: sigmoid must become 0, not NaN, in forward and backward.
-    gate = torch.tensor([[-1000.0, -90.0, -20.0, 0.0, 20.0, 90.0, 1000.0]])
+    gate = torch.tensor([[-1000.0, -90.0, -20.0, 0.0, 20.0, 90.0, 1000.0]], device=device)
     up = torch.ones_like(gate)
     assert check_op("swiglu extremes", _triton, swiglu_ref, gate, up)
 
 
 @pytest.mark.triton
-def test_kernel_noncontiguous_inputs():
+def test_kernel_noncontiguous_inputs(device):
     # gate and up as the two halves of one fused (N, 2H) projection: strided views.
-    gu = torch.randn(5, 2 * 33, generator=torch.Generator().manual_seed(1))
+    gu = torch.randn(5, 2 * 33, generator=torch.Generator().manual_seed(1)).to(device)
     gate, up = gu.chunk(2, dim=-1)
     assert not gate.is_contiguous()
     assert _rows(gate).data_ptr() == gate.data_ptr()  # the launcher reads the strided rows in place, no copy
@@ -44,10 +44,10 @@ def test_kernel_noncontiguous_inputs():
 
 
 @pytest.mark.triton
-def test_gradcheck_fp64():
+def test_gradcheck_fp64(device):
     g = torch.Generator().manual_seed(2)
-    gate = torch.randn(3, 7, dtype=torch.float64, generator=g, requires_grad=True)
-    up = torch.randn(3, 7, dtype=torch.float64, generator=g, requires_grad=True)
+    gate = torch.randn(3, 7, dtype=torch.float64, generator=g).to(device).requires_grad_()
+    up = torch.randn(3, 7, dtype=torch.float64, generator=g).to(device).requires_grad_()
     assert torch.autograd.gradcheck(_triton, (gate, up))
 
 
@@ -60,9 +60,9 @@ def test_reference_matches_torch():
 
 
 @pytest.mark.triton
-def test_backward_formula_matches_autograd_of_silu():
+def test_backward_formula_matches_autograd_of_silu(device):
     # The hand-derived silu'(g) = sig(g) * (1 + g * (1 - sig(g))) in the kernel vs autograd through F.silu.
-    g = torch.linspace(-8, 8, 97, dtype=torch.float64).reshape(1, -1).requires_grad_()
+    g = torch.linspace(-8, 8, 97, dtype=torch.float64, device=device).reshape(1, -1).requires_grad_()
     up = torch.ones_like(g)
     (auto,) = torch.autograd.grad(F.silu(g).sum(), g)
     dgate, dup = swiglu_bwd(torch.ones_like(g), g.detach(), up)
@@ -84,10 +84,11 @@ def _saved_bytes(fn, *args) -> int:
 
 
 @pytest.mark.triton
-def test_fused_saves_one_activation_less():
+def test_fused_saves_one_activation_less(device):
     N, H = 8, 256
-    gate = torch.randn(N, H, requires_grad=True)
-    up = torch.randn(N, H, requires_grad=True)
+    g = torch.Generator().manual_seed(5)
+    gate = torch.randn(N, H, generator=g).to(device).requires_grad_()
+    up = torch.randn(N, H, generator=g).to(device).requires_grad_()
     naive = _saved_bytes(lambda g, u: F.silu(g) * u, gate, up)  # gate, silu(gate), up
     fused = _saved_bytes(_triton, gate, up)  # gate, up
     assert naive == 3 * N * H * 4
@@ -96,16 +97,17 @@ def test_fused_saves_one_activation_less():
 
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_module_triton_vs_torch(dtype):
+def test_module_triton_vs_torch(dtype, device):
     torch.manual_seed(4)
-    m_ref = SwiGLU(24, 40, backend="torch").to(dtype)
-    m_tri = SwiGLU(24, 40, backend="triton").to(dtype)
+    m_ref = SwiGLU(24, 40, backend="torch").to(device, dtype)
+    m_tri = SwiGLU(24, 40, backend="triton").to(device, dtype)
     m_tri.load_state_dict(m_ref.state_dict())
-    x = torch.randn(2, 3, 24).to(dtype)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 3, 24, generator=g).to(device, dtype)
     x_ref, x_tri = x.clone().requires_grad_(), x.clone().requires_grad_()
     y_ref, y_tri = m_ref(x_ref), m_tri(x_tri)
     assert_close(y_tri, y_ref, name="SwiGLU output")
-    dy = torch.randn_like(y_ref)
+    dy = torch.randn(y_ref.shape, generator=g).to(device, dtype)
     y_ref.backward(dy)
     y_tri.backward(dy)
     assert_close(x_tri.grad, x_ref.grad, name="dx")

@@ -47,13 +47,15 @@ def test_plain_outside_autocast_and_state_dict_compatible():
 @pytest.mark.triton
 @pytest.mark.parametrize("shape", [((3, 11, 65), 17), ((64, 64), 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_fp8_linear_matches_same_quantization_formula(shape, dtype):
+def test_fp8_linear_matches_same_quantization_formula(shape, dtype, device):
     (xshape, O), K = shape, shape[0][-1]
     torch.manual_seed(0)
-    lin = Linear(K, O).to(dtype)
+    lin = Linear(K, O).to(device, dtype)
     recipe = DelayedScaling(amax_history_len=4, fp8_format=Format.HYBRID)
-    x0, x1 = torch.randn(xshape).to(dtype), (3 * torch.randn(xshape)).to(dtype)
-    gy = (0.01 * torch.randn(*xshape[:-1], O)).to(dtype)
+    g = torch.Generator().manual_seed(0)  # inputs drawn on the CPU (the same on every device), then moved
+    x0 = torch.randn(xshape, generator=g).to(device, dtype)
+    x1 = (3 * torch.randn(xshape, generator=g)).to(device, dtype)
+    gy = (0.01 * torch.randn(*xshape[:-1], O, generator=g)).to(device, dtype)
     outs = {}
     for backend in ("triton", "torch"):
         m = copy.deepcopy(lin)
@@ -76,10 +78,11 @@ def test_fp8_linear_matches_same_quantization_formula(shape, dtype):
 
 
 @pytest.mark.triton
-def test_fp8_linear_close_to_full_precision():
+def test_fp8_linear_close_to_full_precision(device):
     torch.manual_seed(1)
-    lin = Linear(48, 24, backend="triton")
-    x, gy = torch.randn(20, 48), torch.randn(20, 24)
+    lin = Linear(48, 24, backend="triton").to(device)
+    g = torch.Generator().manual_seed(1)
+    x, gy = torch.randn(20, 48, generator=g).to(device), torch.randn(20, 24, generator=g).to(device)
     y8, dx8, dw8, _ = _step(lin, x, gy, CurrentScaling())
     xr = x.clone().requires_grad_(True)
     yr = F.linear(xr, lin.weight, lin.bias)
@@ -105,6 +108,27 @@ def test_module_histories_roll_per_tensor():
     assert st["grad_output"].fp8_dtype == torch.float8_e5m2
     assert st["grad_output"].amax_history.tolist() == [1.0, 1.0, 1.0]
     assert st["weight"].amax_history[0].item() == lin.weight.abs().max().item()
+
+
+def test_fp8_states_travel_as_module_extra_state():
+    # TransformerEngine's way: the module owns its FP8 states and state_dict carries them once FP8 has run.
+    torch.manual_seed(3)
+    lin = Linear(8, 4, backend="torch")
+    assert list(lin.state_dict()) == ["weight", "bias"]                   # never ran under FP8: nn.Linear's keys
+    with fp8_autocast(recipe=DelayedScaling(amax_history_len=3)):
+        lin(torch.randn(5, 8) * 3).sum().backward()
+    sd = lin.state_dict()
+    assert list(sd) == ["weight", "bias", "_extra_state"] and sd["_extra_state"]["format"] == "HYBRID"
+    fresh = Linear(8, 4, backend="torch")
+    fresh.load_state_dict(sd)
+    for role, st in lin.fp8_states.items():
+        assert torch.equal(fresh.fp8_states[role].amax_history, st.amax_history)
+        assert torch.equal(fresh.fp8_states[role].scale, st.scale) and fresh.fp8_states[role].fp8_dtype == st.fp8_dtype
+    assert fresh._fp8_key == lin._fp8_key                                  # the same recipe reuses them, no reset
+    fresh.load_state_dict(nn.Linear(8, 4).state_dict())                   # no extra state: fresh states next time
+    assert fresh.fp8_states is None
+    with pytest.raises(ValueError, match="FP8 extra state must hold the states"):
+        fresh.load_state_dict({**sd, "_extra_state": {"states": {}}})
 
 
 def test_autocast_restored_after_exception_in_forward():
@@ -155,7 +179,7 @@ def test_fp8_mlp_trains():
 
 
 @pytest.mark.triton
-def test_fp8_gpt_trains_same_with_triton_kernels(monkeypatch):
+def test_fp8_gpt_trains_same_with_triton_kernels(monkeypatch, device):
     """3 FP8 training steps of a tiny GPT: Triton quantize + FP8 GEMM kernels vs the torch reference path."""
     import minite
     from minite.formats import fp8 as fp8_mod
@@ -164,7 +188,8 @@ def test_fp8_gpt_trains_same_with_triton_kernels(monkeypatch):
 
     def run(linear_backend):
         torch.manual_seed(0)
-        model = GPT(GPTConfig(vocab_size=16, block_size=16, n_layer=1, n_head=2, n_embd=32, vocab_multiple=16))
+        model = GPT(GPTConfig(vocab_size=16, block_size=16, n_layer=1, n_head=2, n_embd=32,
+                              vocab_multiple=16)).to(device)
         for m in model.modules():
             if isinstance(m, Linear):
                 m.backend = linear_backend                  # module attribute beats the use_backend() context
@@ -172,7 +197,7 @@ def test_fp8_gpt_trains_same_with_triton_kernels(monkeypatch):
         recipe, g, losses = DelayedScaling(amax_history_len=4), torch.Generator().manual_seed(1), []
         with minite.use_backend("torch"):                   # all other ops: reference, in both runs
             for _ in range(3):
-                x = torch.randint(16, (4, 16), generator=g)                       # (B, T)
+                x = torch.randint(16, (4, 16), generator=g).to(device)            # (B, T)
                 with fp8_autocast(recipe=recipe):
                     _, loss = model(x, torch.roll(x, -1, dims=1))
                 opt.zero_grad(set_to_none=True)

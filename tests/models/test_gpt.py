@@ -123,14 +123,15 @@ def test_generate_options():
         m.generate(p, 1, top_k=0)
 
 
-def _train_losses(backend, steps=3):
+def _train_losses(backend, steps=3, device="cpu"):
     torch.manual_seed(0)
-    m = GPT(GPTConfig(vocab_size=50, block_size=8, n_layer=1, n_head=2, n_kv_head=1, n_embd=16, backend=backend))
+    m = GPT(GPTConfig(vocab_size=50, block_size=8, n_layer=1, n_head=2, n_kv_head=1, n_embd=16,
+                      backend=backend)).to(device)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(steps):
-        x = torch.randint(0, 50, (2, 8), generator=g)
+        x = torch.randint(0, 50, (2, 8), generator=g).to(device)  # drawn on the CPU: the same batches everywhere
         _, loss = m(x, torch.roll(x, -1, dims=1))
         opt.zero_grad()
         loss.backward()
@@ -223,7 +224,7 @@ def test_state_dict_keys_tied_head_and_round_trip():
 
 
 @pytest.mark.triton
-def test_triton_backend_matches_torch_over_3_training_steps(monkeypatch):
+def test_triton_backend_matches_torch_over_3_training_steps(monkeypatch, device):
     # backend="triton" forces every op through its Triton kernel (attention, whose kernel lands in chapter 07,
     # warns and runs the reference). Count the launchers' calls so a silent fall-back to the reference fails.
     import minite.kernels.attention as att
@@ -242,11 +243,11 @@ def test_triton_backend_matches_torch_over_3_training_steps(monkeypatch):
                        (cross_entropy, ("cross_entropy_fwd", "cross_entropy_bwd"))):
         for name in names:
             count(mod, name)
-    ref = _train_losses("torch")
+    ref = _train_losses("torch", device=device)
     assert calls == {}  # the reference run launches no kernel
     monkeypatch.setattr(att, "_warned", False)
     with pytest.warns(UserWarning, match="attention has no Triton kernel yet"):
-        tri = _train_losses("triton")
+        tri = _train_losses("triton", device=device)
     expected = ["rmsnorm_fwd", "rmsnorm_bwd", "rope_fwd", "rope_bwd", "swiglu_fwd", "swiglu_bwd",
                 "cross_entropy_fwd", "cross_entropy_bwd"]
     assert all(calls.get(n, 0) > 0 for n in expected), calls
