@@ -103,8 +103,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, CU, T_Q, T_K, H, KVH, D, qk_scale,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Grid (cdiv(T_q, BLOCK_M), B * H): program (i, b*H + h) owns query rows i*BLOCK_M ... of head h of sequence b.
     pid_m = tl.program_id(0).to(tl.int64)
-    bh = tl.program_id(1).to(tl.int64)
-    b, h = bh // H, bh % H
+    b, h = tl.program_id(1).to(tl.int64) // H, tl.program_id(1).to(tl.int64) % H
     start, Tq, Tk = _seq(CU, b, T_Q, T_K, VARLEN)
     q_base, q_st = _rows(b, h, start, H, T_Q, VARLEN, HEAD_DIM)
     kv_base, kv_st = _rows(b, h // GROUP, start, KVH, T_K, VARLEN, HEAD_DIM)  # GQA: GROUP q heads per kv head
@@ -156,8 +155,7 @@ def _attn_bwd_pre_kernel(O, DO, DELTA, CU, T_Q, H, D, VARLEN: tl.constexpr, HEAD
                          BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     # Delta_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij: the term the softmax backward subtracts. Grid as forward.
     pid_m = tl.program_id(0).to(tl.int64)
-    bh = tl.program_id(1).to(tl.int64)
-    b, h = bh // H, bh % H
+    b, h = tl.program_id(1).to(tl.int64) // H, tl.program_id(1).to(tl.int64) % H
     start, Tq, _ = _seq(CU, b, T_Q, T_Q, VARLEN)
     base, st = _rows(b, h, start, H, T_Q, VARLEN, HEAD_DIM)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -233,8 +231,7 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, T_Q, T_K, H, KVH, D, qk
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Grid as the forward: program owns BLOCK_M query rows of head h and loops over the keys they see.
     pid_m = tl.program_id(0).to(tl.int64)
-    bh = tl.program_id(1).to(tl.int64)
-    b, h = bh // H, bh % H
+    b, h = tl.program_id(1).to(tl.int64) // H, tl.program_id(1).to(tl.int64) % H
     start, Tq, Tk = _seq(CU, b, T_Q, T_K, VARLEN)
     q_base, q_st = _rows(b, h, start, H, T_Q, VARLEN, HEAD_DIM)
     kv_base, kv_st = _rows(b, h // GROUP, start, KVH, T_K, VARLEN, HEAD_DIM)
@@ -308,9 +305,8 @@ def attention_fwd(q, k, v, causal: bool = True, scale: float | None = None, cu_s
     thd (cu_seqlens given): q (total, H, D), k/v (total, KVH, D) -> o like q, lse (H, total) fp32."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     B, H, KVH, Tq, Tk, Mq, Mk = _dims(q, k, cu_seqlens, max_seqlen)
-    D = q.shape[-1]
+    D, o = q.shape[-1], torch.empty_like(q)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    o = torch.empty_like(q)
     lse = torch.empty((H, Tq) if cu_seqlens is not None else (B, H, Tq), dtype=torch.float32, device=q.device)
     bm, bn, nw = _blocks(Mq, Mk, D)
     if o.numel():
@@ -417,8 +413,8 @@ def attention_varlen(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, *, caus
     _check(q, k, v, varlen=True)
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
             or cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError("cu_seqlens must be a 1-D int32 tensor of B + 1 offsets, got "
-                         f"{cu_seqlens if not isinstance(cu_seqlens, torch.Tensor) else (cu_seqlens.shape, cu_seqlens.dtype)}")
+        what = (tuple(cu_seqlens.shape), cu_seqlens.dtype) if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
+        raise ValueError(f"cu_seqlens must be a 1-D int32 tensor of B + 1 offsets, got {what}")
     cu = cu_seqlens.tolist()
     lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
     if cu[0] != 0 or cu[-1] != q.shape[0] or min(lens) < 0:
