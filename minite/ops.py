@@ -2,8 +2,9 @@
 
 Every op takes tensors positionally, options keyword-only, and ``backend=None`` ("auto" | "torch" | "triton").
 """
-from minite.kernels.attention import attention  # noqa: F401
+from minite.kernels.attention import attention, attention_varlen  # noqa: F401
 from minite.kernels.cross_entropy import cross_entropy, linear_cross_entropy  # noqa: F401
+from minite.kernels.decode import decode_attention  # noqa: F401
 from minite.kernels.fp8_gemm import fp8_gemm  # noqa: F401
 from minite.kernels.rmsnorm import layernorm, rmsnorm  # noqa: F401
 from minite.kernels.rope import rope, rope_cos_sin  # noqa: F401
@@ -12,4 +13,4 @@ from minite.kernels.swiglu import swiglu  # noqa: F401
 from minite.layers.linear import fp8_linear  # noqa: F401
 
 __all__ = ["softmax", "rmsnorm", "layernorm", "rope", "rope_cos_sin", "swiglu", "cross_entropy", "attention",
-           "linear_cross_entropy", "fp8_gemm", "fp8_linear"]
+           "linear_cross_entropy", "fp8_gemm", "fp8_linear", "attention_varlen", "decode_attention"]
