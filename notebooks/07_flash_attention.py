@@ -14,7 +14,6 @@
 #     name: python3
 # ---
 
-
 # %% [markdown]
 # # 07 — Flash attention: the online softmax, FlashAttention-2 in Triton, its backward, GQA and packed batches
 #

@@ -14,7 +14,6 @@
 #     name: python3
 # ---
 
-
 # %% [markdown]
 # # 08 — The KV cache and decoding: bytes per token, why decode is memory bound, and split-KV (flash-decoding)
 #

@@ -14,7 +14,6 @@
 #     name: python3
 # ---
 
-
 # %% [markdown]
 # # 07 — Flash attention: exercises
 #

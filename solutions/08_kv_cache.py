@@ -14,7 +14,6 @@
 #     name: python3
 # ---
 
-
 # %% [markdown]
 # # 08 — KV cache and decoding: exercises
 #
