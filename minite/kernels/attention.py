@@ -281,7 +281,7 @@ def _blocks(T_q: int, T_k: int, D: int, bwd: bool = False) -> tuple[int, int, in
         bm = 32
     bm = min(bm, max(16, triton.next_power_of_2(T_q)))  # short sequences (decode, T = 1): one small tile
     bn = min(bn, max(16, triton.next_power_of_2(T_k)))
-    return bm, bn, 8 if (D > 64 and not bwd) else 4
+    return bm, bn, 8 if D > 64 else 4  # D = 128: two (BLOCK, 128) fp32 accumulators need 8 warps of registers
 
 
 def _meta(q: torch.Tensor, k: torch.Tensor, causal: bool, varlen: bool) -> dict:
