@@ -130,7 +130,7 @@ def _refill(m, idx, cache):
     m(idx, kv_cache=cache)  # the cache holds the L context tokens again
 
 
-def _best(fn, steps, sync, before=None, repeats=3) -> float:
+def _best(fn, steps, sync, before=None, repeats=5) -> float:
     """Seconds per call: the best of `repeats` runs of `steps` calls (shared CPUs are noisy; the minimum is the
     run least disturbed by other processes). `before` runs untimed before each repeat."""
     best = float("inf")

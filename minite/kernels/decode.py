@@ -27,16 +27,16 @@ __all__ = ["decode_attention_ref", "decode_attention", "num_splits_heuristic", "
 
 # ------------------------------------------------------------------------------------------ 1. reference
 def decode_attention_ref(q, k_cache, v_cache, lengths, scale: float | None = None):
-    """q (B, H, D), caches (B, KVH, T_max, D), lengths (B,) valid keys per sequence -> (B, H, D) in q's dtype."""
+    """q (B, H, D), caches (B, KVH, T_max, D), lengths (B,) valid keys per sequence -> (B, H, D) in q's dtype.
+    GQA by a view, not a copy: the G = H / KVH query heads of kv head g are q.view(B, KVH, G, D)[:, g]."""
     B, H, D = q.shape
-    g = H // k_cache.shape[1]
+    KVH = k_cache.shape[1]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    k = k_cache.repeat_interleave(g, 1).float()  # (B, H, T_max, D)
-    v = v_cache.repeat_interleave(g, 1).float()
-    s = torch.einsum("bhd,bhtd->bht", q.float(), k) * scale  # (B, H, T_max)
+    k, v = k_cache.float(), v_cache.float()  # (B, KVH, T_max, D)
+    s = torch.einsum("bkgd,bktd->bkgt", q.float().view(B, KVH, H // KVH, D), k) * scale  # (B, KVH, G, T_max)
     keep = torch.arange(k.shape[2], device=q.device)[None, :] < lengths.to(q.device)[:, None]  # (B, T_max)
-    p = torch.nan_to_num(s.masked_fill(~keep[:, None], float("-inf")).softmax(-1))  # length 0 -> zeros
-    return torch.einsum("bht,bhtd->bhd", p, v).to(q.dtype)
+    p = torch.nan_to_num(s.masked_fill(~keep[:, None, None], float("-inf")).softmax(-1))  # length 0 -> zeros
+    return torch.einsum("bkgt,bktd->bkgd", p, v).reshape(B, H, D).to(q.dtype)
 
 
 def lse_merge_ref(o_parts: torch.Tensor, lse_parts: torch.Tensor):
@@ -183,4 +183,5 @@ def decode_attention(q, k_cache, v_cache, lengths, *, scale: float | None = None
     if resolve_backend(q, backend) == "triton" and q.dtype in (torch.float16, torch.bfloat16, torch.float32) \
             and D <= 128:
         return decode_attention_triton(q, k_cache, v_cache, lengths, scale, num_splits, max_len)
-    return decode_attention_ref(q, k_cache, v_cache, lengths, scale)
+    n = k_cache.shape[2] if max_len is None else max_len  # read only the filled part of the cache
+    return decode_attention_ref(q, k_cache[:, :, :n], v_cache[:, :, :n], lengths, scale)
