@@ -342,6 +342,20 @@ print("PASS: pre-scaling q keeps fp16 scores finite")
 # On this CPU only the math path (and a CPU flash variant) exist; on an H100 a bf16 causal call runs flash or
 # cuDNN. minite's `"torch"` backend is that SDPA call, and the GPT test compares 3 training steps of it against
 # the Triton kernel.
+
+# %% tags=["nbval-ignore-output"]
+import warnings
+from torch.nn.attention import SDPBackend, sdpa_kernel
+q, k, v = (randn(1, 4, 64, 64, seed=s, dtype=torch.float16 if DEVICE == "cuda" else torch.float32) for s in (1, 2, 3))
+ref = naive_attention(q.float(), k.float(), v.float())
+for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
+    try:
+        with sdpa_kernel(b), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the reason a backend is refused comes as a warning, then an error
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        print(f"{b.name:20s} ran on {DEVICE}, max |err| vs fp32 naive {(o.float() - ref).abs().max().item():.1e}")
+    except RuntimeError as e:
+        print(f"{b.name:20s} refused on {DEVICE}: {str(e).splitlines()[0][:70]}")
 #
 # ## 8. Layouts: bshd, sbhd, thd — and packing instead of padding
 #
