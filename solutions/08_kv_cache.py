@@ -20,7 +20,8 @@
 # Three graded tasks. Write your code between `### BEGIN YOUR CODE` and `### END YOUR CODE` (replacing
 # `raise NotImplementedError()`), run the cell, then the `# CHECK` cell after it. The lesson
 # (`notebooks/08_kv_cache.ipynb`) sized caches, built the split-KV partial kernel and merged its chunks in
-# PyTorch; here you size a deployment, write the merge as a Triton kernel, and write a cached generation loop.
+# PyTorch; here you size a deployment, write the merge as a Triton kernel, and decode a batch of prompts of
+# different lengths with one cache.
 
 # %%
 import os, torch
@@ -123,38 +124,47 @@ assert torch.all(o0 == 0) and torch.all(l0 == float("-inf")) and o0.dtype == tor
 print("PASS: lse_merge_kernel")
 
 # %% [markdown]
-# ## Task 3 — greedy generation with the cache
+# ## Task 3 — one batch, prompts of different lengths
 #
-# Write `generate_greedy(model, idx, n)`: append `n` greedily chosen tokens (argmax over the first
-# `model.config.vocab_size` logits) to `idx` `(B, T)` using a `KVCache` — one forward over the prompt, then one
-# forward of a single token per new token (`model(tokens, kv_cache=cache)` returns `(logits (B, 1, V_pad),
-# None)`). Assume `T + n <= block_size`. Return `(B, T + n)`.
+# Write `generate_ragged(model, prompts, n)`: `prompts` is a list of B token lists of different lengths; return
+# the B lists each extended by `n` greedily chosen tokens (argmax over the first `model.config.vocab_size`
+# logits), computed **as one batch** with one `KVCache`: a single prefill forward over the right-padded prompts,
+# then one forward of B single tokens per step. `model(idx, kv_cache=cache, lengths=...)` takes per-sequence
+# counts of real tokens (see `GPT.forward`) and returns `(logits (B, 1, V_pad), None)`. Assume every prompt plus
+# `n` fits in `block_size`.
 
-# %% minite={"task": "generate_greedy"}
+# %% minite={"task": "generate_ragged"}
 @torch.no_grad()
-def generate_greedy(model, idx, n):
+def generate_ragged(model, prompts, n):
     ### BEGIN SOLUTION
-    cache = KVCache.for_model(model, idx.shape[0])
-    logits, _ = model(idx, kv_cache=cache)
+    dev = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    padded = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=dev)  # (B, width), right-padded
+    cache = KVCache.for_model(model, len(prompts))
+    logits, _ = model(padded, kv_cache=cache, lengths=[len(p) for p in prompts])
+    out = [list(p) for p in prompts]
     for _ in range(n):
-        nxt = logits[:, -1, :model.config.vocab_size].argmax(-1, keepdim=True)  # (B, 1)
-        idx = torch.cat([idx, nxt], 1)
-        logits, _ = model(nxt, kv_cache=cache)
-    return idx
+        nxt = logits[:, -1, :model.config.vocab_size].argmax(-1)  # (B,)
+        for row, t in zip(out, nxt.tolist()):
+            row.append(t)
+        logits, _ = model(nxt[:, None], kv_cache=cache)
+    return out
     ### END SOLUTION
 
 
-# %% minite={"check": "generate_greedy"} tags=["nbval-check-output"]
-# CHECK: generate_greedy
+# %% minite={"check": "generate_ragged"} tags=["nbval-check-output"]
+# CHECK: generate_ragged
 torch.manual_seed(0)
 m = GPT(GPTConfig(vocab_size=50, block_size=16, n_layer=1, n_head=2, n_kv_head=1, n_embd=32, backend="torch"))
 m = m.to(DEVICE).eval()
 widths = []
-h = m.wte.register_forward_hook(lambda mod, args, out: widths.append(args[0].shape[1]))
-prompt = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(1)).to(DEVICE)
-got = generate_greedy(m, prompt, 6)
+h = m.wte.register_forward_hook(lambda mod, args, out: widths.append(tuple(args[0].shape)))
+g = torch.Generator().manual_seed(1)
+prompts = [torch.randint(0, 50, (n,), generator=g).tolist() for n in (5, 2, 7)]
+got = generate_ragged(m, prompts, 6)
 h.remove()
-want = m.generate(prompt, 6, temperature=0, use_cache=False)
-assert torch.equal(got, want), (got, want)
-assert widths[0] == 5 and all(w == 1 for w in widths[1:]) and len(widths) in (6, 7), widths
-print("PASS: generate_greedy")
+assert widths[0] == (3, 7) and all(w == (3, 1) for w in widths[1:]) and len(widths) in (6, 7), widths
+for p, row in zip(prompts, got):
+    want = m.generate(torch.tensor([p], device=DEVICE), 6, temperature=0, use_cache=False)[0].tolist()
+    assert row == want, (row, want)
+print("PASS: generate_ragged")
