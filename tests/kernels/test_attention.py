@@ -231,7 +231,7 @@ def test_forced_triton_where_triton_cannot_run_raises(monkeypatch):
 
 # ---------------------------------------------------------------------------- the GPT trains on the kernel
 @pytest.mark.triton
-def test_train_cli_with_triton_attention_matches_sdpa(tmp_path, make_corpus, monkeypatch):
+def test_train_cli_with_triton_attention_matches_sdpa(tmp_path, make_corpus, monkeypatch, device):
     # `python -m minite.train --model.backend=triton` on the interpreter: 3 steps, losses equal to the SDPA run.
     from minite import train as mtrain
     from minite.kernels import attention as att
@@ -245,7 +245,8 @@ def test_train_cli_with_triton_attention_matches_sdpa(tmp_path, make_corpus, mon
                 "--data.data_dir=" + str(tmp_path / "data"), "--model.n_layer=1", "--model.n_head=2",
                 "--model.n_kv_head=1", "--model.n_embd=32", "--model.block_size=16", "--train.batch_size=2",
                 "--train.max_iters=3", "--train.eval_interval=100", "--train.eval_iters=1", "--train.log_interval=1",
-                "--train.warmup_iters=1", "--train.threads=1", "--train.progress=false", "--train.sample_tokens=0"]
+                "--train.warmup_iters=1", "--train.threads=1", "--train.progress=false", "--train.sample_tokens=0",
+                f"--train.device={device.type}", "--train.precision=fp32", "--train.compile=off"]
         losses[be] = []
         monkeypatch.setattr(mtrain, "train", _record(train_fn, losses[be]))
         assert mtrain.main(argv) == 0
