@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from minite.models.gpt import GPTConfig
 
-__all__ = ["DataConfig", "TrainConfig", "RunConfig", "PRESETS", "ConfigError", "make_config", "apply_overrides",
+__all__ = ["DataConfig", "TrainConfig", "ParallelConfig", "RunConfig", "PRESETS", "ConfigError", "make_config", "apply_overrides",
            "config_help", "config_from_dict"]
 
 
@@ -69,10 +69,24 @@ class TrainConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Parallel layout under torchrun (chapters 10-13); world size = dp * tp * pp * cp."""
+
+    dp: int = _doc("data-parallel degree (train.batch_size stays the global batch)", 1)
+    tp: int = _doc("tensor-parallel degree (Megatron column/row split)", 1)
+    pp: int = _doc("pipeline-parallel degree (chapter 12)", 1)
+    cp: int = _doc("context-parallel degree (chapter 13)", 1)
+    zero: int = _doc("ZeRO stage over the dp group: 0 = DDP, 1 = sharded optimizer, 2 = + grads, 3 = + params", 0)
+    sp: bool = _doc("sequence parallelism on top of tp", False)
+    timeout_s: float = _doc("collective timeout: a dead or hung rank makes the others fail after this", 120.0)
+
+
+@dataclass
 class RunConfig:
     model: GPTConfig = field(default_factory=GPTConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 # Presets. `cpu`: sized to finish `make train` in under 5 minutes on 2 cores (measured, see benchmarks/).
@@ -88,7 +102,7 @@ PRESETS: dict[str, dict[str, object]] = {
             "train.eval_iters": 50, "train.sample_tokens": 600},
 }
 
-_SECTIONS = {"model": GPTConfig, "data": DataConfig, "train": TrainConfig}
+_SECTIONS = {"model": GPTConfig, "data": DataConfig, "train": TrainConfig, "parallel": ParallelConfig}
 
 
 def valid_keys() -> list[str]:

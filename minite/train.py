@@ -28,6 +28,7 @@ import torch
 from minite.config import ConfigError, RunConfig, apply_overrides, config_help, make_config
 from minite.data import BatchSampler, DataError, prepare
 from minite.models.gpt import GPT
+from minite.parallel.runtime import setup_parallel
 
 __all__ = ["train", "main", "save_checkpoint", "load_checkpoint", "CheckpointError", "parse_cli"]
 
@@ -216,10 +217,11 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
         if changed:
             raise ConfigError(f"cannot change model fields {changed} when resuming from {ckpt_path}")
     t = cfg.train
-    dev = _device(t.device)
+    par = setup_parallel(cfg, resume)  # torchrun: groups, rank 0 speaks (a no-op in one process)
+    dev = par.device(_device(t.device))
     torch.manual_seed(t.seed), random.seed(t.seed), np.random.seed(t.seed)
 
-    data = prepare(cfg.data.path or None, data_dir=cfg.data.data_dir, tokenizer=cfg.data.tokenizer)
+    data = par.main_first(lambda: prepare(cfg.data.path or None, data_dir=cfg.data.data_dir, tokenizer=cfg.data.tokenizer))
     tok = data.tokenizer
     if state is not None and state.get("tokenizer") not in (None, tok.to_json()):  # same padded V is not enough
         old, src = state["tokenizer"], state["config"]["data"].get("path") or "the default corpus"
@@ -237,8 +239,9 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
 
     model = GPT(cfg.model).to(dev)
     if dev.type == "cpu":
-        torch.set_num_threads(t.threads or _pick_threads(model, t, block))
-    opt = _optimizer(model, t, dev)
+        torch.set_num_threads(t.threads or (1 if par.active else _pick_threads(model, t, block)))
+    model = par.wrap(model)  # TP(+SP) GPT from the dense one, and/or DP / ZeRO hooks
+    opt = par.optimizer(model, lambda m: _optimizer(m, t, dev), t)
     ctx, scaler = _precision(cfg, dev)
     step, best_val, el0 = 0, float("inf"), 0.0  # el0: seconds the run had taken before a resume
     if state is not None:
@@ -252,10 +255,10 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
         if log_path.exists():
             rows = [r for r in log_path.read_text().splitlines() if r.strip() and json.loads(r)["step"] <= step]
             log_path.write_text("".join(r + "\n" for r in rows))
-    elif out.exists() and log_path.exists():
+    elif out.exists() and log_path.exists() and par.is_main:
         log_path.unlink()
     out.mkdir(parents=True, exist_ok=True)
-    log = open(log_path, "a")
+    log = open(log_path if par.is_main else os.devnull, "a")
     start_step, ckpt_every = step, t.ckpt_interval or t.eval_interval
     n_params = model.num_params()
     prec = t.precision if t.precision != "auto" else "bf16" if dev.type == "cuda" else "fp32"
@@ -265,8 +268,11 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
           flush=True)
 
     def checkpoint():
+        msd, osd = par.model_state(model), par.optim_state(opt, out)  # collectives under torchrun
+        if not par.is_main:
+            return
         save_checkpoint(ckpt_path, {
-            "model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "best_val": best_val,
+            "model": msd, "optimizer": osd, "step": step, "best_val": best_val,
             "config": {"model": cfg.model.to_dict(), "data": vars(cfg.data).copy(), "train": vars(t).copy()},
             "tokenizer": tok.to_json(), "rng": _rng_state(sampler), "elapsed_s": el0 + time.perf_counter() - t0,
             "scaler": scaler.state_dict() if scaler is not None else None})
@@ -295,23 +301,25 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
             ts, lr = time.perf_counter(), _lr_at(step, t)
             for g in opt.param_groups:
                 g["lr"] = lr
-            for _ in range(t.grad_accum):
-                x, y = sampler.get_batch()
+            for micro in range(t.grad_accum):
+                par.sync(micro == t.grad_accum - 1)  # DP: communicate on the last micro-batch only
+                x, y = par.shard_batch(*sampler.get_batch())  # my dp slice of the global batch
                 with ctx():
                     _, loss = model(x, y)
                 loss = loss / t.grad_accum
                 (scaler.scale(loss) if scaler is not None else loss).backward()
+            par.finish()  # wait for the gradient all-reduce / reduce-scatter
             if scaler is not None:
                 scaler.unscale_(opt)
             if t.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+                par.clip(model, opt, t.grad_clip)
             if scaler is not None:
                 scaler.step(opt)  # skips the update when a gradient overflowed
                 scaler.update()
             else:
                 opt.step()
             opt.zero_grad(set_to_none=True)
-            step, loss_f = step + 1, loss.item() * t.grad_accum
+            step, loss_f = step + 1, par.global_loss(loss.item() * t.grad_accum)  # the global batch's loss
             train_time += time.perf_counter() - ts
             losses[step] = loss_f
             tps = tokens_per_step * (step - start_step) / max(train_time, 1e-9)
@@ -327,7 +335,8 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
         if pbar is not None:
             pbar.close()
         log.close()
-    _plot(log_path, out / "loss.png")
+    if par.is_main:
+        _plot(log_path, out / "loss.png")
     sample = ""
     if t.sample_tokens > 0:
         g = torch.Generator(device=dev).manual_seed(t.seed)

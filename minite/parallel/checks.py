@@ -1,0 +1,265 @@
+"""Distributed checks, one torchrun launch for many: ``torchrun --nproc-per-node N -m minite.parallel.checks
+--out DIR dp tp sp ...``. Every rank runs every named check (they are collective) and writes DIR/rank<r>.json:
+{check: {"ok": bool, "max_err": float, ...}}. The tests (tests/parallel/) and the notebooks launch this.
+
+Each check compares a parallel run with the dense single-process one from the same seed, computed on every rank.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from minite.models.gpt import GPT, GPTConfig
+from minite.parallel import comm
+from minite.parallel.data import DataParallel, allreduce_grads
+from minite.parallel.dims import ParallelDims, init_distributed
+from minite.parallel.runtime import clip_grad_norm_
+from minite.parallel.sequence import TPGPT
+from minite.parallel.zero import ShardedAdamW
+
+TINY = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=64,
+            backend="torch")
+LR, WD, STEPS, CLIP = 1e-2, 0.5, 5, 1.0
+
+
+def tiny_gpt(seed: int = 0, **kw) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**{**TINY, **kw}))
+
+
+def batches(n: int, B: int, T: int = 16, V: int = 64, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)) for _ in range(n)]
+
+
+def adamw(model):
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}], lr=LR)
+
+
+def dense_run(model, data, steps=STEPS):
+    opt = adamw(model)
+    for x, y in data[:steps]:
+        model(x, y)[1].backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model
+
+
+def maxerr(a: dict, b: dict) -> float:
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in b)
+
+
+def _result(err: float, tol: float, **kw) -> dict:
+    return {"ok": bool(err <= tol), "max_err": err, "tol": tol, **kw}
+
+
+# ----------------------------------------------------------------------------------- chapter 10
+def check_dp(dims: ParallelDims, args) -> dict:
+    """Naive DP, DDP (bucketed) and ZeRO-1/2/3 after 5 steps == single-process AdamW on the full batch."""
+    W, r, group = dims.dp, dims.dp_rank, dims.group("dp")
+    data = batches(STEPS, 4 * W)
+    ref = dense_run(tiny_gpt(), data).state_dict()
+    dense = tiny_gpt()
+    dense(*data[0])[1].backward()
+    ref_grads = {n: p.grad for n, p in dense.named_parameters()}
+    out = {}
+    for name in ("naive", "zero0", "zero1", "zero2", "zero3"):
+        model = tiny_gpt()
+        stage = None if name == "naive" else int(name[-1])
+        dp = None if stage is None else DataParallel(model, group, stage=stage)
+        opt = adamw(model) if not stage else ShardedAdamW(dp, lr=LR, weight_decay=WD)
+        with comm.CommLog() as log:
+            for i, (x, y) in enumerate(data):
+                n = x.shape[0] // W
+                model(x[r * n:(r + 1) * n], y[r * n:(r + 1) * n])[1].backward()
+                if dp is None:
+                    allreduce_grads(model, group)
+                else:
+                    dp.finish()
+                if i == 0:  # the averaged gradient (Adam would hide a wrong scale) == the full-batch gradient
+                    g_err = maxerr({n: p.grad for n, p in model.named_parameters()}, ref_grads) if not stage else \
+                        float((dp.shard_grad - dp.shard_mask(lambda n, p: ref_grads[n])).abs().max())
+                if stage:
+                    opt.clip_grad_norm_(CLIP)
+                else:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        sd = dp.full_state_dict() if dp is not None else model.state_dict()
+        out[name] = _result(maxerr(sd, ref), 5e-5, grad_err=g_err, bytes_sent=log.total() / STEPS)
+        out[name]["ok"] &= g_err < 1e-6
+    return out
+
+
+def check_fsdp2(dims: ParallelDims, args) -> dict:
+    """The production path: the same GPT under torch's FSDP2 (fully_shard) on this backend, 5 steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    W, r = dims.dp, dims.dp_rank
+    data = batches(STEPS, 4 * W)
+    ref = dense_run(tiny_gpt(), data).state_dict()
+    model = tiny_gpt()
+    mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (W,))
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = adamw(model)
+    for x, y in data:
+        n = x.shape[0] // W
+        model(x[r * n:(r + 1) * n], y[r * n:(r + 1) * n])[1].backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+    sd = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    return {"fsdp2": _result(maxerr(sd, ref), 2e-5)}
+
+
+def check_zero_ckpt(dims: ParallelDims, args) -> dict:
+    """ZeRO-1: save sharded after 5 steps at this world size; a run at another world size loads it (ckpt_load)."""
+    W, r, group = dims.dp, dims.dp_rank, dims.group("dp")
+    data = batches(STEPS + 1, 8)
+    model = tiny_gpt()
+    dp = DataParallel(model, group, stage=1)
+    opt = ShardedAdamW(dp, lr=LR, weight_decay=WD)
+
+    def step(x, y):
+        n = x.shape[0] // W
+        model(x[r * n:(r + 1) * n], y[r * n:(r + 1) * n])[1].backward()
+        dp.finish()
+        opt.clip_grad_norm_(CLIP)
+        opt.step()
+        opt.zero_grad()
+    d = Path(args.ckpt)
+    if args.ckpt_load:
+        opt.load_sharded(d)
+        saved = torch.load(d / "params5.pt", weights_only=True)
+        err5 = maxerr(dp.full_state_dict(), saved)
+        step(*data[STEPS])
+        err6 = maxerr(dp.full_state_dict(), torch.load(d / "params6.pt", weights_only=True))
+        return {"ckpt_load": _result(max(err5, err6), 2e-5, saved_world=len(list(d.glob("optim_rank*"))))}
+    for x, y in data[:STEPS]:
+        step(x, y)
+    opt.save_sharded(d)
+    if dims.is_main:
+        torch.save(dp.full_state_dict(), d / "params5.pt")
+    step(*data[STEPS])
+    if dims.is_main:
+        torch.save(dp.full_state_dict(), d / "params6.pt")
+    return {"ckpt_save": {"ok": True}}
+
+
+# ----------------------------------------------------------------------------------- chapter 11
+def _keep(acts: dict, x: torch.Tensor) -> None:
+    x.retain_grad()
+    acts["in"] = x
+
+
+def _dense_grads(model, x, y):
+    acts = {}
+    h = model.blocks[0].register_forward_pre_hook(lambda m, a: _keep(acts, a[0]))
+    logits, loss = model(x, y)
+    loss.backward()
+    h.remove()
+    return logits.detach(), loss.detach(), acts["in"].grad, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def check_tp(dims: ParallelDims, args, sp: bool = False) -> dict:
+    """TP (+SP) vs dense: logits, loss, input grads, every sharded slice of every weight grad, 5 AdamW steps."""
+    group, tp, r = dims.group("tp"), dims.tp, dims.tp_rank
+    tag = "sp" if sp else "tp"
+    (x, y), = batches(1, 4)
+    dense = tiny_gpt()
+    d_logits, d_loss, d_in, d_grads = _dense_grads(dense, x, y)
+    model = TPGPT.from_dense(tiny_gpt(), group, sequence_parallel=sp)
+    acts = {}
+    h = model.blocks[0].register_forward_pre_hook(lambda m, a: _keep(acts, a[0]))
+    logits, loss = model(x, y)
+    loss.backward()
+    h.remove()
+    Vl = logits.shape[-1]
+    out = {f"{tag}_logits": _result(float((logits.detach() - d_logits[..., r * Vl:(r + 1) * Vl]).abs().max()), 1e-5),
+           f"{tag}_loss": _result(abs(float(loss) - float(d_loss)), 1e-5)}
+    d_in_mine = d_in.chunk(tp, dim=1)[r] if sp else d_in
+    out[f"{tag}_input_grad"] = _result(float((acts["in"].grad - d_in_mine).abs().max()), 1e-6)
+    errs = {}
+    for name, p in model.named_parameters():
+        dim, index = p.dense_index
+        ref = d_grads[p.dense_name] if dim is None else d_grads[p.dense_name].index_select(dim, index)
+        errs[name] = float((p.grad - ref).abs().max())
+    out[f"{tag}_weight_grads"] = _result(max(errs.values()), 1e-5, n_params=len(errs),
+                                         worst=max(errs, key=errs.get))
+    model.zero_grad()
+    data = batches(STEPS, 4, seed=3)
+    ref = dense_run(tiny_gpt(), data).state_dict()
+    opt = adamw(model)
+    for xb, yb in data:
+        model(xb, yb)[1].backward()
+        clip_grad_norm_(model.parameters(), CLIP, group)
+        opt.step()
+        opt.zero_grad()
+    out[f"{tag}_5_steps"] = _result(maxerr(model.dense_state_dict(), ref), 2e-5)
+    return out
+
+
+def check_sp(dims, args):
+    return check_tp(dims, args, sp=True)
+
+
+def check_die(dims: ParallelDims, args) -> dict:
+    """Rank 1 raises (or is killed); the others wait in a collective: torchrun must end them, naming rank 1."""
+    if dims.rank == 1:
+        if args.die == "kill":
+            os.kill(os.getpid(), 9)
+        raise RuntimeError("planted failure on rank 1")
+    t = torch.ones(1)
+    comm.all_reduce(t, dims.group("dp") or dims.group("tp"))
+    return {"die": {"ok": False}}
+
+
+CHECKS = {"dp": check_dp, "fsdp2": check_fsdp2, "zero_ckpt": check_zero_ckpt, "tp": check_tp, "sp": check_sp,
+          "die": check_die}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m minite.parallel.checks")
+    ap.add_argument("checks", nargs="+", choices=sorted(CHECKS))
+    ap.add_argument("--out", default=tempfile.gettempdir())
+    ap.add_argument("--dp", type=int, default=0, help="dp degree (default: the world size, tp checks use tp)")
+    ap.add_argument("--ckpt", default="")
+    ap.add_argument("--ckpt_load", action="store_true")
+    ap.add_argument("--die", default="raise", choices=["raise", "kill"])
+    ap.add_argument("--timeout", type=float, default=60.0)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    rank, world = init_distributed(args.timeout)
+    results = {}
+    for name in args.checks:
+        tp = name in ("tp", "sp")
+        dims = ParallelDims(dp=1 if tp else world, tp=world if tp else 1).build(rank, world)
+        t0 = time.perf_counter()
+        res = CHECKS[name](dims, args)
+        for v in res.values():
+            v["rank"], v["seconds"] = rank, round(time.perf_counter() - t0, 2)
+        results.update(res)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0 if all(v.get("ok") for v in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
