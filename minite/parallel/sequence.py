@@ -111,7 +111,9 @@ class TPGPT(nn.Module):
                 continue
             full = comm.all_gather(p.detach().contiguous(), self.group, dim)
             idx = comm.all_gather(index.to(p.device), self.group, 0)
-            out[p.dense_name] = torch.empty_like(full).index_copy_(dim, idx, full)
+            shape = list(full.shape)
+            shape[dim] = int(idx.max()) + 1  # replicated kv heads arrive more than once (identical copies)
+            out[p.dense_name] = full.new_empty(shape).index_copy_(dim, idx, full)
         return out
 
 

@@ -122,11 +122,12 @@ def memory_per_rank(n_params: int, world: int, stage: int, bytes_per: int = 4) -
     return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
 
 
-def bytes_per_step(n_params: int, world: int, stage: int, bytes_per: int = 4) -> float:
-    """Bytes each rank sends per optimizer step with ring collectives (padding ignored)."""
+def bytes_per_step(n_params: int, world: int, stage: int, bytes_per: int = 4, resident: int = 0) -> float:
+    """Bytes each rank sends per optimizer step with ring collectives (padding ignored). resident: parameters of
+    a stage-3 unit that stays gathered from forward to backward (minite's root unit: embedding + final norm)."""
     n, f = n_params * bytes_per, (world - 1) / world
     if stage == 0:
         return 2 * f * n  # all-reduce = reduce-scatter + all-gather
     if stage in (1, 2):
         return 2 * f * n  # reduce-scatter grads + all-gather params: the same bytes as DDP
-    return 3 * f * n  # all-gather for forward, again for backward, reduce-scatter grads
+    return 3 * f * n - f * resident * bytes_per  # all-gather for forward, again for backward, reduce-scatter
