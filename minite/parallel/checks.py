@@ -223,6 +223,28 @@ def check_sp(dims, args):
     return check_tp(dims, args, sp=True)
 
 
+def check_vce(dims: ParallelDims, args) -> dict:
+    """Vocab-parallel cross-entropy with minite's CE kernel on each shard (and the torch recipe) vs the dense CE."""
+    from minite.ops import cross_entropy
+    from minite.parallel.tensor import vocab_parallel_cross_entropy
+    group, tp, r = dims.group("tp"), dims.tp, dims.tp_rank
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(12, 64, generator=g) * 3).to(args.device)
+    target = torch.randint(0, 64, (12,), generator=g).to(args.device)
+    target[3] = -100  # an ignored row
+    dense = logits.clone().requires_grad_()
+    cross_entropy(dense, target, backend="torch").backward()
+    out = {}
+    for backend in ("triton", "torch"):
+        mine = logits.chunk(tp, dim=1)[r].clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(mine, target, group, r * 64 // tp, backend=backend)
+        loss.backward()
+        ref = cross_entropy(logits, target, backend="torch")
+        err = max(abs(float(loss.detach()) - float(ref)), float((mine.grad - dense.grad.chunk(tp, dim=1)[r]).abs().max()))
+        out[f"vce_{backend}"] = _result(err, 1e-5)
+    return out
+
+
 def check_die(dims: ParallelDims, args) -> dict:
     """Rank 1 raises (or is killed); the others wait in a collective: torchrun must end them, naming rank 1."""
     if dims.rank == 1:
@@ -235,7 +257,7 @@ def check_die(dims: ParallelDims, args) -> dict:
 
 
 CHECKS = {"dp": check_dp, "fsdp2": check_fsdp2, "zero_ckpt": check_zero_ckpt, "tp": check_tp, "sp": check_sp,
-          "die": check_die}
+          "vce": check_vce, "die": check_die}
 
 
 def main(argv=None) -> int:
@@ -247,12 +269,13 @@ def main(argv=None) -> int:
     ap.add_argument("--ckpt_load", action="store_true")
     ap.add_argument("--die", default="raise", choices=["raise", "kill"])
     ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     rank, world = init_distributed(args.timeout)
     results = {}
     for name in args.checks:
-        tp = name in ("tp", "sp")
+        tp = name in ("tp", "sp", "vce")
         dims = ParallelDims(dp=1 if tp else world, tp=world if tp else 1).build(rank, world)
         t0 = time.perf_counter()
         res = CHECKS[name](dims, args)
