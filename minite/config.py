@@ -4,6 +4,7 @@
       model  GPTConfig     (minite/models/gpt.py)   --model.n_layer=6
       data   DataConfig                              --data.tokenizer=byte     (--data FILE is data.path)
       train  TrainConfig                             --train.max_iters=500     (--out_dir DIR is train.out_dir)
+      parallel ParallelConfig                        --parallel.dp=2 --parallel.zero=1 (under torchrun)
 
 A value given on the command line is converted to the field's type (int, float, bool, str) and checked; an
 unknown key is an error that lists the valid ones. Presets (``--preset cpu|gpu``) set a group of fields at once;
@@ -18,8 +19,8 @@ from dataclasses import dataclass, field
 
 from minite.models.gpt import GPTConfig
 
-__all__ = ["DataConfig", "TrainConfig", "ParallelConfig", "RunConfig", "PRESETS", "ConfigError", "make_config", "apply_overrides",
-           "config_help", "config_from_dict"]
+__all__ = ["DataConfig", "TrainConfig", "ParallelConfig", "RunConfig", "PRESETS", "ConfigError", "make_config",
+           "apply_overrides", "config_help", "config_from_dict"]
 
 
 class ConfigError(ValueError):

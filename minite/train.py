@@ -217,11 +217,10 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
         if changed:
             raise ConfigError(f"cannot change model fields {changed} when resuming from {ckpt_path}")
     t = cfg.train
-    par = setup_parallel(cfg, resume)  # torchrun: groups, rank 0 speaks (a no-op in one process)
-    dev = par.device(_device(t.device))
+    dev = (par := setup_parallel(cfg, resume)).device(_device(t.device))  # torchrun: groups; else a no-op
     torch.manual_seed(t.seed), random.seed(t.seed), np.random.seed(t.seed)
 
-    data = par.main_first(lambda: prepare(cfg.data.path or None, data_dir=cfg.data.data_dir, tokenizer=cfg.data.tokenizer))
+    data = par.main_first(prepare, cfg.data.path or None, data_dir=cfg.data.data_dir, tokenizer=cfg.data.tokenizer)
     tok = data.tokenizer
     if state is not None and state.get("tokenizer") not in (None, tok.to_json()):  # same padded V is not enough
         old, src = state["tokenizer"], state["config"]["data"].get("path") or "the default corpus"
@@ -237,11 +236,10 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
     sampler = BatchSampler(train_ids, block, t.batch_size, seed=t.seed, split="train", device=dev)
     BatchSampler(val_ids, block, t.batch_size, split="val")  # fail now, not at the first evaluation
 
-    model = GPT(cfg.model).to(dev)
+    model = par.wrap(GPT(cfg.model).to(dev))  # TP(+SP) GPT from the dense one, DP / ZeRO gradient hooks
     if dev.type == "cpu":
         torch.set_num_threads(t.threads or (1 if par.active else _pick_threads(model, t, block)))
-    model = par.wrap(model)  # TP(+SP) GPT from the dense one, and/or DP / ZeRO hooks
-    opt = par.optimizer(model, lambda m: _optimizer(m, t, dev), t)
+    opt = par.optimizer(model, lambda m: _optimizer(m, t, dev), t)  # ZeRO >= 1: the sharded AdamW
     ctx, scaler = _precision(cfg, dev)
     step, best_val, el0 = 0, float("inf"), 0.0  # el0: seconds the run had taken before a resume
     if state is not None:
@@ -267,12 +265,9 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
           f"{len(train_ids):,} train tokens), {'resuming at step ' + str(step) if resume else 'from scratch'}",
           flush=True)
 
-    def checkpoint():
-        msd, osd = par.model_state(model), par.optim_state(opt, out)  # collectives under torchrun
-        if not par.is_main:
-            return
-        save_checkpoint(ckpt_path, {
-            "model": msd, "optimizer": osd, "step": step, "best_val": best_val,
+    def checkpoint():  # under torchrun every rank gathers the state (collectives), rank 0 writes it
+        par.save(save_checkpoint, ckpt_path, {
+            "model": par.model_state(model), "optimizer": par.optim_state(opt, out), "step": step, "best_val": best_val,
             "config": {"model": cfg.model.to_dict(), "data": vars(cfg.data).copy(), "train": vars(t).copy()},
             "tokenizer": tok.to_json(), "rng": _rng_state(sampler), "elapsed_s": el0 + time.perf_counter() - t0,
             "scaler": scaler.state_dict() if scaler is not None else None})
@@ -301,14 +296,12 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
             ts, lr = time.perf_counter(), _lr_at(step, t)
             for g in opt.param_groups:
                 g["lr"] = lr
-            for micro in range(t.grad_accum):
-                par.sync(micro == t.grad_accum - 1)  # DP: communicate on the last micro-batch only
-                x, y = par.shard_batch(*sampler.get_batch())  # my dp slice of the global batch
+            for micro in range(t.grad_accum):  # my dp slice of the global batch; DP syncs on the last micro-batch
+                x, y = par.shard_batch(*sampler.get_batch(), sync=micro == t.grad_accum - 1)
                 with ctx():
                     _, loss = model(x, y)
                 loss = loss / t.grad_accum
                 (scaler.scale(loss) if scaler is not None else loss).backward()
-            par.finish()  # wait for the gradient all-reduce / reduce-scatter
             if scaler is not None:
                 scaler.unscale_(opt)
             if t.grad_clip > 0:

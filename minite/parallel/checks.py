@@ -7,7 +7,6 @@ Each check compares a parallel run with the dense single-process one from the sa
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import sys
@@ -22,8 +21,6 @@ from minite.models.gpt import GPT, GPTConfig
 from minite.parallel import comm
 from minite.parallel.data import DataParallel, allreduce_grads
 from minite.parallel.dims import ParallelDims, init_distributed
-from minite.parallel.runtime import clip_grad_norm_
-from minite.parallel.sequence import TPGPT
 from minite.parallel.zero import ShardedAdamW
 
 TINY = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=64,
@@ -166,85 +163,6 @@ def check_zero_ckpt(dims: ParallelDims, args) -> dict:
     return {"ckpt_save": {"ok": True}}
 
 
-# ----------------------------------------------------------------------------------- chapter 11
-def _keep(acts: dict, x: torch.Tensor) -> None:
-    x.retain_grad()
-    acts["in"] = x
-
-
-def _dense_grads(model, x, y):
-    acts = {}
-    h = model.blocks[0].register_forward_pre_hook(lambda m, a: _keep(acts, a[0]))
-    logits, loss = model(x, y)
-    loss.backward()
-    h.remove()
-    return logits.detach(), loss.detach(), acts["in"].grad, {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-def check_tp(dims: ParallelDims, args, sp: bool = False) -> dict:
-    """TP (+SP) vs dense: logits, loss, input grads, every sharded slice of every weight grad, 5 AdamW steps."""
-    group, tp, r = dims.group("tp"), dims.tp, dims.tp_rank
-    tag = "sp" if sp else "tp"
-    (x, y), = batches(1, 4)
-    dense = tiny_gpt()
-    d_logits, d_loss, d_in, d_grads = _dense_grads(dense, x, y)
-    model = TPGPT.from_dense(tiny_gpt(), group, sequence_parallel=sp)
-    acts = {}
-    h = model.blocks[0].register_forward_pre_hook(lambda m, a: _keep(acts, a[0]))
-    logits, loss = model(x, y)
-    loss.backward()
-    h.remove()
-    Vl = logits.shape[-1]
-    out = {f"{tag}_logits": _result(float((logits.detach() - d_logits[..., r * Vl:(r + 1) * Vl]).abs().max()), 1e-5),
-           f"{tag}_loss": _result(abs(float(loss) - float(d_loss)), 1e-5)}
-    d_in_mine = d_in.chunk(tp, dim=1)[r] if sp else d_in
-    out[f"{tag}_input_grad"] = _result(float((acts["in"].grad - d_in_mine).abs().max()), 1e-6)
-    errs = {}
-    for name, p in model.named_parameters():
-        dim, index = p.dense_index
-        ref = d_grads[p.dense_name] if dim is None else d_grads[p.dense_name].index_select(dim, index)
-        errs[name] = float((p.grad - ref).abs().max())
-    out[f"{tag}_weight_grads"] = _result(max(errs.values()), 1e-5, n_params=len(errs),
-                                         worst=max(errs, key=errs.get))
-    model.zero_grad()
-    data = batches(STEPS, 4, seed=3)
-    ref = dense_run(tiny_gpt(), data).state_dict()
-    opt = adamw(model)
-    for xb, yb in data:
-        model(xb, yb)[1].backward()
-        clip_grad_norm_(model.parameters(), CLIP, group)
-        opt.step()
-        opt.zero_grad()
-    out[f"{tag}_5_steps"] = _result(maxerr(model.dense_state_dict(), ref), TOL)
-    return out
-
-
-def check_sp(dims, args):
-    return check_tp(dims, args, sp=True)
-
-
-def check_vce(dims: ParallelDims, args) -> dict:
-    """Vocab-parallel cross-entropy with minite's CE kernel on each shard (and the torch recipe) vs the dense CE."""
-    from minite.ops import cross_entropy
-    from minite.parallel.tensor import vocab_parallel_cross_entropy
-    group, tp, r = dims.group("tp"), dims.tp, dims.tp_rank
-    g = torch.Generator().manual_seed(5)
-    logits = (torch.randn(12, 64, generator=g) * 3).to(args.device)
-    target = torch.randint(0, 64, (12,), generator=g).to(args.device)
-    target[3] = -100  # an ignored row
-    dense = logits.clone().requires_grad_()
-    cross_entropy(dense, target, backend="torch").backward()
-    out = {}
-    for backend in ("triton", "torch"):
-        mine = logits.chunk(tp, dim=1)[r].clone().requires_grad_()
-        loss = vocab_parallel_cross_entropy(mine, target, group, r * 64 // tp, backend=backend)
-        loss.backward()
-        ref = cross_entropy(logits, target, backend="torch")
-        err = max(abs(float(loss.detach()) - float(ref)), float((mine.grad - dense.grad.chunk(tp, dim=1)[r]).abs().max()))
-        out[f"vce_{backend}"] = _result(err, 1e-5)
-    return out
-
-
 def check_die(dims: ParallelDims, args) -> dict:
     """Rank 1 raises (or is killed); the others wait in a collective: torchrun must end them, naming rank 1."""
     if dims.rank == 1:
@@ -256,12 +174,13 @@ def check_die(dims: ParallelDims, args) -> dict:
     return {"die": {"ok": False}}
 
 
-CHECKS = {"dp": check_dp, "fsdp2": check_fsdp2, "zero_ckpt": check_zero_ckpt, "tp": check_tp, "sp": check_sp,
-          "vce": check_vce, "die": check_die}
+CHECKS = {"dp": check_dp, "fsdp2": check_fsdp2, "zero_ckpt": check_zero_ckpt, "die": check_die}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m minite.parallel.checks")
+    from minite.parallel import checks_tp  # chapter 11's checks (they import this module's helpers)
+    CHECKS.update(tp=checks_tp.check_tp, sp=checks_tp.check_sp, vce=checks_tp.check_vce)
     ap.add_argument("checks", nargs="+", choices=sorted(CHECKS))
     ap.add_argument("--out", default=tempfile.gettempdir())
     ap.add_argument("--dp", type=int, default=0, help="dp degree (default: the world size, tp checks use tp)")

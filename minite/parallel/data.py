@@ -11,8 +11,8 @@ every rank takes the step single-process AdamW would take on the whole batch. Wh
 
 ``allreduce_grads`` is the naive baseline (after backward). ``DataParallel`` is the real one: parameters live in
 flat buffers cut into *units* (one per transformer block, plus a root unit for the rest), a gradient hook counts
-each unit's gradients and, when the unit is complete, launches its collective asynchronously while backward goes on
-with earlier layers (overlap). Stage >= 1 pairs it with ``zero.ShardedAdamW``.
+each unit's gradients and launches the complete unit's collective asynchronously while backward goes on with
+earlier layers (overlap). Stage >= 1 pairs it with ``zero.ShardedAdamW``.
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ class DataParallel:
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
         self.model, self.group, self.stage = model, group, stage
         self.W, self.r = comm.size(group), comm.rank(group)
-        self.sync, self.pending, self.events = True, [], [] if timeline else None
+        self.sync, self.pending, self.events, self.done = True, [], [] if timeline else None, True
         mods = list(model.blocks) if units is None else list(units)
         owner = {id(p): i for i, m in enumerate(mods) for p in m.parameters()}
         named = list(model.named_parameters())
@@ -79,8 +79,7 @@ class DataParallel:
             groups[owner.get(id(p), len(mods))].append((name, p))
         self.units = [Unit(f"unit{i}", m, g, self.W) for i, (m, g) in enumerate(zip(mods, groups))]
         self.units.append(Unit("root", model, groups[-1], self.W))
-        self.names = [n for n, _ in named]
-        dev = named[0][1].device
+        self.names, dev = [n for n, _ in named], named[0][1].device
         self.shard_off, s = [], 0
         for u in self.units:
             self.shard_off.append(s)
@@ -138,7 +137,7 @@ class DataParallel:
             comm.all_gather_into(u.full, self.shard_param.detach()[so:so + u.shard_numel], self.group)
 
     @staticmethod
-    def _free(u: Unit) -> None:
+    def _free(u: Unit) -> None:  # stage 3: the parameters' storage goes, the views stay (FSDP's trick)
         u.full.untyped_storage().resize_(0)
 
     def _after_forward(self, u: Unit, out):
@@ -146,12 +145,15 @@ class DataParallel:
             out.register_hook(lambda g: (self._gather(u), g)[1])  # gathered again just before its backward
         self._free(u)
 
-    def _event(self, kind: str, name: str, t0: float, t1: float) -> None:
+    def _event(self, kind: str, name: str, t0: float, t1: float) -> None:  # the per-rank timeline
         if self.events is not None:
             self.events.append({"kind": kind, "unit": name, "t0": t0, "t1": t1})
 
     # ------------------------------------------------------------------ gradient reduction
     def _grad_ready(self, u: Unit) -> None:
+        if self.sync and self.done:  # first gradient of this backward: finish() runs when the backward ends (DDP)
+            self.done = False
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
         u.ready += 1
         if not self.sync or u.ready < len(u.params):
             return
@@ -189,7 +191,11 @@ class DataParallel:
                 item[4] = time.perf_counter()
 
     def finish(self) -> None:
-        """Wait for every reduction (launching units whose hooks did not fire), then average over W."""
+        """Wait for every reduction (launching units whose hooks did not fire), then average over W. Runs by
+        itself at the end of each backward; calling it again before the next backward does nothing."""
+        if self.done:
+            return
+        self.done = True
         for u in self.units:
             if u.ready < len(u.params) and any(p.grad is not None for _, p in u.params):
                 self._launch(u)

@@ -52,13 +52,18 @@ class Parallel:
             return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         return dev
 
-    def main_first(self, fn):
-        """Run fn on rank 0 first (e.g. preparing the data cache), then on the others."""
+    def main_first(self, fn, *args, **kwargs):
+        """fn(*args, **kwargs) on rank 0 first (e.g. preparing the data cache), then on the others."""
         if self.is_main:
-            out = fn()
+            out = fn(*args, **kwargs)
         if self.active:
             dist.barrier()
-        return out if self.is_main else fn()
+        return out if self.is_main else fn(*args, **kwargs)
+
+    def save(self, save_fn, path, state: dict) -> None:
+        """Rank 0 writes (the state was gathered on every rank)."""
+        if self.is_main:
+            save_fn(path, state)
 
     def wrap(self, model):
         d = self.dims
@@ -79,7 +84,10 @@ class Parallel:
                             norm_weight=lambda n, p: 1.0 / torch.as_tensor(getattr(p, "tp_replicas", 1)),
                             tp_group=self.dims.group("tp"))
 
-    def shard_batch(self, x, y):
+    def shard_batch(self, x, y, sync: bool = True):
+        """My dp slice of the global batch; sync=False: the gradients of this micro-batch are not reduced yet."""
+        if self.dp is not None:
+            self.dp.sync = sync
         d = self.dims
         if d.dp == 1:
             return x, y
@@ -87,14 +95,6 @@ class Parallel:
             raise ParallelError(f"train.batch_size={x.shape[0]} (the global batch) is not divisible by dp={d.dp}")
         n = x.shape[0] // d.dp
         return x[d.dp_rank * n:(d.dp_rank + 1) * n], y[d.dp_rank * n:(d.dp_rank + 1) * n]
-
-    def sync(self, last_micro_batch: bool) -> None:
-        if self.dp is not None:
-            self.dp.sync = last_micro_batch
-
-    def finish(self) -> None:
-        if self.dp is not None:
-            self.dp.finish()
 
     def clip(self, model, opt, max_norm: float):
         if hasattr(opt, "clip_grad_norm_"):

@@ -86,15 +86,18 @@ class TPGPT(nn.Module):
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"cannot forward a sequence of length {T}: block_size is {self.config.block_size}")
-        if self.sp and T % comm.size(self.group):
+        pad = (-T) % comm.size(self.group) if self.sp else 0
+        if pad and targets is not None:
             raise ValueError(f"sequence parallelism: T={T} is not divisible by tp={comm.size(self.group)}")
+        if pad:  # sampling: pad on the right (causal: the real positions never see the padding)
+            idx = F.pad(idx, (0, pad))
         x = self.drop(self.wte(idx))  # (B, T, C), or (B, T/tp, C) with SP
         for block in self.blocks:
             x = block(x)
         x = self.norm_f(x)
         x = comm.gather_from_sequence(x, self.group, 1) if self.sp else comm.copy_to_parallel(x, self.group)
         if targets is None:
-            logits = F.linear(x[:, [-1], :], self.wte.weight)  # (B, 1, V/tp)
+            logits = F.linear(x[:, [T - 1], :], self.wte.weight)  # (B, 1, V/tp)
             return comm.gather_split(logits, self.group, 2), None  # (B, 1, V_pad)
         logits = F.linear(x, self.wte.weight)  # (B, T, V/tp): my vocabulary slice, never gathered
         loss = vocab_parallel_cross_entropy(logits.view(B * T, -1), targets.reshape(B * T), self.group,

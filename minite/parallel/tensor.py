@@ -4,8 +4,7 @@ A linear y = x W^T splits two ways. Column-parallel: W's output rows are split, 
 from the whole x: the input must be on every rank (f: identity forward, all-reduce of dx backward). Row-parallel:
 W's input columns are split, each rank holds a slice of x and produces a partial y; the partials are summed
 (g: all-reduce forward, identity backward). Column then row (attention's qkv then proj, the MLP's gate/up then
-down) needs one all-reduce forward and one backward per block half, and nothing in between: heads and the MLP's
-hidden units are independent of each other.
+down) needs one all-reduce forward and one backward per block half: heads and hidden units are independent.
 
 Attention splits by heads, GQA-aware. Rank r owns query heads [r H/tp, (r+1) H/tp). Query head h reads kv head
 h // (H/KVH). If KVH >= tp (tp | KVH), rank r's query heads read exactly kv heads [r KVH/tp, (r+1) KVH/tp): split
@@ -13,9 +12,8 @@ them. If KVH < tp (KVH | tp), all of rank r's query heads read the single kv hea
 weights are replicated on tp/KVH ranks, each rank's copy gets the gradient of its own query heads only, so a hook
 sums those copies' gradients over the tp group (the other ranks add zeros) before they are accumulated.
 
-The vocabulary splits too: rank r owns token rows [r V/tp, (r+1) V/tp) of the (tied) embedding. The embedding
-looks up the tokens it owns, zeros the rest, and sums over ranks (g). The LM head gives each rank the logits of
-its vocabulary slice; the cross-entropy never gathers them (vocab_parallel_cross_entropy).
+The vocabulary splits too: rank r owns token rows [r V/tp, (r+1) V/tp) of the (tied) embedding; it looks up the
+tokens it owns, zeros the rest, and sums (g). The LM head gives each rank the logits of its vocabulary slice.
 
 Every sharded parameter records where it came from: ``p.dense_name`` and ``p.dense_index = (dim, index)``, and
 ``p.tp_replicas``: how many tp ranks hold an identical copy (for the global gradient norm).
@@ -29,7 +27,7 @@ from torch import nn
 from minite.backend import resolve_backend
 from minite.kernels.cross_entropy import cross_entropy_bwd, cross_entropy_fwd
 from minite.layers.linear import Linear
-from minite.ops import attention, rope
+from minite.ops import attention, rope, swiglu
 from minite.parallel import comm
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
@@ -42,7 +40,7 @@ def tag(p: nn.Parameter, name: str, dim: int | None = None, index: torch.Tensor 
     return p
 
 
-def _take(t: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+def _take(t: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:  # a copy of the slice
     return t.detach().index_select(dim, index.to(t.device)).clone()
 
 
@@ -146,8 +144,7 @@ class _VocabParallelCE(torch.autograd.Function):
         comm.all_reduce(s, group)
         comm.all_reduce(x_t, group)  # the target logit, from the one rank that owns it
         lse = m + torch.log(s)
-        n_valid = valid.sum()
-        ctx.save_for_backward(logits, t_local, lse, n_valid)
+        ctx.save_for_backward(logits, t_local, lse, n_valid := valid.sum())
         ctx.ignore_index, ctx.use_kernel = ignore_index, use_kernel
         return torch.where(valid, lse - x_t, 0.0).sum() / n_valid.clamp(min=1)
 
@@ -176,8 +173,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     return _VocabParallelCE.apply(logits, target.long().contiguous(), vocab_start, group, ignore_index, use_kernel)
 
 
-def head_rows(first: int, count: int, D: int) -> torch.Tensor:
-    """Row indices of heads [first, first + count) in a projection whose rows are heads of size D."""
+def head_rows(first: int, count: int, D: int) -> torch.Tensor:  # rows of heads [first, first + count), size D
     return torch.arange(first * D, (first + count) * D)
 
 
@@ -237,8 +233,6 @@ class TPMLP(nn.Module):
 
     def __init__(self, dense, group, *, name: str, sequence_parallel: bool = False):
         super().__init__()
-        from minite.ops import swiglu
-        self._swiglu = swiglu
         tp, r = comm.size(group), comm.rank(group)
         hid = dense.hidden
         if hid % tp:
@@ -253,4 +247,4 @@ class TPMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).split(self.hidden, dim=-1)
-        return self.dropout(self.down(self._swiglu(gate, up, backend=self.backend)))
+        return self.dropout(self.down(swiglu(gate, up, backend=self.backend)))

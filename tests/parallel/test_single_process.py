@@ -114,3 +114,14 @@ def test_memory_formulas():
     s, b, h, a = 2048, 1, 4096, 32
     assert activation_bytes(s, b, h, a, t=1) == activation_bytes(s, b, h, a, t=1, sp=True)  # tp=1: the same
     assert activation_bytes(s, b, h, a, t=8, sp=True) == pytest.approx(activation_bytes(s, b, h, a) / 8)
+
+
+def test_global_batch_is_cut_into_dp_slices():
+    from minite.config import make_config
+    from minite.parallel.runtime import Parallel
+    x, y = torch.arange(8)[:, None].repeat(1, 3), torch.arange(8)[:, None]
+    cut = [Parallel(ParallelDims(dp=4).build(rank=r, world=4)).shard_batch(x, y) for r in range(4)]
+    assert torch.equal(torch.cat([c[0] for c in cut]), x) and all(c[0].shape == (2, 3) for c in cut)
+    with pytest.raises(ParallelError, match="batch_size=6 .* not divisible by dp=4"):
+        Parallel(ParallelDims(dp=4).build(rank=0, world=4)).shard_batch(x[:6], y[:6])
+    assert make_config("cpu", {"parallel.zero": "3", "parallel.sp": "true"}).parallel.zero == 3
