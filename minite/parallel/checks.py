@@ -177,7 +177,7 @@ def check_die(dims: ParallelDims, args) -> dict:
 CHECKS = {"dp": check_dp, "fsdp2": check_fsdp2, "zero_ckpt": check_zero_ckpt, "die": check_die}
 
 
-def main(argv=None) -> int:
+def main(argv=None, keep_group: bool = False) -> int:
     ap = argparse.ArgumentParser(prog="python -m minite.parallel.checks")
     from minite.parallel import checks_tp  # chapter 11's checks (they import this module's helpers)
     CHECKS.update(tp=checks_tp.check_tp, sp=checks_tp.check_sp, vce=checks_tp.check_vce)
@@ -203,7 +203,7 @@ def main(argv=None) -> int:
         results.update(res)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
-    if dist.is_initialized():
+    if dist.is_initialized() and not keep_group:
         dist.barrier()
         dist.destroy_process_group()
     return 0 if all(v.get("ok") for v in results.values()) else 1

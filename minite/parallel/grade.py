@@ -92,7 +92,8 @@ def run_graded(source: str, task: str, world: int = 2, timeout: float = 120) -> 
         return False, f"{task}: the torchrun run failed (exit {res.returncode}): " + (errs[0] if errs else "")
     worst = max(r["err"] for r in got.values())
     ok = all(r["ok"] for r in got.values())
-    return ok, f"{task} on {world} ranks: max error {worst:.1e} ({'ok' if ok else 'too large'})"
+    return ok, f"{task} on {world} ranks: " + ("matches the single-process result" if ok else
+                                                 f"max error {worst:.1e}, too large")
 
 
 if __name__ == "__main__":

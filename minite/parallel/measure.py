@@ -23,7 +23,7 @@ from minite.parallel.data import DataParallel, allreduce_grads
 from minite.parallel.dims import ParallelDims, init_distributed
 from minite.parallel.zero import ShardedAdamW
 
-MID = dict(vocab_size=256, block_size=64, n_layer=6, n_head=4, n_kv_head=2, n_embd=128, mlp_hidden=384,
+MID = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_kv_head=2, n_embd=128, mlp_hidden=384,
            backend="torch")
 
 
@@ -134,10 +134,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m minite.parallel.measure")
     ap.add_argument("what", nargs="+", choices=["timeline", "memory", "sp"])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--checks", nargs="*", default=[], help="also run these minite.parallel.checks (one launch)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     rank, world = init_distributed(120)
     res = {"world": world}
+    if args.checks:
+        from minite.parallel import checks
+        checks.main([*args.checks, "--out", args.out], keep_group=True)  # writes rank<r>.json; leaves the process group up
     for w in args.what:
         dims = ParallelDims(dp=1 if w == "sp" else world, tp=world if w == "sp" else 1).build(rank, world)
         res[w] = {"timeline": timeline, "memory": memory, "sp": sp_memory}[w](dims)

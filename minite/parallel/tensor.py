@@ -64,11 +64,10 @@ class ColumnParallelLinear(Linear):
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = comm.gather_from_sequence(x, self.group, 1)  # (B, T/tp, C) -> (B, T, C)
-        else:
-            x = comm.copy_to_parallel(x, self.group)  # f
-        return super().forward(x)
+        if self.sequence_parallel and comm.size(self.group) > 1:  # all-gather (B, T/tp, C), keep only my chunk
+            from minite.parallel.sequence import sp_column_linear
+            return sp_column_linear(x, self.weight, self.bias, self.group)
+        return super().forward(comm.copy_to_parallel(x, self.group))  # f
 
 
 class RowParallelLinear(Linear):
