@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     res = {"world": world}
     if args.checks:
         from minite.parallel import checks
-        checks.main([*args.checks, "--out", args.out], keep_group=True)  # writes rank<r>.json; leaves the process group up
+        checks.main([*args.checks, "--out", args.out], keep_group=True)  # rank<r>.json; the group stays up
     for w in args.what:
         dims = ParallelDims(dp=1 if w == "sp" else world, tp=world if w == "sp" else 1).build(rank, world)
         res[w] = {"timeline": timeline, "memory": memory, "sp": sp_memory}[w](dims)
