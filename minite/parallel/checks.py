@@ -168,6 +168,8 @@ def check_die(dims: ParallelDims, args) -> dict:
     if dims.rank == 1:
         if args.die == "kill":
             os.kill(os.getpid(), 9)
+        if args.die == "hang":  # alive but silent: rank 0's collective must time out
+            time.sleep(3600)
         raise RuntimeError("planted failure on rank 1")
     t = torch.ones(1)
     comm.all_reduce(t, dims.group("dp") or dims.group("tp"))
@@ -186,7 +188,7 @@ def main(argv=None, keep_group: bool = False) -> int:
     ap.add_argument("--dp", type=int, default=0, help="dp degree (default: the world size, tp checks use tp)")
     ap.add_argument("--ckpt", default="")
     ap.add_argument("--ckpt_load", action="store_true")
-    ap.add_argument("--die", default="raise", choices=["raise", "kill"])
+    ap.add_argument("--die", default="raise", choices=["raise", "kill", "hang"])
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
@@ -195,7 +197,7 @@ def main(argv=None, keep_group: bool = False) -> int:
     results = {}
     for name in args.checks:
         tp = name in ("tp", "sp", "vce")
-        dims = ParallelDims(dp=1 if tp else world, tp=world if tp else 1).build(rank, world)
+        dims = ParallelDims(dp=1 if tp else world, tp=world if tp else 1).build(rank, world, args.timeout)
         t0 = time.perf_counter()
         res = CHECKS[name](dims, args)
         for v in res.values():

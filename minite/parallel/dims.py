@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -39,7 +40,23 @@ def init_distributed(timeout_s: float = 60.0) -> tuple[int, int]:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    _name_silent_ranks_on_timeout()
     return dist.get_rank(), dist.get_world_size()
+
+
+def _name_silent_ranks_on_timeout() -> None:
+    """A collective that times out says only "Timed out waiting ... for recv". On gloo, ask which ranks are still
+    answering (monitored_barrier) and name the silent ones before the process dies. (NCCL's watchdog reports.)"""
+    previous = sys.excepthook
+
+    def hook(kind, exc, tb):
+        previous(kind, exc, tb)
+        if "Timed out" in str(exc) and dist.is_initialized() and dist.get_backend() == "gloo":
+            try:
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=5), wait_all_ranks=True)
+            except RuntimeError as e:
+                print(f"[rank{dist.get_rank()}] minite: a collective timed out; {e}", file=sys.stderr, flush=True)
+    sys.excepthook = hook
 
 
 @dataclass
@@ -65,8 +82,9 @@ class ParallelDims:
     def size(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
 
-    def build(self, rank: int | None = None, world: int | None = None) -> "ParallelDims":
-        """Create every group (a collective call: all ranks call it, in the same order). Returns self."""
+    def build(self, rank: int | None = None, world: int | None = None, timeout_s: float = 120.0) -> "ParallelDims":
+        """Create every group (a collective call: all ranks call it, in the same order). Returns self.
+        timeout_s bounds each collective on these groups (new_group does not inherit init_process_group's)."""
         if rank is None:
             rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         if world != self.size:
@@ -78,7 +96,8 @@ class ParallelDims:
             keep = [i for i in range(4) if i not in axes]
             lines = grid.permute(*keep, *axes).reshape(-1, math.prod(grid.shape[a] for a in axes))
             for line in lines.tolist():  # every rank creates every group (new_group is collective)
-                pg = dist.new_group(line) if len(line) > 1 and dist.is_initialized() else None
+                pg = dist.new_group(line, timeout=datetime.timedelta(seconds=timeout_s)) \
+                    if len(line) > 1 and dist.is_initialized() else None
                 if rank in line:
                     self.groups[name], self.ranks[name] = pg, line
         return self

@@ -133,7 +133,7 @@ def setup_parallel(cfg, resume: bool = False) -> Parallel:
     if p.zero == 3 and p.tp > 1:
         raise ParallelError("--parallel.zero=3 with --parallel.tp > 1 is not supported (use zero 0-2 with tp)")
     rank, world = init_distributed(p.timeout_s)
-    dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp).build(rank, world)
+    dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp).build(rank, world, p.timeout_s)
     if world > 1:
         if resume:
             raise ParallelError("--resume is single-process only for now; the distributed checkpoint holds the "

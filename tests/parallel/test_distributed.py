@@ -80,3 +80,11 @@ def test_dead_rank_ends_the_run_naming_it(tmp_path, how):
     assert res.returncode != 0
     assert "rank      : 1" in res.stdout and "Root Cause" in res.stdout, res.stdout[-2000:]
     assert not list(tmp_path.glob("rank*.json"))
+
+
+def test_hung_rank_times_out_and_is_named(tmp_path):
+    """Rank 1 is alive but silent: rank 0's all-reduce times out (5 s) and a monitored barrier names rank 1."""
+    res = torchrun(2, ["-m", "minite.parallel.checks", "die", "--die", "hang", "--timeout", "5", "--out",
+                       str(tmp_path)], timeout=90)
+    assert res.returncode != 0
+    assert "Ranks 1 failed to pass monitoredBarrier" in res.stdout, res.stdout[-2000:]
