@@ -27,19 +27,20 @@ class ParallelError(ValueError):
     """A parallel layout that cannot work (the message names the numbers)."""
 
 
-def init_distributed(timeout_s: float = 60.0) -> tuple[int, int]:
+def init_distributed(timeout_s: float = 60.0, backend: str | None = None) -> tuple[int, int]:
     """Initialise torch.distributed from torchrun's environment (gloo on CPU, NCCL on CUDA); (rank, world).
 
     Without torchrun's variables this is a single process: (0, 1), nothing initialised. `timeout_s` bounds every
-    collective: a rank that dies or hangs makes the others raise within it (torchrun also tears them down)."""
+    collective: a rank that dies or hangs makes the others raise within it (torchrun also tears them down).
+    backend: force one ("gloo" for workers whose tensors live on the CPU, even on a GPU machine)."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) == 1 and "MASTER_ADDR" not in os.environ:
         return 0, 1
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() and backend != "gloo"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(backend or ("nccl" if cuda else "gloo"), timeout=datetime.timedelta(seconds=timeout_s))
     _name_silent_ranks_on_timeout()
     return dist.get_rank(), dist.get_world_size()
 

@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     ap.add_argument("--checks", nargs="*", default=[], help="also run these minite.parallel.checks (one launch)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    rank, world = init_distributed(120)
+    rank, world = init_distributed(120, backend="gloo")  # CPU tensors
     res = {"world": world}
     if args.checks:
         from minite.parallel import checks

@@ -41,7 +41,7 @@ class Parallel:
     def __init__(self, dims: ParallelDims, zero: int = 0, sp: bool = False):
         self.dims, self.zero, self.sp = dims, zero, sp
         self.world, self.is_main = dims.world, dims.is_main
-        self.dp = None  # the DataParallel wrapper, when dp > 1
+        self.dp, self.dev = None, torch.device("cpu")  # the DataParallel wrapper, when dp > 1 or zero > 0
 
     @property
     def active(self) -> bool:
@@ -49,7 +49,8 @@ class Parallel:
 
     def device(self, dev: torch.device) -> torch.device:
         if dev.type == "cuda" and self.active:
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        self.dev = dev
         return dev
 
     def main_first(self, fn, *args, **kwargs):
@@ -106,7 +107,7 @@ class Parallel:
     def global_loss(self, loss: float) -> float:
         if self.dims.dp == 1:
             return loss
-        t = torch.tensor([loss], dtype=torch.float64)
+        t = torch.tensor([loss], dtype=torch.float64, device=self.dev)  # NCCL reduces CUDA tensors only
         comm.all_reduce(t, self.dims.group("dp"))
         return float(t) / self.dims.dp
 
