@@ -18,13 +18,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from minite.config import ConfigError
+
 __all__ = ["ParallelDims", "ParallelError", "init_distributed"]
 
 AXES = ("pp", "dp", "cp", "tp")  # the grid's axis order, slowest to fastest
 
 
-class ParallelError(ValueError):
-    """A parallel layout that cannot work (the message names the numbers)."""
+class ParallelError(ConfigError):
+    """A parallel layout that cannot work (the message names the numbers); minite.train prints it as an error."""
 
 
 def init_distributed(timeout_s: float = 60.0, backend: str | None = None) -> tuple[int, int]:
