@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from minite import finetune
-from minite.compile import compile_model, eager_mode
 from minite.checkpoint import CheckpointError, clean_orphans, load_checkpoint, load_model_state, save_checkpoint
+from minite.compile import compile_model, eager_mode
 from minite.config import ConfigError, RunConfig, apply_overrides, config_help, make_config
 from minite.data import BatchSampler, DataError, prepare
 from minite.models.gpt import GPT

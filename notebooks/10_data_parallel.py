@@ -157,7 +157,8 @@ for row, name in enumerate(("naive", "bucketed")):
     ax.axvline(tl["step_end"] * 1e3, ymin=row / 2, ymax=(row + 1) / 2, color="k", ls="--")
 ax.set(yticks=[0, 1], yticklabels=["naive: after backward", "bucketed: from the hooks"], xlabel="ms since step start",
        title="rank 0, world 2, gloo on 2 CPU cores (dashed: gradients ready)")
-ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0));
+ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+plt.show()
 
 # %% [markdown]
 # ## 5. Memory per rank: formula and measurement
@@ -189,7 +190,8 @@ for stage, c in zip(range(4), ("tab:red", "tab:orange", "tab:green", "tab:blue")
         f"W={w}: {b:5.2f} / {memory_per_rank(N, w, stage)['total'] / 1e6:5.2f}" for w, b in zip((1, 2, 4), mb)))
 ax.set(xscale="log", xticks=[1, 2, 4, 8], xticklabels=[1, 2, 4, 8], xlabel="world size W", ylabel="MB per rank",
        title="params + grads + AdamW state per rank (dots measured, dashes formula)")
-ax.legend();
+ax.legend()
+plt.show()
 print(f"ZeRO-3's largest gathered unit at W=4: {m4['memory']['zero3']['gathered_unit_peak'] / 1e6:.2f} MB")
 
 # %% [markdown]

@@ -203,7 +203,8 @@ ax.plot(list(meas), [m["tp"] / base for m in meas.values()], "o", c="tab:red", l
 ax.plot(list(meas), [m["sp"] / base for m in meas.values()], "o", c="tab:blue", label="TP+SP, measured")
 ax.set(xscale="log", xticks=ts, xticklabels=ts, xlabel="tensor-parallel degree t", ylabel="activation bytes / (t=1)",
        title="activations saved per block per rank, relative to t = 1")
-ax.legend();
+ax.legend()
+plt.show()
 
 # %% [markdown]
 # With SP the measured bytes fall as $1/t$ (within a few %: the RoPE tables each rank keeps whole), as the formula

@@ -84,7 +84,6 @@ class CausalSelfAttention(nn.Module):
 
     def _rope(self, x: torch.Tensor, pos: list[int]) -> torch.Tensor:
         # Rotate token t of sequence b by the angle of position pos[b] + t (its place in the cache, not 0).
-        T = x.shape[2]
         if all(p == pos[0] for p in pos):
             return self.rotary(x, offset=pos[0])
         return torch.cat([self.rotary(x[b:b + 1], offset=p) for b, p in enumerate(pos)])  # (B, H, T, D)
