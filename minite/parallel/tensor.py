@@ -196,8 +196,8 @@ class TPAttention(nn.Module):
         self.proj = RowParallelLinear.from_dense(dense.proj, group, head_rows(r * self.H, self.H, D),
                                                  name=name + ".proj", sequence_parallel=sequence_parallel)
         self.resid_dropout = nn.Dropout(dense.resid_dropout.p)
-        self.register_buffer("rope_cos", dense.rope_cos.clone(), persistent=False)
-        self.register_buffer("rope_sin", dense.rope_sin.clone(), persistent=False)
+        self.register_buffer("rope_cos", dense.rotary.cos.clone(), persistent=False)
+        self.register_buffer("rope_sin", dense.rotary.sin.clone(), persistent=False)
         if not split:  # replicated kv head: sum its copies' gradients over the ranks that share it
             nq, per = self.H * D, self.KVH * D
             reps = torch.ones(len(rows), 1)
