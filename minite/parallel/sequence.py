@@ -81,7 +81,9 @@ class TPGPT(nn.Module):
     """The GPT sharded over `group` (tp ranks), optionally sequence-parallel. ``forward(idx, targets)`` returns
     (my vocabulary slice of the logits, the loss); without targets, the last position's full logits (gathered)."""
 
-    generate = GPT.generate  # sampling only needs forward(idx) -> (B, 1, V_pad) and the config
+    def generate(self, idx, max_new_tokens, **kw):
+        """GPT.generate without the KV cache (chapter 08's cache is not sharded by heads here): forward(idx) only."""
+        return GPT.generate(self, idx, max_new_tokens, **{**kw, "use_cache": False})
 
     def __init__(self, dense: GPT, group, *, sequence_parallel: bool = False):
         super().__init__()
