@@ -5,6 +5,7 @@
       data   DataConfig                              --data.tokenizer=byte     (--data FILE is data.path)
       train  TrainConfig                             --train.max_iters=500     (--out_dir DIR is train.out_dir)
       lora   LoRASection   (minite/finetune.py)      --lora.r=8 with --init_from CKPT (chapter 09)
+      parallel ParallelConfig                        --parallel.dp=2 --parallel.zero=1 (under torchrun)
 
 A value given on the command line is converted to the field's type (int, float, bool, str) and checked; an
 unknown key is an error that lists the valid ones. Presets (``--preset cpu|gpu``) set a group of fields at once;
@@ -19,8 +20,8 @@ from dataclasses import dataclass, field
 
 from minite.models.gpt import GPTConfig
 
-__all__ = ["DataConfig", "TrainConfig", "RunConfig", "PRESETS", "ConfigError", "make_config", "apply_overrides",
-           "config_help", "config_from_dict", "LoRASection"]
+__all__ = ["DataConfig", "TrainConfig", "ParallelConfig", "RunConfig", "PRESETS", "ConfigError", "make_config",
+           "apply_overrides", "config_help", "config_from_dict", "LoRASection"]
 
 
 class ConfigError(ValueError):
@@ -84,11 +85,25 @@ class LoRASection:
 
 
 @dataclass
+class ParallelConfig:
+    """Parallel layout under torchrun (chapters 10-13); world size = dp * tp * pp * cp."""
+
+    dp: int = _doc("data-parallel degree (train.batch_size stays the global batch)", 1)
+    tp: int = _doc("tensor-parallel degree (Megatron column/row split)", 1)
+    pp: int = _doc("pipeline-parallel degree (chapter 12)", 1)
+    cp: int = _doc("context-parallel degree (chapter 13)", 1)
+    zero: int = _doc("ZeRO stage over the dp group: 0 = DDP, 1 = sharded optimizer, 2 = + grads, 3 = + params", 0)
+    sp: bool = _doc("sequence parallelism on top of tp", False)
+    timeout_s: float = _doc("collective timeout: a dead or hung rank makes the others fail after this", 120.0)
+
+
+@dataclass
 class RunConfig:
     model: GPTConfig = field(default_factory=GPTConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     lora: LoRASection = field(default_factory=LoRASection)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 # Presets. `cpu`: sized to finish `make train` in under 5 minutes on 2 cores (measured, see benchmarks/).
@@ -104,7 +119,8 @@ PRESETS: dict[str, dict[str, object]] = {
             "train.eval_iters": 50, "train.sample_tokens": 600},
 }
 
-_SECTIONS = {"model": GPTConfig, "data": DataConfig, "train": TrainConfig, "lora": LoRASection}
+_SECTIONS = {"model": GPTConfig, "data": DataConfig, "train": TrainConfig, "lora": LoRASection,
+             "parallel": ParallelConfig}
 
 
 def valid_keys() -> list[str]:

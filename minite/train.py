@@ -30,6 +30,7 @@ from minite import finetune
 from minite.config import ConfigError, RunConfig, apply_overrides, config_help, make_config
 from minite.data import BatchSampler, DataError, prepare
 from minite.models.gpt import GPT
+from minite.parallel.runtime import setup_parallel
 
 __all__ = ["train", "main", "save_checkpoint", "load_checkpoint", "CheckpointError", "parse_cli"]
 
@@ -217,11 +218,11 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
             raise ConfigError(f"cannot change model fields {changed} when resuming from {ckpt_path}")
     cfg, base, base_tok = finetune.setup(cfg)  # --init_from: the base's model fields and vocab (chapter 09)
     t = cfg.train
-    dev = _device(t.device)
+    dev = (par := setup_parallel(cfg, resume)).device(_device(t.device))  # torchrun: groups; else a no-op
     torch.manual_seed(t.seed), random.seed(t.seed), np.random.seed(t.seed)
 
-    data = prepare(cfg.data.path or None, data_dir=cfg.data.data_dir, tokenizer=cfg.data.tokenizer, vocab=base_tok,
-                   unknown_chars=cfg.data.unknown_chars)
+    data = par.main_first(prepare, cfg.data.path or None, data_dir=cfg.data.data_dir, tokenizer=cfg.data.tokenizer,
+                          vocab=base_tok, unknown_chars=cfg.data.unknown_chars)
     tok = data.tokenizer
     if state is not None and state.get("tokenizer") not in (None, tok.to_json()):  # same padded V is not enough
         old, src = state["tokenizer"], state["config"]["data"].get("path") or "the default corpus"
@@ -239,9 +240,10 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
 
     model = GPT(cfg.model).to(dev)
     finetune.prepare_model(model, cfg, base)  # base weights, LoRA adapters (base frozen), trainable vs total
+    model = par.wrap(model)  # TP(+SP) GPT from the dense one, DP / ZeRO gradient hooks
     if dev.type == "cpu":
-        torch.set_num_threads(t.threads or _pick_threads(model, t, block))
-    opt = _optimizer(model, t, dev)
+        torch.set_num_threads(t.threads or (1 if par.active else _pick_threads(model, t, block)))
+    opt = par.optimizer(model, lambda m: _optimizer(m, t, dev), t)  # ZeRO >= 1: the sharded AdamW
     ctx, scaler = _precision(cfg, dev)
     step, best_val, el0 = 0, float("inf"), 0.0  # el0: seconds the run had taken before a resume
     if state is not None:
@@ -255,10 +257,10 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
         if log_path.exists():
             rows = [r for r in log_path.read_text().splitlines() if r.strip() and json.loads(r)["step"] <= step]
             log_path.write_text("".join(r + "\n" for r in rows))
-    elif out.exists() and log_path.exists():
+    elif out.exists() and log_path.exists() and par.is_main:
         log_path.unlink()
     out.mkdir(parents=True, exist_ok=True)
-    log = open(log_path, "a")
+    log = open(log_path if par.is_main else os.devnull, "a")
     start_step, ckpt_every = step, t.ckpt_interval or t.eval_interval
     n_params = model.num_params()
     prec = t.precision if t.precision != "auto" else "bf16" if dev.type == "cuda" else "fp32"
@@ -267,11 +269,12 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
           f"{len(train_ids):,} train tokens), {'resuming at step ' + str(step) if resume else 'from scratch'}",
           flush=True)
 
-    def checkpoint():
-        save_checkpoint(ckpt_path, {
-            "model": finetune.model_state(model, cfg), "optimizer": opt.state_dict(), "step": step,
+    def checkpoint():  # under torchrun every rank gathers the state (collectives), rank 0 writes it
+        par.save(save_checkpoint, ckpt_path, {
+            "model": finetune.model_state(model, cfg) if cfg.lora.r > 0 else par.model_state(model),
+            "optimizer": par.optim_state(opt, out), "step": step, "best_val": best_val,
             "config": {"model": cfg.model.to_dict(), "data": vars(cfg.data).copy(), "train": vars(t).copy(),
-                       "lora": vars(cfg.lora).copy()}, "best_val": best_val,
+                       "lora": vars(cfg.lora).copy()},
             "tokenizer": tok.to_json(), "rng": _rng_state(sampler), "elapsed_s": el0 + time.perf_counter() - t0,
             "scaler": scaler.state_dict() if scaler is not None else None})
 
@@ -299,8 +302,8 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
             ts, lr = time.perf_counter(), _lr_at(step, t)
             for g in opt.param_groups:
                 g["lr"] = lr
-            for _ in range(t.grad_accum):
-                x, y = sampler.get_batch()
+            for micro in range(t.grad_accum):  # my dp slice of the global batch; DP syncs on the last micro-batch
+                x, y = par.shard_batch(*sampler.get_batch(), sync=micro == t.grad_accum - 1)
                 with ctx():
                     _, loss = model(x, y)
                 loss = loss / t.grad_accum
@@ -308,14 +311,14 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
             if scaler is not None:
                 scaler.unscale_(opt)
             if t.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+                par.clip(model, opt, t.grad_clip)
             if scaler is not None:
                 scaler.step(opt)  # skips the update when a gradient overflowed
                 scaler.update()
             else:
                 opt.step()
             opt.zero_grad(set_to_none=True)
-            step, loss_f = step + 1, loss.item() * t.grad_accum
+            step, loss_f = step + 1, par.global_loss(loss.item() * t.grad_accum)  # the global batch's loss
             train_time += time.perf_counter() - ts
             losses[step] = loss_f
             tps = tokens_per_step * (step - start_step) / max(train_time, 1e-9)
@@ -331,7 +334,8 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
         if pbar is not None:
             pbar.close()
         log.close()
-    _plot(log_path, out / "loss.png")
+    if par.is_main:
+        _plot(log_path, out / "loss.png")
     sample = ""
     if t.sample_tokens > 0:
         g = torch.Generator(device=dev).manual_seed(t.seed)

@@ -1,0 +1,250 @@
+"""Chapter 10: data parallelism, from "all-reduce every gradient" to ZeRO-3 (FSDP).
+
+Every rank holds the model, sees 1/dp of the global batch, and the gradients are averaged over the dp group, so
+every rank takes the step single-process AdamW would take on the whole batch. What differs is what a rank keeps:
+
+    stage   params   grads    AdamW state (+ fp32 shard)   communication per step (N params, ring)
+    0 DDP   N        N        2N                           all-reduce grads               2N(W-1)/W
+    1       N        N        3N/W                         reduce-scatter grads + all-gather params  2N(W-1)/W
+    2       N        N/W      3N/W                         the same (a unit's full grads freed once scattered)
+    3 FSDP  N/W      N/W      2N/W                         all-gather params twice + reduce-scatter  3N(W-1)/W
+
+``allreduce_grads`` is the naive baseline (after backward). ``DataParallel`` is the real one: parameters live in
+flat buffers cut into *units* (one per transformer block, plus a root unit for the rest), a gradient hook counts
+each unit's gradients and launches the complete unit's collective asynchronously while backward goes on with
+earlier layers (overlap). Stage >= 1 pairs it with ``zero.ShardedAdamW``.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from minite.parallel import comm
+
+__all__ = ["allreduce_grads", "DataParallel", "Unit"]
+
+
+def allreduce_grads(model: nn.Module, group) -> None:
+    """Naive DP: after backward, all-reduce every gradient (one collective per tensor) and divide by W."""
+    n = comm.size(group)
+    for p in model.parameters():
+        if p.grad is not None:
+            comm.all_reduce(p.grad, group)
+            p.grad /= n
+
+
+class Unit:
+    """A group of parameters reduced (and, at stage 3, gathered) together: a flat buffer padded to W pieces."""
+
+    def __init__(self, name: str, module: nn.Module | None, params: list[tuple[str, nn.Parameter]], world: int):
+        self.name, self.module, self.params = name, module, params
+        self.offsets, o = [], 0
+        for _, p in params:
+            self.offsets.append(o)
+            o += p.numel()
+        self.numel = o + (-o) % world  # padded so that every rank owns numel / W elements
+        self.shard_numel = self.numel // world
+        self.ready, self.full = 0, None
+
+    def pieces(self, r: int):
+        """(param name, lo, hi within the flat param, lo, hi within my shard of this unit) for rank r's shard."""
+        a, b = r * self.shard_numel, (r + 1) * self.shard_numel
+        for (name, p), o in zip(self.params, self.offsets):
+            lo, hi = max(a, o), min(b, o + p.numel())
+            if lo < hi:
+                yield name, lo - o, hi - o, lo - a, hi - a
+
+
+class DataParallel:
+    """Data parallelism over `group` at ZeRO `stage` 0-3 (0: bucketed DDP). Call ``finish()`` after backward.
+
+    units: the modules that form a unit each (default: ``model.blocks``); every other parameter joins the root.
+    sync: set False on the micro-batches of gradient accumulation that must not communicate yet.
+    """
+
+    def __init__(self, model: nn.Module, group, stage: int = 0, units: list[nn.Module] | None = None,
+                 timeline: bool = False):
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+        self.model, self.group, self.stage = model, group, stage
+        self.W, self.r = comm.size(group), comm.rank(group)
+        self.sync, self.pending, self.events, self.done = True, [], [] if timeline else None, True
+        mods = list(model.blocks) if units is None else list(units)
+        owner = {id(p): i for i, m in enumerate(mods) for p in m.parameters()}
+        named = list(model.named_parameters())
+        groups = [[] for _ in mods] + [[]]
+        for name, p in named:
+            groups[owner.get(id(p), len(mods))].append((name, p))
+        self.units = [Unit(f"unit{i}", m, g, self.W) for i, (m, g) in enumerate(zip(mods, groups))]
+        self.units.append(Unit("root", model, groups[-1], self.W))
+        self.names, dev = [n for n, _ in named], named[0][1].device
+        self.shard_off, s = [], 0
+        for u in self.units:
+            self.shard_off.append(s)
+            s += u.shard_numel
+        total = sum(u.numel for u in self.units)
+        # The flat buffers. Stage < 3: every parameter is a view into one flat full buffer (as in DDP/Megatron).
+        if stage < 3:
+            self.flat_param = torch.zeros(total, device=dev)
+            self._unit_off = [sum(u.numel for u in self.units[:i]) for i in range(len(self.units))]
+            for u, uo in zip(self.units, self._unit_off):
+                self._bind(u, self.flat_param[uo:uo + u.numel], copy=True)
+        # Stage <= 1: one flat full gradient buffer, .grad are views into it (accumulated in place by autograd).
+        self.flat_grad = torch.zeros(total, device=dev) if stage <= 1 else None
+        if stage <= 1:
+            for u, uo in zip(self.units, self._unit_off):
+                for (_, p), o in zip(u.params, u.offsets):
+                    p.grad = self.flat_grad[uo + o:uo + o + p.numel()].view_as(p)
+        # Stage >= 1: my shard of every unit, contiguous: the master parameters and their reduced gradients.
+        self.shard_param = self.shard_grad = None
+        if stage >= 1:
+            self.shard_param = nn.Parameter(torch.zeros(s, device=dev))
+            self.shard_grad = torch.zeros(s, device=dev)
+            for u, so in zip(self.units, self.shard_off):
+                for name, lo, hi, slo, shi in u.pieces(self.r):
+                    p = dict(u.params)[name]
+                    self.shard_param.data[so + slo:so + shi] = p.detach().reshape(-1)[lo:hi]
+        if stage == 3:  # parameters become views of a per-unit buffer that exists only while gathered
+            for u in self.units:
+                u.full = torch.zeros(u.numel, device=dev)
+                self._bind(u, u.full, copy=False)
+                self._free(u)
+            for u in self.units[:-1]:
+                u.module.register_forward_pre_hook(lambda m, a, u=u: self._gather(u))
+                u.module.register_forward_hook(lambda m, a, out, u=u: self._after_forward(u, out))
+            root = self.units[-1]
+            model.register_forward_pre_hook(lambda m, a: self._gather(root))
+            model.register_forward_hook(lambda m, a, out: None if torch.is_grad_enabled() else self._free(root))
+        for u in self.units:
+            for _, p in u.params:
+                p.register_post_accumulate_grad_hook(lambda p, u=u: self._grad_ready(u))
+
+    # ------------------------------------------------------------------ buffers
+    @staticmethod
+    def _bind(u: Unit, buf: torch.Tensor, copy: bool) -> None:
+        for (_, p), o in zip(u.params, u.offsets):
+            view = buf[o:o + p.numel()].view_as(p)
+            if copy:
+                view.copy_(p.detach())
+            p.data = view
+
+    def _gather(self, u: Unit) -> None:
+        if u.full.untyped_storage().size() == 0:  # stage 3: bring the unit back, all-gathered from the shards
+            u.full.untyped_storage().resize_(u.numel * u.full.element_size())
+            so = self.shard_off[self.units.index(u)]
+            comm.all_gather_into(u.full, self.shard_param.detach()[so:so + u.shard_numel], self.group)
+
+    @staticmethod
+    def _free(u: Unit) -> None:  # stage 3: the parameters' storage goes, the views stay (FSDP's trick)
+        u.full.untyped_storage().resize_(0)
+
+    def _after_forward(self, u: Unit, out):
+        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda g: (self._gather(u), g)[1])  # gathered again just before its backward
+        self._free(u)
+
+    def _event(self, kind: str, name: str, t0: float, t1: float) -> None:  # the per-rank timeline
+        if self.events is not None:
+            self.events.append({"kind": kind, "unit": name, "t0": t0, "t1": t1})
+
+    # ------------------------------------------------------------------ gradient reduction
+    def _grad_ready(self, u: Unit) -> None:
+        if self.sync and self.done:  # first gradient of this backward: finish() runs when the backward ends (DDP)
+            self.done = False
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        u.ready += 1
+        if not self.sync or u.ready < len(u.params):
+            return
+        self._poll()
+        self._launch(u)
+
+    def _launch(self, u: Unit) -> None:
+        i = self.units.index(u)
+        t0 = time.perf_counter()
+        if self.stage <= 1:
+            full = self.flat_grad[self._unit_off[i]:self._unit_off[i] + u.numel]
+            for (_, p), o in zip(u.params, u.offsets):  # .grad may have been replaced (zero_grad(set_to_none))
+                view = full[o:o + p.numel()].view_as(p)
+                if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                    p.grad = view
+        else:  # stage 2/3: a temporary flat copy of the unit's grads; the full .grad tensors are dropped now
+            full = torch.zeros(u.numel, device=self.shard_grad.device)
+            for (_, p), o in zip(u.params, u.offsets):
+                full[o:o + p.numel()] = p.grad.reshape(-1)
+                p.grad = None
+            if self.stage == 3 and u is not self.units[-1]:
+                self._free(u)
+        if self.stage == 0:
+            work = comm.all_reduce(full, self.group, async_op=True)
+        else:
+            so = self.shard_off[i]
+            work = comm.reduce_scatter_into(self.shard_grad[so:so + u.shard_numel], full, self.group, async_op=True)
+        self.pending.append([u.name, work, full, t0, None])
+        self._event("ready", u.name, t0, t0)
+
+    def _poll(self) -> None:
+        for item in self.pending:
+            if item[4] is None and (item[1] is None or item[1].is_completed()):
+                item[4] = time.perf_counter()
+
+    def finish(self) -> None:
+        """Wait for every reduction (launching units whose hooks did not fire), then average over W. Runs by
+        itself at the end of each backward; calling it again before the next backward does nothing."""
+        if self.done:
+            return
+        self.done = True
+        for u in self.units:
+            if u.ready < len(u.params) and any(p.grad is not None for _, p in u.params):
+                self._launch(u)
+        for name, work, _, t0, t1 in self.pending:
+            if work is not None:
+                work.wait()
+            self._event("comm", name, t0, t1 or time.perf_counter())
+        self.pending = []
+        for u in self.units:
+            u.ready = 0
+        if self.stage == 0:
+            self.flat_grad /= self.W
+        else:
+            self.shard_grad /= self.W
+        if self.stage == 3:
+            self._free(self.units[-1])
+
+    def zero_grad(self) -> None:
+        if self.flat_grad is not None:
+            self.flat_grad.zero_()
+        if self.shard_grad is not None:
+            self.shard_grad.zero_()
+        if self.stage >= 2:
+            for _, p in self.model.named_parameters():
+                p.grad = None
+
+    def gather_params(self) -> None:
+        """Stage 1/2, after the optimizer stepped my shard: all-gather every unit's parameters."""
+        for u, uo, so in zip(self.units, self._unit_off, self.shard_off):
+            comm.all_gather_into(self.flat_param[uo:uo + u.numel], self.shard_param.detach()[so:so + u.shard_numel],
+                                 self.group)
+
+    def shard_mask(self, fn) -> torch.Tensor:
+        """A per-element vector over my shard: fn(name, param) for the elements of each parameter (0 padding)."""
+        out = torch.zeros_like(self.shard_grad)
+        for u, so in zip(self.units, self.shard_off):
+            params = dict(u.params)
+            for name, lo, hi, slo, shi in u.pieces(self.r):
+                v = fn(name, params[name])
+                out[so + slo:so + shi] = v if not torch.is_tensor(v) else v.expand_as(params[name]).reshape(-1)[lo:hi]
+        return out
+
+    def full_state_dict(self) -> dict:
+        """The model's state dict with every parameter whole (stage 3 gathers each unit; a collective)."""
+        if self.stage == 3:
+            for u in self.units:
+                self._gather(u)
+        sd = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        if self.stage == 3:
+            for u in self.units:
+                self._free(u)
+        return sd

@@ -1,0 +1,134 @@
+"""``ParallelDims(dp, tp, pp, cp)``: every process group of a run, built from one grid and passed in explicitly.
+
+The world's ranks are laid out as a grid ``torch.arange(world).view(pp, dp, cp, tp)``: tp varies fastest, so the
+ranks of a tensor-parallel group are neighbours (the same node, the fastest links; Megatron's order). Each
+parallel dimension's groups are the lines of the grid along that axis; ``dp_cp`` (the ranks that hold the same
+weights when context parallelism is on) is the plane spanned by dp and cp. Nothing is module-global: a layer is
+handed the group it reduces over, and a group of size 1 (or no process group at all) makes every collective in
+``minite.parallel.comm`` the identity, so ``ParallelDims()`` runs the dense model unchanged in one process.
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ParallelDims", "ParallelError", "init_distributed"]
+
+AXES = ("pp", "dp", "cp", "tp")  # the grid's axis order, slowest to fastest
+
+
+class ParallelError(ValueError):
+    """A parallel layout that cannot work (the message names the numbers)."""
+
+
+def init_distributed(timeout_s: float = 60.0) -> tuple[int, int]:
+    """Initialise torch.distributed from torchrun's environment (gloo on CPU, NCCL on CUDA); (rank, world).
+
+    Without torchrun's variables this is a single process: (0, 1), nothing initialised. `timeout_s` bounds every
+    collective: a rank that dies or hangs makes the others raise within it (torchrun also tears them down)."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) == 1 and "MASTER_ADDR" not in os.environ:
+        return 0, 1
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+@dataclass
+class ParallelDims:
+    """Degrees of data (dp), tensor (tp), pipeline (pp) and context (cp) parallelism; ``build()`` makes groups."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    rank: int = 0
+    world: int = 1
+    groups: dict = field(default_factory=dict, repr=False)  # axis name -> ProcessGroup (None when size 1)
+    ranks: dict = field(default_factory=dict, repr=False)  # axis name -> list of global ranks in my group
+
+    def __post_init__(self):
+        for a in AXES:
+            v = getattr(self, a)
+            if not isinstance(v, int) or v < 1:
+                raise ParallelError(f"parallel degree {a}={v!r} must be a positive integer")
+
+    @property
+    def size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def build(self, rank: int | None = None, world: int | None = None) -> "ParallelDims":
+        """Create every group (a collective call: all ranks call it, in the same order). Returns self."""
+        if rank is None:
+            rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        if world != self.size:
+            raise ParallelError(f"world size {world} != dp*tp*pp*cp = {self.dp}*{self.tp}*{self.pp}*{self.cp} "
+                                f"= {self.size}; launch {self.size} processes or change the degrees")
+        self.rank, self.world = rank, world
+        grid = torch.arange(world).view(self.pp, self.dp, self.cp, self.tp)
+        for name, axes in (("pp", (0,)), ("dp", (1,)), ("cp", (2,)), ("tp", (3,)), ("dp_cp", (1, 2))):
+            keep = [i for i in range(4) if i not in axes]
+            lines = grid.permute(*keep, *axes).reshape(-1, math.prod(grid.shape[a] for a in axes))
+            for line in lines.tolist():  # every rank creates every group (new_group is collective)
+                pg = dist.new_group(line) if len(line) > 1 and dist.is_initialized() else None
+                if rank in line:
+                    self.groups[name], self.ranks[name] = pg, line
+        return self
+
+    # ------------------------------------------------------------------ coordinates and neighbours
+    def group(self, name: str):
+        return self.groups.get(name)
+
+    def local_rank(self, name: str) -> int:
+        return self.ranks[name].index(self.rank) if name in self.ranks else 0
+
+    @property
+    def dp_rank(self) -> int:
+        return self.local_rank("dp")
+
+    @property
+    def tp_rank(self) -> int:
+        return self.local_rank("tp")
+
+    @property
+    def pp_rank(self) -> int:
+        return self.local_rank("pp")
+
+    @property
+    def cp_rank(self) -> int:
+        return self.local_rank("cp")
+
+    def neighbour(self, name: str, step: int) -> int:
+        """Global rank `step` places along axis `name` (ring order): pp's next/previous stage, cp's ring."""
+        line = self.ranks.get(name, [self.rank])
+        return line[(line.index(self.rank) + step) % len(line)]
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # ------------------------------------------------------------------ validation against a model
+    def check_model(self, cfg) -> None:
+        """Reject a GPTConfig the layout cannot shard, naming the numbers (tp vs heads, kv heads, vocab, MLP)."""
+        tp, errs = self.tp, []
+        if cfg.n_head % tp:
+            errs.append(f"n_head={cfg.n_head} is not divisible by tp={tp}")
+        kvh = cfg.n_kv_head
+        if kvh % tp and tp % kvh:
+            errs.append(f"n_kv_head={kvh} and tp={tp}: one must divide the other (kv heads split or replicated)")
+        if cfg.padded_vocab_size % tp:
+            errs.append(f"padded vocab {cfg.padded_vocab_size} is not divisible by tp={tp}")
+        if cfg.mlp_hidden % tp:
+            errs.append(f"mlp_hidden={cfg.mlp_hidden} is not divisible by tp={tp}")
+        if self.pp > cfg.n_layer:
+            errs.append(f"pp={self.pp} stages but only n_layer={cfg.n_layer} layers")
+        if errs:
+            raise ParallelError("cannot shard this GPT: " + "; ".join(errs))

@@ -1,0 +1,82 @@
+"""Chapters 10-11 on real torch.distributed (gloo on CPU), world 2 and 4, as torchrun launches.
+
+One launch per world size runs every check (minite.parallel.checks) and each rank reports per check; the tests
+below read those reports. World 2 also saves a ZeRO-1 checkpoint that world 4 loads (a different world size).
+"""
+import pytest
+import torch
+
+from minite.parallel.launch import results, torchrun
+
+pytestmark = pytest.mark.distributed
+
+DP = ["naive", "zero0", "zero1", "zero2", "zero3", "fsdp2"]
+TP = [f"{m}_{c}" for m in ("tp", "sp") for c in ("logits", "loss", "input_grad", "weight_grads", "5_steps")] + \
+    ["vce_triton", "vce_torch"]
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("zero_ckpt")
+
+
+def _launch(world, tmp_path_factory, ckpt_dir, *extra):
+    out = tmp_path_factory.mktemp(f"world{world}")
+    res = torchrun(world, ["-m", "minite.parallel.checks", "dp", "fsdp2", "tp", "sp", "vce", "zero_ckpt",
+                           "--ckpt", str(ckpt_dir), "--out", str(out), *extra], timeout=240,
+                   env={} if torch.cuda.is_available() else {"TRITON_INTERPRET": "1"})  # the CE kernel on a CPU
+    got = results(out)
+    assert sorted(got) == list(range(world)), f"missing rank reports (rc {res.returncode}):\n{res.stdout[-3000:]}"
+    return got
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory, ckpt_dir):
+    return _launch(2, tmp_path_factory, ckpt_dir)
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory, ckpt_dir, world2):  # loads the checkpoint world 2 saved
+    return _launch(4, tmp_path_factory, ckpt_dir, "--ckpt_load")
+
+
+def _check(reports, name):
+    for rank, rep in reports.items():
+        r = rep[name]
+        assert r["ok"], f"{name} on rank {rank}: {r}"
+
+
+@pytest.mark.parametrize("name", DP + TP)
+def test_world2(world2, name):
+    _check(world2, name)
+
+
+@pytest.mark.parametrize("name", DP + TP + ["ckpt_load"])
+def test_world4(world4, name):
+    _check(world4, name)
+
+
+def test_bytes_per_step_match_formula(world2, world4):
+    """Measured bytes per step (CommLog, ring algorithm) against zero.bytes_per_step (padding aside)."""
+    from minite.models.gpt import GPT, GPTConfig
+    from minite.parallel.checks import TINY
+    from minite.parallel.zero import bytes_per_step
+    model = GPT(GPTConfig(**TINY))
+    n, root = model.num_params(), model.wte.weight.numel() + model.norm_f.weight.numel()
+    for world, rep in ((2, world2[0]), (4, world4[0])):
+        assert rep["naive"]["bytes_sent"] == pytest.approx(bytes_per_step(n, world, 0), rel=1e-6)
+        for stage in range(4):
+            want = bytes_per_step(n, world, stage, resident=root)
+            clip = 8 * 2 * (world - 1) / world if stage else 0  # the sharded norm's one all-reduce of a float64
+            got = rep[f"zero{stage}"]["bytes_sent"] - clip
+            assert want <= got <= want * 1.01, (world, stage, got, want)  # above: each unit padded to W pieces
+
+
+@pytest.mark.parametrize("how", ["raise", "kill"])
+def test_dead_rank_ends_the_run_naming_it(tmp_path, how):
+    """Rank 1 raises / is SIGKILLed while rank 0 waits in an all-reduce: the launch fails (no hang), names rank 1."""
+    res = torchrun(2, ["-m", "minite.parallel.checks", "die", "--die", how, "--timeout", "30", "--out",
+                       str(tmp_path)], timeout=90)
+    assert res.returncode != 0
+    assert "rank      : 1" in res.stdout and "Root Cause" in res.stdout, res.stdout[-2000:]
+    assert not list(tmp_path.glob("rank*.json"))
