@@ -2,8 +2,9 @@
 
 Every op takes tensors positionally, options keyword-only, and ``backend=None`` ("auto" | "torch" | "triton").
 """
-from minite.kernels.attention import attention  # noqa: F401
+from minite.kernels.attention import attention, attention_varlen  # noqa: F401
 from minite.kernels.cross_entropy import cross_entropy, linear_cross_entropy  # noqa: F401
+from minite.kernels.decode import decode_attention  # noqa: F401
 from minite.kernels.fp8_gemm import fp8_gemm  # noqa: F401
 from minite.kernels.lora import lora_linear  # noqa: F401
 from minite.kernels.rmsnorm import layernorm, rmsnorm  # noqa: F401
@@ -13,4 +14,5 @@ from minite.kernels.swiglu import swiglu  # noqa: F401
 from minite.layers.linear import fp8_linear  # noqa: F401
 
 __all__ = ["softmax", "rmsnorm", "layernorm", "rope", "rope_cos_sin", "swiglu", "cross_entropy", "attention",
-           "linear_cross_entropy", "fp8_gemm", "fp8_linear", "lora_linear"]
+           "linear_cross_entropy", "fp8_gemm", "fp8_linear", "lora_linear", "attention_varlen",
+           "decode_attention"]

@@ -30,13 +30,14 @@ def load_model(path: str, device: str = "cpu") -> tuple[GPT, Tokenizer]:
 
 
 def sample(model: GPT, tok: Tokenizer, prompt: str = "\n", *, max_new_tokens: int = 200, temperature: float = 0.8,
-           top_k: int | None = None, num_samples: int = 1, seed: int = 0) -> list[str]:
-    """Generate `num_samples` continuations of `prompt` (returned with the prompt in front)."""
+           top_k: int | None = None, num_samples: int = 1, seed: int = 0, use_cache: bool = True) -> list[str]:
+    """Generate `num_samples` continuations of `prompt` (returned with the prompt in front). use_cache: decode
+    with a KVCache (chapter 08), one token per step instead of the whole context again."""
     dev = next(model.parameters()).device
     ids = tok.encode(prompt or "\n")  # raises a clear error for characters the tokenizer does not know
     idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=dev)  # (num_samples, T)
     g = torch.Generator(device=dev).manual_seed(seed)
-    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=g)
+    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=g, use_cache=use_cache)
     return [tok.decode(row.tolist()) for row in out]
 
 
@@ -49,12 +50,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top_k", type=int, default=None, help="sample only among the k most likely tokens")
     p.add_argument("--num_samples", type=int, default=1, help="independent samples (default: 1)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--no_cache", action="store_true", help="recompute the whole context every token (no KV cache)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     try:
         model, tok = load_model(args.ckpt, args.device)
         texts = sample(model, tok, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       top_k=args.top_k, num_samples=args.num_samples, seed=args.seed)
+                       top_k=args.top_k, num_samples=args.num_samples, seed=args.seed,
+                       use_cache=not args.no_cache)
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -7,13 +7,19 @@ Grouped-query attention (GQA): ``n_head`` query heads share ``n_kv_head`` key/va
 is multi-query attention. Fewer K/V heads shrink the qkv projection and, at inference, the KV cache.
 
 Every projection is a ``minite.nn.Linear`` so ``fp8_autocast`` can take it over; RoPE and attention go through
-``minite.ops`` so the backend switch (PyTorch reference or Triton kernel) decides how they run.
+``minite.ops`` so the backend switch (PyTorch reference or Triton kernel) decides how they run: on the Triton
+backend attention is the flash-attention kernel of chapter 07.
+
+With a ``KVCache`` (chapter 08) the layer takes only the new tokens: it rotates q and k at each sequence's cache
+position, stores k and v, and attends over the cache: the split-KV decode kernel for one new token, the flash
+kernel (bottom-right causal, T_q < T_k) for a prefill.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from minite.kernels.decode import decode_attention
 from minite.layers.linear import Linear
 from minite.ops import attention, rope, rope_cos_sin
 
@@ -56,22 +62,47 @@ class CausalSelfAttention(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache=None, layer: int = 0) -> torch.Tensor:
         B, T, C = x.shape  # batch, sequence length, model width
-        if T > self.max_seq_len:
-            raise ValueError(f"sequence length {T} is longer than max_seq_len={self.max_seq_len} of the RoPE tables")
+        pos = kv_cache.host_lengths if kv_cache is not None else [0] * B  # first position of x, per sequence
+        if max(pos) + T > self.max_seq_len:
+            raise ValueError(f"sequence length {max(pos) + T} is longer than max_seq_len={self.max_seq_len} of the "
+                             "RoPE tables")
         H, KVH, D = self.n_head, self.n_kv_head, self.head_dim
         qkv = self.qkv(x)  # (B, T, (H + 2 KVH) * D)
         q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
         q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, T, KVH, D).transpose(1, 2)  # (B, KVH, T, D)
         v = v.view(B, T, KVH, D).transpose(1, 2)  # (B, KVH, T, D)
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, D/2)
-        q = rope(q, cos, sin, backend=self.backend)  # (B, H, T, D)
-        k = rope(k, cos, sin, backend=self.backend)  # (B, KVH, T, D)
-        y = attention(q, k, v, causal=True, backend=self.backend)  # (B, H, T, D)
+        q, k = self._rope(q, pos), self._rope(k, pos)  # (B, H, T, D), (B, KVH, T, D)
+        if kv_cache is None:
+            y = attention(q, k, v, causal=True, backend=self.backend)  # (B, H, T, D)
+        else:
+            kv_cache.write(layer, k, v)
+            y = self._cached_attention(q, kv_cache.k[layer], kv_cache.v[layer], pos)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, H * D)  # (B, T, C): heads side by side again
         return self.resid_dropout(self.proj(y))  # (B, T, C)
+
+    def _rope(self, x: torch.Tensor, pos: list[int]) -> torch.Tensor:
+        # Rotate token t of sequence b by the angle of position pos[b] + t (its place in the cache, not 0).
+        T = x.shape[2]
+        if all(p == pos[0] for p in pos):
+            return rope(x, self.rope_cos[pos[0]:pos[0] + T], self.rope_sin[pos[0]:pos[0] + T], backend=self.backend)
+        return torch.cat([rope(x[b:b + 1], self.rope_cos[p:p + T], self.rope_sin[p:p + T], backend=self.backend)
+                          for b, p in enumerate(pos)])  # (B, H, T, D)
+
+    def _cached_attention(self, q, kc, vc, pos: list[int]) -> torch.Tensor:
+        # q (B, H, T, D) of the new tokens; kc/vc (B, KVH, T_max, D) already hold them at pos[b] ... pos[b] + T - 1.
+        T = q.shape[2]
+        if T == 1:  # decode: one query per sequence, its own length: the split-KV kernel
+            lengths = torch.tensor([p + 1 for p in pos], device=q.device)
+            return decode_attention(q[:, :, 0], kc, vc, lengths, max_len=max(pos) + 1,
+                                    backend=self.backend)[:, :, None]  # (B, H, 1, D)
+        if all(p == pos[0] for p in pos):  # prefill / chunk: T queries against pos + T keys, bottom-right causal
+            n = pos[0] + T
+            return attention(q, kc[:, :, :n], vc[:, :, :n], causal=True, backend=self.backend)
+        return torch.cat([attention(q[b:b + 1], kc[b:b + 1, :, :p + T], vc[b:b + 1, :, :p + T], causal=True,
+                                    backend=self.backend) for b, p in enumerate(pos)])
 
     def extra_repr(self) -> str:
         return f"n_head={self.n_head}, n_kv_head={self.n_kv_head}, head_dim={self.head_dim}"

@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from minite.layers.attention import CausalSelfAttention
+from minite.layers.kv_cache import KVCache
 from minite.layers.linear import Linear
 from minite.nn import RMSNorm
 from minite.ops import cross_entropy, swiglu
@@ -107,8 +108,8 @@ class Block(nn.Module):
         self.norm2 = RMSNorm(cfg.n_embd, eps=cfg.norm_eps, backend=be)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))  # (B, T, C)
+    def forward(self, x: torch.Tensor, kv_cache=None, layer: int = 0) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), kv_cache, layer)  # (B, T, C)
         x = x + self.mlp(self.norm2(x))  # (B, T, C)
         return x
 
@@ -153,8 +154,19 @@ class GPT(nn.Module):
         """Parameter count (the tied embedding counted once)."""
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, kv_cache=None, lengths=None):
+        """With a KVCache (chapter 08) idx holds only the new tokens, appended at each sequence's cache position;
+        ``lengths`` (one count per sequence) marks how many of them are real in a right-padded prefill: the cache
+        advances by those and the logits are taken at each sequence's last real token."""
         B, T = idx.shape  # batch, sequence length
+        if kv_cache is not None:
+            x = self.drop(self.wte(idx))  # (B, T, C)
+            for i, block in enumerate(self.blocks):
+                x = block(x, kv_cache, i)  # (B, T, C)
+            kv_cache.advance(T if lengths is None else [int(n) for n in lengths])
+            last = torch.full((B,), T - 1, device=idx.device) if lengths is None else torch.as_tensor(lengths) - 1
+            x = self.norm_f(x[torch.arange(B, device=idx.device), last.to(idx.device)][:, None])  # (B, 1, C)
+            return F.linear(x, self.wte.weight), None  # (B, 1, V_pad)
         if T > self.config.block_size:
             raise ValueError(f"cannot forward a sequence of length {T}: block_size is only {self.config.block_size} "
                              "(crop the input, or train a model with a larger --model.block_size)")
@@ -171,8 +183,11 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+                 top_k: int | None = None, generator: torch.Generator | None = None,
+                 use_cache: bool = True) -> torch.Tensor:
         """Append `max_new_tokens` sampled tokens to idx (B, T); the context is cropped to the last block_size.
+        use_cache: keep a KVCache (chapter 08): prefill once, then one token per step; when the context is
+        full it is cropped and prefilled again, so the tokens are those of the uncached loop.
 
         temperature < 1 sharpens the distribution, > 1 flattens it; 0 means greedy (argmax).
         top_k keeps only the k most likely tokens before sampling.
@@ -181,10 +196,16 @@ class GPT(nn.Module):
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if top_k is not None and top_k <= 0:
             raise ValueError(f"top_k must be positive, got {top_k}")
-        V = self.config.vocab_size
+        V, bs, cache = self.config.vocab_size, self.config.block_size, None
         for _ in range(max_new_tokens):
-            idx_cond = idx[:, -self.config.block_size:]  # (B, <= block_size)
-            logits, _ = self(idx_cond)  # (B, 1, V_pad)
+            if not use_cache:
+                logits, _ = self(idx[:, -bs:])  # (B, 1, V_pad): the whole context again, O(T) work per token
+            elif cache is None or max(cache.host_lengths) >= bs:  # (re)fill: first step, or the context is full
+                cache = KVCache.for_model(self, idx.shape[0]) if cache is None else cache
+                cache.reset()
+                logits, _ = self(idx[:, -bs:], kv_cache=cache)  # (B, 1, V_pad)
+            else:
+                logits, _ = self(idx[:, -1:], kv_cache=cache)  # only the newest token: O(1) projections
             logits = logits[:, -1, :V].float()  # (B, V): the padded ids are never sampled
             if temperature == 0:
                 idx_next = logits.argmax(dim=-1, keepdim=True)  # (B, 1)

@@ -224,10 +224,9 @@ def test_state_dict_keys_tied_head_and_round_trip():
 
 @pytest.mark.triton
 def test_triton_backend_matches_torch_over_3_training_steps(monkeypatch):
-    # backend="triton" forces every op through its Triton kernel (attention, whose kernel lands in chapter 07,
-    # warns and runs the reference). Count the launchers' calls so a silent fall-back to the reference fails.
-    import minite.kernels.attention as att
-    from minite.kernels import cross_entropy, rmsnorm, rope, swiglu
+    # backend="triton" forces every op through its Triton kernel, attention included (chapter 07). Count the
+    # launchers' calls so a silent fall-back to the reference fails.
+    from minite.kernels import attention, cross_entropy, rmsnorm, rope, swiglu
     calls = {}
 
     def count(mod, name):
@@ -239,19 +238,19 @@ def test_triton_backend_matches_torch_over_3_training_steps(monkeypatch):
         monkeypatch.setattr(mod, name, wrapper)
     for mod, names in ((rmsnorm, ("rmsnorm_fwd", "rmsnorm_bwd")), (rope, ("rope_fwd", "rope_bwd")),
                        (swiglu, ("swiglu_fwd", "swiglu_bwd")),
-                       (cross_entropy, ("cross_entropy_fwd", "cross_entropy_bwd"))):
+                       (cross_entropy, ("cross_entropy_fwd", "cross_entropy_bwd")),
+                       (attention, ("attention_fwd", "attention_bwd"))):
         for name in names:
             count(mod, name)
     ref = _train_losses("torch")
     assert calls == {}  # the reference run launches no kernel
-    monkeypatch.setattr(att, "_warned", False)
-    with pytest.warns(UserWarning, match="attention has no Triton kernel yet"):
-        tri = _train_losses("triton")
+    tri = _train_losses("triton")
     expected = ["rmsnorm_fwd", "rmsnorm_bwd", "rope_fwd", "rope_bwd", "swiglu_fwd", "swiglu_bwd",
-                "cross_entropy_fwd", "cross_entropy_bwd"]
+                "cross_entropy_fwd", "cross_entropy_bwd", "attention_fwd", "attention_bwd"]
     assert all(calls.get(n, 0) > 0 for n in expected), calls
     # 3 steps x (3 norms + 1 swiglu + 2 ropes (q, k) + 1 cross-entropy) forward, and as many backward
     assert calls["rmsnorm_fwd"] == calls["rmsnorm_bwd"] == 9 and calls["rope_fwd"] == 6, calls
+    assert calls["attention_fwd"] == calls["attention_bwd"] == 3, calls  # 1 layer x 3 steps
     # Three AdamW steps amplify per-op fp32 rounding differences a little (Adam divides by sqrt(v)),
     # so allow 10x the fp32 single-op tolerance.
     tol = {k: 10 * v for k, v in dtype_tols(torch.float32).items()}

@@ -1,0 +1,424 @@
+# ---
+# jupyter:
+#   jupytext:
+#     cell_metadata_filter: minite,tags,-all
+#     formats: ipynb,py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3 (minite)
+#     language: python
+#     name: python3
+# ---
+
+
+# %% [markdown]
+# # 07 — Flash attention: the online softmax, FlashAttention-2 in Triton, its backward, GQA and packed batches
+#
+# Attention is $O = \mathrm{softmax}(QK^\top s + M)\,V$ with $s = 1/\sqrt{D}$ and $M$ the causal mask. Written
+# the obvious way it builds the $T\times T$ score matrix $S$ and the probabilities $P$ in HBM: for one layer of a
+# 7B-class model at $T = 8192$ ($H = 32$ heads, bf16) that is $32 \cdot 8192^2 \cdot 2$ B $= 4.3$ GB **per
+# sequence**, written and read back several times (scores, softmax, dropout, the backward), while the inputs and
+# the output are $4 \cdot 8192 \cdot 4096 \cdot 2$ B $= 268$ MB together. FlashAttention (Dao et al. 2022,
+# [arXiv:2205.14135](https://arxiv.org/abs/2205.14135); FA2: [arXiv:2307.08691](https://arxiv.org/abs/2307.08691))
+# never writes $S$ or $P$: it tiles $Q$, streams $K$ and $V$ through on-chip memory, and keeps a softmax that can
+# be updated one key block at a time. This chapter builds that kernel, its backward, grouped-query attention, and
+# the packed (variable-length) layout Transformer Engine uses.
+
+# %%
+import os, torch
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton or minite kernels
+import glob, json, math
+import matplotlib.pyplot as plt
+import torch.nn.functional as F
+from minite._triton import triton, tl
+from minite.testing import assert_close, dtype_tols
+from minite.kernels.attention import attention, attention_ref, attention_varlen
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+_ = torch.manual_seed(0)
+
+
+def randn(*shape, seed=0, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+
+
+# %% [markdown]
+# ## 1. Naive attention, and what it costs in memory
+#
+# The reference: scores, mask, softmax, weighted sum. $S$ and $P$ are $(B, H, T, T)$.
+
+# %%
+def naive_attention(q, k, v, causal=True):
+    T, D = q.shape[-2], q.shape[-1]
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(D)  # (B, H, T, T): the matrix flash attention never stores
+    if causal:
+        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return s.softmax(-1) @ v  # (B, H, T, D)
+
+
+# %% [markdown]
+# Memory of one layer's attention for one sequence, $H = 32$, $D = 128$, bf16. Naive keeps $S$ and $P$ for the
+# backward ($2\,H T^2$ elements; PyTorch's eager math path keeps more); flash keeps $O$ and the row log-sum-exp
+# $L$ ($H T D + H T$ elements, the LSE in fp32). Both need $Q, K, V$.
+
+# %% tags=["nbval-ignore-output"]
+H, D, elt = 32, 128, 2
+Ts = [2 ** i for i in range(9, 18)]
+naive_gb = [(2 * H * T * T * elt) / 1e9 for T in Ts]
+flash_gb = [(H * T * D * elt + H * T * 4) / 1e9 for T in Ts]
+fig, ax = plt.subplots(figsize=(6, 3.6))
+ax.plot(Ts, naive_gb, "o-", label="naive: S and P, (H, T, T) each")
+ax.plot(Ts, flash_gb, "o-", label="flash: O and LSE, (H, T, D) + (H, T)")
+ax.axhline(80, color="gray", ls="--", label="H100 memory, 80 GB")
+ax.set(xscale="log", yscale="log", xlabel="sequence length T", ylabel="GB per layer per sequence",
+       title="attention activation memory, H=32, D=128, bf16")
+ax.legend(fontsize=8)
+plt.show()
+
+# %% [markdown]
+# At $T = 128$k the naive matrices would be 2.2 TB; flash keeps 1 GB. The curve is quadratic against linear.
+#
+# ## 2. The IO argument
+#
+# The GPU has ~80 GB of HBM at 3.35 TB/s, and per SM ~228 KB of shared memory (SRAM) at >10× that bandwidth.
+# Standard attention reads and writes $\Theta(T D + T^2)$ elements of HBM per head: the $T^2$ term is $S$ and $P$
+# going out and coming back. For $T = 8192$, $D = 128$ that term is 64× the $TD$ one, and at ~1 FLOP per byte of
+# it the softmax is memory bound however fast the tensor cores are. FlashAttention computes the same result with
+# $\Theta(T^2 D^2 / M)$ HBM accesses for an SRAM of $M$ elements: each $Q$ tile is read once, each $K, V$ tile
+# once per $Q$ tile, and nothing of size $T^2$ is ever written. The FLOPs do not change (a little more in the
+# backward, which recomputes $P$); the bytes drop from quadratic to what the tiles need. That is the whole trick,
+# and it needs one piece of math: a softmax that does not need the whole row at once.
+#
+# ## 3. The online softmax
+#
+# For one query row with scores $s_1, \dots, s_T$ and values $v_j$:
+# $$o = \frac{\sum_j e^{s_j - m}\, v_j}{\sum_j e^{s_j - m}}, \qquad m = \max_j s_j$$
+# ($m$ only keeps the exponentials $\le 1$; any constant gives the same $o$). Split the keys into blocks. After
+# the blocks $1..b$ keep three numbers per row: the running max $m_b$, the running sum
+# $\ell_b = \sum_{j \le b} e^{s_j - m_b}$, and the unnormalised accumulator $a_b = \sum_{j \le b} e^{s_j - m_b} v_j$.
+# A new block with scores $s^{(b+1)}$ gives $m_{b+1} = \max(m_b, \max s^{(b+1)})$, and everything summed under
+# the old max is **rescaled** by $\alpha = e^{m_b - m_{b+1}} \le 1$:
+# $$\ell_{b+1} = \alpha\,\ell_b + \sum_{j \in b+1} e^{s_j - m_{b+1}}, \qquad
+#   a_{b+1} = \alpha\, a_b + \sum_{j \in b+1} e^{s_j - m_{b+1}}\, v_j .$$
+# At the end $o = a / \ell$, and the log-sum-exp of the row is $L = m + \log \ell$. $L$ is all the backward needs
+# to recompute any $P_{ij} = e^{s_{ij} - L_i}$, and it is what lets two partial attentions be merged
+# (chapter 08's split-KV decode, chapter 13's ring attention).
+#
+# The same in PyTorch, one key block at a time:
+
+# %%
+def online_softmax_attention(q, k, v, block=16):
+    """q (M, D), k/v (N, D): softmax(q k^T / sqrt(D)) v, streaming k/v in blocks. Returns (o, lse)."""
+    M, D = q.shape
+    m = torch.full((M,), float("-inf"), dtype=torch.float64)
+    l = torch.zeros(M, dtype=torch.float64)
+    acc = torch.zeros(M, D, dtype=torch.float64)
+    for n0 in range(0, k.shape[0], block):
+        s = q @ k[n0:n0 + block].T / math.sqrt(D)  # (M, block): one tile of S, never the whole row
+        m_new = torch.maximum(m, s.max(1).values)
+        alpha = torch.exp(m - m_new)  # rescales what was summed under the old max
+        p = torch.exp(s - m_new[:, None])
+        l = alpha * l + p.sum(1)
+        acc = alpha[:, None] * acc + p @ v[n0:n0 + block]
+        m = m_new
+    return acc / l[:, None], m + torch.log(l)
+
+
+# %% tags=["nbval-check-output"]
+# CHECK: online softmax
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(n, 32, generator=g, dtype=torch.float64) for n in (5, 70, 70))
+o, lse = online_softmax_attention(q, k, v)
+s = q @ k.T / math.sqrt(32)
+assert_close(o, s.softmax(-1) @ v, name="online softmax out")
+assert_close(lse, torch.logsumexp(s, -1), name="lse")
+print("PASS: online softmax over 5 key blocks equals the softmax over the whole row")
+
+# %% [markdown]
+# ## 4. The FlashAttention-2 forward in Triton
+#
+# FA2's choices (over FA1): the **outer loop is over query tiles** — one program per (query tile, batch·head), so
+# no two programs write the same output and the loop over keys stays inside a program; the division by $\ell$
+# happens once at the end; the LSE is stored for the backward.
+#
+# Three details of the kernel below:
+# * **exp2**: the GPU's special-function unit computes $2^x$; $e^x = 2^{x \log_2 e}$. Folding $\log_2 e$ into the
+#   softmax scale (`qk_scale = scale * log2(e)`) turns every `exp` into an `exp2` for free. $m$ and $\ell$ then
+#   live in log2 units; the LSE is converted back to natural log on store (the Triton tutorial stores log2: keep
+#   one base, or merges across kernels go wrong).
+# * **causal block skipping**: query tile $[m_0, m_0 + \text{BLOCK\_M})$ sees keys $j \le i$, so key blocks from
+#   $m_0 + \text{BLOCK\_M}$ on are entirely masked: the loop stops there. Half the work of a causal layer vanishes.
+# * **GPU-legal tiles**: every `tl.dot` dimension must be $\ge 16$ on the GPU (the interpreter accepts less).
+#   Here `BLOCK_M`, `BLOCK_N` $\ge 16$ and `D` is a power of two $\ge 16$.
+
+# %%
+@triton.jit
+def flash_fwd_kernel(Q, K, V, O, LSE, T, qk_scale, CAUSAL: tl.constexpr, D: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0).to(tl.int64)  # query tile
+    bh = tl.program_id(1).to(tl.int64)     # (batch, head): q, k, v, o are contiguous (B*H, T, D)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    base = bh * T * D
+    q = tl.load(Q + base + offs_m[:, None] * D + offs_d[None, :], mask=offs_m[:, None] < T, other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    hi = tl.minimum(T, (pid_m + 1) * BLOCK_M) if CAUSAL else T  # causal: skip the blocks right of the diagonal
+    for n0 in range(0, hi, BLOCK_N):
+        cols = n0 + offs_n
+        k = tl.load(K + base + cols[:, None] * D + offs_d[None, :], mask=cols[:, None] < T, other=0.0)
+        v = tl.load(V + base + cols[:, None] * D + offs_d[None, :], mask=cols[:, None] < T, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        keep = cols[None, :] < T
+        if CAUSAL:
+            keep = keep & (cols[None, :] <= offs_m[:, None])
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # every row sees key 0, so m_new is finite from the first block
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    o = acc / l_i[:, None]
+    tl.store(O + base + offs_m[:, None] * D + offs_d[None, :], o.to(O.dtype.element_ty), mask=offs_m[:, None] < T)
+    tl.store(LSE + bh * T + offs_m, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=offs_m < T)  # log2 -> ln
+
+
+def flash_fwd(q, k, v, causal=True, BLOCK_M=64, BLOCK_N=32):
+    B, H, T, D = q.shape
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    o = torch.empty_like(q)
+    lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
+    grid = (triton.cdiv(T, BLOCK_M), B * H)
+    flash_fwd_kernel[grid](q, k, v, o, lse, T, 1.4426950408889634 / math.sqrt(D), CAUSAL=causal, D=D,
+                           BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    return o, lse
+
+
+# %% tags=["nbval-check-output"]
+# CHECK: lesson flash forward vs naive and vs minite
+ok = True
+for T, causal, dtype in ((7, True, torch.float32), (100, True, torch.float16), (65, False, torch.float32)):
+    q, k, v = (randn(2, 2, T, 32, seed=s, dtype=dtype) for s in (1, 2, 3))
+    o, lse = flash_fwd(q, k, v, causal)
+    assert_close(o, naive_attention(q.float(), k.float(), v.float(), causal).to(dtype), name=f"vs naive T={T}")
+    o_m, lse_m = attention(q, k, v, causal=causal, return_lse=True, backend="triton")
+    assert_close(o, o_m, name="vs minite"); assert_close(lse, lse_m, name="lse vs minite")
+print("PASS: lesson flash forward vs naive and vs minite")
+
+# %% [markdown]
+# How much work did causal block skipping save? Count the key blocks each query tile visits:
+
+# %%
+for T in (512, 2048, 8192):
+    n_m, n_n = T // 64, T // 32
+    full = n_m * n_n
+    causal = sum(min(n_n, ((i + 1) * 64 + 31) // 32) for i in range(n_m))
+    print(f"T={T:5d}: {causal}/{full} key blocks visited = {causal / full:.3f} of the full grid")
+
+# %% [markdown]
+# `minite.kernels.attention` is this kernel grown up: head dims that are not powers of two (padded and masked),
+# GQA, $T_q \neq T_k$ with the causal mask aligned bottom-right (query $i$ sees keys $j \le i + T_k - T_q$: the
+# last query sees every key, which is what a KV-cache prefill needs), rows that see no key (LSE $=-\infty$, output
+# 0, never NaN: `m_new` can be $-\infty$ there, and $-\infty - (-\infty)$ is NaN), the packed layout, and bf16
+# upcast to fp32 at load under the interpreter (its bf16 arithmetic is wrong; TRITON_ON_CPU.md).
+#
+# ## 5. The backward, derived
+#
+# Forward per head: $S = QK^\top s$, $P = \mathrm{softmax}_{\text{rows}}(S)$, $O = PV$. Given $dO$:
+# * $O = PV$ gives $dV = P^\top dO$ and $dP = dO\,V^\top$.
+# * Softmax, row $i$: $P_{ij} = e^{S_{ij}} / \sum_k e^{S_{ik}}$, so $\partial P_{ij}/\partial S_{ik} =
+#   P_{ij}(\delta_{jk} - P_{ik})$ and $dS_{ik} = \sum_j dP_{ij} P_{ij}(\delta_{jk} - P_{ik}) =
+#   P_{ik}\,(dP_{ik} - \sum_j P_{ij} dP_{ij})$.
+# * The row sum is cheap: $\sum_j P_{ij} dP_{ij} = \sum_j P_{ij} (dO_i \cdot V_j) = dO_i \cdot O_i$. Call it
+#   $\Delta_i = \mathrm{rowsum}(dO \circ O)$: a $(T,)$ vector from two $(T, D)$ tensors, computed once.
+# * So $dS = P \circ (dP - \Delta)$, and through $S = QK^\top s$: $dQ = dS\,K\,s$, $dK = dS^\top Q\, s$.
+#
+# $P$ is not stored: it is **recomputed** tile by tile as $P_{ij} = e^{S_{ij} - L_i}$ from the saved LSE. $dV$ and
+# $dK$ are sums over query rows, $dQ$ a sum over key columns. One kernel would need atomics for one of them; FA2
+# (and minite) run **two kernels**: one program per key tile accumulates $dK, dV$ over all queries, one program
+# per query tile accumulates $dQ$ over all keys. Each output has one writer, no atomics.
+#
+# The math in PyTorch (full matrices, to check the derivation):
+
+# %%
+def attention_bwd_from_lse(q, k, v, o, lse, do, causal=True):
+    T, D = q.shape[-2], q.shape[-1]
+    scale = 1 / math.sqrt(D)
+    s = q @ k.transpose(-1, -2) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    p = torch.exp(s - lse[..., None])  # recomputed from the LSE
+    delta = (do * o).sum(-1, keepdim=True)  # (B, H, T, 1)
+    dv = p.transpose(-1, -2) @ do
+    dp = do @ v.transpose(-1, -2)
+    ds = p * (dp - delta)
+    return ds @ k * scale, ds.transpose(-1, -2) @ q * scale, dv
+
+
+# %% tags=["nbval-check-output"]
+# CHECK: backward derivation
+g = torch.Generator().manual_seed(1)
+q, k, v, do = (torch.randn(1, 2, 9, 16, generator=g, dtype=torch.float64) for _ in range(4))
+qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
+o = naive_attention(qa, ka, va)
+o.backward(do)
+lse = torch.logsumexp((q @ k.transpose(-1, -2) / 4).masked_fill(torch.ones(9, 9, dtype=torch.bool).triu(1),
+                                                                    float("-inf")), -1)
+for name, got, want in zip(("dq", "dk", "dv"), attention_bwd_from_lse(q, k, v, o.detach(), lse, do),
+                           (qa.grad, ka.grad, va.grad)):
+    assert_close(got, want, name=name)
+print("PASS: dQ, dK, dV from the LSE equal autograd")
+
+# %% [markdown]
+# minite's backward is the two kernels (plus a tiny one for $\Delta$). Checked against autograd through the
+# naive formula in fp64:
+
+# %% tags=["nbval-check-output"]
+# CHECK: minite backward
+q, k, v = (randn(1, 2, 70, 32, seed=s).requires_grad_() for s in (4, 5, 6))
+do = randn(1, 2, 70, 32, seed=7)
+grads = torch.autograd.grad(attention(q, k, v, backend="triton"), (q, k, v), do)
+q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+want = torch.autograd.grad(naive_attention(q64, k64, v64), (q64, k64, v64), do.double())
+for name, a, b in zip(("dq", "dk", "dv"), grads, want):
+    assert_close(a, b.float(), name=name)
+print("PASS: minite's two-kernel backward equals autograd")
+
+# %% [markdown]
+# ## 6. Grouped-query attention
+#
+# With GQA (Ainslie et al. 2023) $H$ query heads share $KVH < H$ key/value heads: query head $h$ reads kv head
+# $h \,//\, (H/KVH)$. MQA is $KVH = 1$. The forward just indexes the right kv head (no `repeat_interleave` copy);
+# in the backward, a kv head received contributions from $H/KVH$ query heads, so its $dK, dV$ are the **sum over
+# the group**. minite's dK/dV program for kv head $g$ loops over the group's query heads and sums, still without
+# atomics.
+
+# %% tags=["nbval-check-output"]
+# CHECK: gqa gradients are group sums
+q = randn(1, 8, 33, 16, seed=8).requires_grad_()
+k, v = (randn(1, 2, 33, 16, seed=s).requires_grad_() for s in (9, 10))
+dq, dk, dv = torch.autograd.grad(attention(q, k, v, backend="triton"), (q, k, v), torch.ones_like(q))
+kr, vr = (t.detach().repeat_interleave(4, 1).requires_grad_() for t in (k, v))  # (1, 8, 33, 16): one per q head
+_, dkr, dvr = torch.autograd.grad(attention(q, kr, vr, backend="triton"), (q, kr, vr), torch.ones_like(q))
+assert_close(dk, dkr.view(1, 2, 4, 33, 16).sum(2), name="dk = sum over the group")
+assert_close(dv, dvr.view(1, 2, 4, 33, 16).sum(2), name="dv")
+print("PASS: GQA dK/dV equal the per-head gradients summed over each group of 4")
+
+# %% [markdown]
+# ## 7. Numerics, and which kernel PyTorch's SDPA runs
+#
+# **Pre-scaled q.** nanoGPT's switch to `F.scaled_dot_product_attention` (PyTorch 2.0) came with a lesson in
+# fp16: $QK^\top$ of unscaled vectors can exceed fp16's 65504 before the $1/\sqrt{D}$ brings it back. Scaling $q$
+# first (or folding the scale into the kernel, as here, in fp32 after an fp32-accumulating `tl.dot`) keeps the
+# intermediate in range:
+
+# %% tags=["nbval-check-output"]
+# CHECK: prescaled q
+q = torch.full((1, 128), 30.0, dtype=torch.float16)
+k = torch.full((1, 128), 30.0, dtype=torch.float16)
+late = (q @ k.T) / math.sqrt(128)        # 115200 overflows fp16 before the scale
+early = (q / math.sqrt(128)) @ k.T       # 10182: in range
+print(f"scale after the matmul: {late.item()}, before: {early.item():.0f}")
+assert torch.isinf(late).all() and torch.isfinite(early).all()
+print("PASS: pre-scaling q keeps fp16 scores finite")
+
+# %% [markdown]
+# **SDPA's kernels.** `F.scaled_dot_product_attention` dispatches to one of several implementations, tried in
+# priority order, each with requirements (force one with `torch.nn.attention.sdpa_kernel(SDPBackend.X)`):
+#
+# | backend | what it is | requires |
+# |---|---|---|
+# | `FLASH_ATTENTION` | FlashAttention-2 (Tri Dao's CUDA kernels) | CUDA sm80+, fp16/bf16, head dim ≤ 256, no arbitrary mask |
+# | `CUDNN_ATTENTION` | cuDNN's fused flash attention (fastest on H100 in recent releases) | CUDA sm80+ (best sm90), fp16/bf16, recent cuDNN |
+# | `EFFICIENT_ATTENTION` | xFormers' memory-efficient kernel | CUDA, fp32 too, additive masks allowed |
+# | `MATH` | the naive formula in ATen ops, $S$ and $P$ in memory | anything (the CPU fallback, fp64, odd masks) |
+#
+# On this CPU only the math path (and a CPU flash variant) exist; on an H100 a bf16 causal call runs flash or
+# cuDNN. minite's `"torch"` backend is that SDPA call, and the GPT test compares 3 training steps of it against
+# the Triton kernel.
+#
+# ## 8. Layouts: bshd, sbhd, thd — and packing instead of padding
+#
+# Transformer Engine names its attention layouts by letters: **bshd** (batch, sequence, heads, dim: what a
+# `(B, T, C)` projection reshapes to), **sbhd** (sequence first: Megatron's layout, convenient for sequence
+# parallelism), and **thd** (tokens, heads, dim: all sequences of the batch **packed** end to end, with
+# `cu_seqlens` marking where each starts). minite's dense kernels take bhsd like SDPA; `attention_varlen` takes
+# thd. With documents of different lengths, padding to the longest wastes work; packing computes exactly the
+# tokens there are:
+
+# %% tags=["nbval-ignore-output"]
+gen = torch.Generator().manual_seed(0)
+lens = (torch.distributions.Exponential(1 / 600.0).sample((256,)) + 16).clamp(max=4096).long()  # documents
+batches = lens.view(32, 8)  # 32 batches of 8 documents
+pad_tok = (batches.max(1).values * 8).sum().item()
+pack_tok = lens.sum().item()
+pad_att = (batches.max(1).values.double() ** 2 * 8).sum().item()
+pack_att = (lens.double() ** 2).sum().item()
+fig, ax = plt.subplots(figsize=(6, 3.4))
+ax.bar(["tokens\npadded", "tokens\npacked", "attention\npadded", "attention\npacked"],
+       [1, pack_tok / pad_tok, 1, pack_att / pad_att], color=["C1", "C0", "C1", "C0"])
+ax.set(ylabel="work relative to padding", title="256 documents, exponential lengths (mean ~600), batches of 8")
+plt.show()
+print(f"packing computes {pack_tok / pad_tok:.0%} of the padded tokens and {pack_att / pad_att:.0%} of the "
+      "padded attention FLOPs")
+
+# %% tags=["nbval-check-output"]
+# CHECK: varlen equals per-sequence attention
+lens = [5, 33, 1, 17]
+cu = torch.tensor([0, 5, 38, 39, 56], dtype=torch.int32, device=DEVICE)
+q = randn(56, 4, 32, seed=11); k = randn(56, 2, 32, seed=12); v = randn(56, 2, 32, seed=13)  # thd, GQA 2
+o = attention_varlen(q, k, v, cu, max(lens), backend="triton")
+for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+    per_seq = attention(*(t[a:b].transpose(0, 1)[None] for t in (q, k, v)), backend="triton")  # (1, H, T_b, D)
+    assert_close(o[a:b], per_seq[0].transpose(0, 1), name=f"sequence {a}:{b}")
+print("PASS: one packed launch equals four per-sequence launches, nothing computed across documents")
+
+# %% [markdown]
+# ## 9. GPU numbers
+#
+# `benchmarks/bench_attention.py` measures forward and forward+backward TFLOP/s at $D = 64, 128$, $T =$ 512 … 16k,
+# causal and not, against SDPA's flash and cuDNN backends. **It has not been run on a GPU for this edition**: the
+# cell below plots a `benchmarks/results/attention_*.json` when one exists, and otherwise the published H100
+# forward figures that frame what to expect (FA3 paper, [arXiv:2407.08608](https://arxiv.org/abs/2407.08608);
+# ranges over sequence lengths, bf16, D = 128).
+
+# %% tags=["nbval-ignore-output"]
+runs = sorted(glob.glob("../benchmarks/results/attention_*.json"))
+if runs:
+    res = json.load(open(runs[-1]))
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for impl in sorted({r["impl"] for r in res["results"]}):
+        rs = [r for r in res["results"] if r["impl"] == impl and r["D"] == 128 and r["causal"] and r["mode"] == "fwd+bwd"]
+        ax.plot([r["T"] for r in rs], [r["TFLOPs"] for r in rs], "o-", label=impl)
+    ax.set(xscale="log", xlabel="T", ylabel="TFLOP/s", title=f"causal fwd+bwd, D=128 — {res['device']}")
+    ax.legend()
+else:
+    pub = {"FlashAttention-2": (310, 370), "Triton tutorial": (320, 470), "cuDNN": (500, 600), "FA3": (470, 650)}
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    for i, (name, (lo, hi)) in enumerate(pub.items()):
+        ax.bar(i, hi - lo, bottom=lo, color=f"C{i}")
+    ax.set_xticks(range(len(pub)), list(pub))
+    ax.set(ylabel="TFLOP/s (forward)", title="published H100 forward, bf16 (FA3 paper) — not measured here")
+plt.show()
+
+# %% [markdown]
+# ## 10. Where it runs in the GPT
+#
+# `minite/layers/attention.py`, `CausalSelfAttention.forward`: q, k, v from one projection, RoPE on q and k, then
+# `attention(q, k, v, causal=True, backend=self.backend)` — the kernel of this chapter on the Triton backend (GPU,
+# or the CPU interpreter), SDPA otherwise. `python -m minite.train --model.backend=triton` trains on it; a test
+# checks its first 3 losses against the SDPA run. Chapter 08 adds the KV cache and a decode kernel built on the
+# same online softmax; chapter 13 splits the keys over GPUs and merges the partial results with the LSE.
+
+# %%
+from minite.nn import CausalSelfAttention
+layer = CausalSelfAttention(64, 4, 2, max_seq_len=32, backend="triton").to(DEVICE)
+x = randn(2, 32, 64, seed=14)
+print(layer, tuple(layer(x).shape))
