@@ -94,6 +94,8 @@ class ParallelConfig:
     cp: int = _doc("context-parallel degree (chapter 13)", 1)
     zero: int = _doc("ZeRO stage over the dp group: 0 = DDP, 1 = sharded optimizer, 2 = + grads, 3 = + params", 0)
     sp: bool = _doc("sequence parallelism on top of tp", False)
+    microbatches: int = _doc("pipeline micro-batches per optimizer step (0 = pp); they split train.batch_size", 0)
+    pp_schedule: str = _doc("pipeline schedule: 1f1b | afab (GPipe)", "1f1b")
     timeout_s: float = _doc("collective timeout: a dead or hung rank makes the others fail after this", 120.0)
 
 
