@@ -73,7 +73,8 @@ def simulate(schedule, p: int, m: int, t_f: float = 1.0, t_b: float = 2.0) -> di
             pos[s] += 1
             progressed = True
         if not progressed:
-            raise RuntimeError(f"schedule deadlocks: stages wait at steps {[plans[s][pos[s]:pos[s] + 1] for s in range(p)]}")
+            stuck = [plans[s][pos[s]:pos[s] + 1] for s in range(p)]
+            raise RuntimeError(f"schedule deadlocks: the stages wait at steps {stuck}")
     return out
 
 

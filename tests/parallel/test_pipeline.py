@@ -13,8 +13,7 @@ import torch
 
 from minite.models.gpt import GPT, GPTConfig
 from minite.parallel.launch import results, torchrun
-from minite.parallel.pipeline_schedule import (SCHEDULES, afab, bubble_fraction, check_schedule, one_f_one_b,
-                                               simulate)
+from minite.parallel.pipeline_schedule import SCHEDULES, afab, bubble_fraction, check_schedule, one_f_one_b, simulate
 
 CHECKS = [f"grads_{s}_m{m}" for s in SCHEDULES for m in (1, 2, 3, 4, 6)] + \
     ["reject", "train_3_steps", "memory_afab", "memory_1f1b"]
