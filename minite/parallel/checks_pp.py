@@ -1,7 +1,7 @@
 """Chapter 12's distributed checks and measurements, many per torchrun launch (each launch costs ~6 s):
 
     torchrun --nproc-per-node N -m minite.parallel.checks_pp --out DIR grads reject train memory
-    torchrun --nproc-per-node N -m minite.parallel.checks_pp --out DIR timeline --m 1 4 8
+    torchrun --nproc-per-node N -m minite.parallel.checks_pp --out DIR timeline --micro 1 4 8
     torchrun --nproc-per-node 2 -m minite.parallel.checks_pp --out DIR grade --file student.py
 
 Every rank builds the dense GPT from the same seed, computes the dense loss and gradients of the whole batch, and
@@ -111,17 +111,21 @@ def check_memory(dims, args) -> dict:
 
 
 def measure_timeline(dims, args) -> dict:
-    """Per-rank events of one timed step per (schedule, m), after a warm-up step; a wider model so compute counts."""
+    """Per-rank events of timed steps per (schedule, m) after a warm-up step, the global batch fixed at
+    max(m) * mb sequences; a wider model than the checks' so that compute, not messages, dominates."""
     model, x, y = dense_and_batch(n_layer=4 * dims.pp, n_embd=args.width, n_head=4, mlp_hidden=4 * args.width,
-                                  batch=max(args.m) * args.mb, vocab_size=64)
+                                  batch=max(args.micro) * args.mb, vocab_size=64)
     out = {}
     for sched in SCHEDULES:
-        for m in args.m:
+        for m in args.micro:
             pipe = PipelineGPT(model, dims, m, sched)
             pipe.step(x, y)  # warm-up
-            dist.barrier()
-            pipe.step(x, y)
-            out[f"{sched}_m{m}"] = {"ok": True, "events": pipe.events, "peak_act_bytes": pipe.peak_act_bytes,
+            runs = []
+            for _ in range(args.repeat):  # the notebook keeps the run with the shortest span (the least disturbed)
+                dist.barrier()
+                pipe.step(x, y)
+                runs.append(pipe.events)
+            out[f"{sched}_m{m}"] = {"ok": True, "runs": runs, "peak_act_bytes": pipe.peak_act_bytes,
                                     "bubble_formula": bubble_fraction(dims.pp, m)}
             model.zero_grad(set_to_none=True)
     return out
@@ -151,9 +155,10 @@ def main(argv=None) -> int:
     ap.add_argument("checks", nargs="+", choices=sorted(CHECKS))
     ap.add_argument("--out", default=tempfile.gettempdir())
     ap.add_argument("--file", default="")
-    ap.add_argument("--m", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--micro", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--mb", type=int, default=2, help="sequences per micro-batch (timeline)")
-    ap.add_argument("--width", type=int, default=128, help="model width (timeline)")
+    ap.add_argument("--repeat", type=int, default=2, help="timed steps per configuration (timeline)")
+    ap.add_argument("--width", type=int, default=96, help="model width (timeline)")
     ap.add_argument("--timeout", type=float, default=60.0)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
