@@ -141,9 +141,31 @@ def grade(dims, args) -> dict:
              if [tuple(a) for a in mod.one_f_one_b(p, m, s)] != want(p, m, s)]
     if wrong:  # the same on every rank: skip the real step (a wrong order could wait forever on a receive)
         return {"grade": {"ok": False, "err": float("inf"), "wrong_orders": wrong[:3]}}
-    r = compare(dims, lambda p, m, s: [tuple(a) for a in mod.one_f_one_b(p, m, s)], 5)
+    r = compare(dims, lambda p, m, s: [tuple(a) for a in mod.one_f_one_b(p, m, s)], 6)
     err = max(r["loss_err"], r["grad_err"])
     return {"grade": {"ok": not wrong and err < TOL, "err": err, "wrong_orders": wrong[:3]}}
+
+
+def run_graded(source: str, world: int = 2, timeout: float = 120) -> tuple[bool, str]:
+    """The exercise's check: write the learner's ``one_f_one_b`` to a file, torchrun ``grade``; (ok, message)."""
+    import textwrap
+
+    from minite.parallel.launch import results, torchrun
+    d = Path(tempfile.mkdtemp(prefix="minite_grade_pp_"))
+    (d / "student.py").write_text(textwrap.dedent(source))
+    res = torchrun(world, ["-m", "minite.parallel.checks_pp", "grade", "--file", str(d / "student.py"),
+                           "--out", str(d)], timeout=timeout)
+    got = {r: rep["grade"] for r, rep in results(d).items()}
+    if len(got) != world:
+        return False, f"one_f_one_b: the torchrun run failed (exit {res.returncode}): {res.stdout[-500:]}"
+    r = got[0]
+    if r.get("error"):
+        return False, f"one_f_one_b raised {r['error']}"
+    if r.get("wrong_orders"):
+        return False, f"one_f_one_b: wrong step order for (p, m, stage) = {r['wrong_orders']}"
+    ok = all(v["ok"] for v in got.values())
+    worst = max(v["err"] for v in got.values())
+    return ok, f"one_f_one_b on {world} ranks: order right, m=6 step: max |loss or grad - dense| {worst:.0e}"
 
 
 CHECKS = {"grads": check_grads, "reject": check_reject, "train": check_train, "memory": check_memory,
