@@ -28,6 +28,13 @@ from minite.parallel.pipeline_stage import Stage, partition
 __all__ = ["partition", "Stage", "PipelineGPT"]
 
 
+def _now(x: torch.Tensor) -> float:
+    """Wall-clock seconds (one clock for every rank of a node); on CUDA after the queued kernels have run."""
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+    return time.time()
+
+
 class _PendingGrads(torch.autograd.Function):
     """forward: the loss the schedule computed / backward: add upstream * the schedule's gradients to .grad."""
 
@@ -105,10 +112,10 @@ class PipelineGPT(nn.Module):
                     if ptr not in pptr:
                         seen[ptr] = t.untyped_storage().nbytes()
                     return t
-                t0 = time.time()
+                t0 = _now(x)
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     out = st(inp, ys[i] if last else None)
-                self.events.append(("F", i, t0, time.time()))
+                self.events.append(("F", i, t0, _now(x)))
                 if last:
                     loss += out.detach().double() / m
                 else:
@@ -119,9 +126,9 @@ class PipelineGPT(nn.Module):
                 peak = max(peak, live)
             else:
                 grad = torch.full_like(outs[i], 1.0 / m) if last else self._recv(xs[i], nxt)
-                t0 = time.time()
+                t0 = _now(x)
                 torch.autograd.backward(outs.pop(i), grad)
-                self.events.append(("B", i, t0, time.time()))
+                self.events.append(("B", i, t0, _now(x)))
                 inp = ins.pop(i)
                 if not first:
                     sends.append((comm.send(inp.grad, prev, self.group), inp.grad))
@@ -204,7 +211,8 @@ class PipelineGPT(nn.Module):
         return self.p > 1 and self.stage.last and q is self.stage.wte.weight
 
     def num_params(self) -> int:
-        n = torch.tensor([sum(q.numel() for q in self.stage.parameters() if not self._shared(q))])
+        n = torch.tensor([sum(q.numel() for q in self.stage.parameters() if not self._shared(q))],
+                         device=next(self.stage.parameters()).device)  # NCCL reduces CUDA tensors only
         comm.all_reduce(n, self.group)
         return int(n)
 
