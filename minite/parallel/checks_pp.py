@@ -131,6 +131,17 @@ def measure_timeline(dims, args) -> dict:
     return out
 
 
+def die(dims, args) -> dict:
+    """The last stage raises before its first forward while the others wait on receives: the run must end with an
+    error naming that rank (torchrun tears the others down; the collective timeout bounds it otherwise)."""
+    model, x, y = dense_and_batch()
+    pipe = PipelineGPT(model, dims, 4)
+    if dims.pp_rank == dims.pp - 1:
+        raise RuntimeError(f"rank {dims.rank} (stage {dims.pp_rank}) dies on purpose")
+    pipe.step(x, y)
+    return {"die": {"ok": False}}  # not reached
+
+
 def grade(dims, args) -> dict:
     """A learner's 1F1B: its step order for several (p, m, stage), then a real pipeline step run with it."""
     spec = importlib.util.spec_from_file_location("student", args.file)
@@ -169,7 +180,7 @@ def run_graded(source: str, world: int = 2, timeout: float = 120) -> tuple[bool,
 
 
 CHECKS = {"grads": check_grads, "reject": check_reject, "train": check_train, "memory": check_memory,
-          "timeline": measure_timeline, "grade": grade}
+          "timeline": measure_timeline, "grade": grade, "die": die}
 
 
 def main(argv=None) -> int:

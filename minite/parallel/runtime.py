@@ -125,7 +125,7 @@ class Parallel:
         if hasattr(opt, "save_sharded"):  # ZeRO: every rank writes its shard next to the checkpoint
             opt.save_sharded(os.path.join(out_dir, "optim_shards"))
             return None
-        return opt.state_dict() if self.dims.tp == 1 else None
+        return opt.state_dict() if self.dims.tp == self.dims.pp == 1 else None
 
 
 def setup_parallel(cfg, resume: bool = False) -> Parallel:

@@ -94,6 +94,16 @@ def test_pipeline_matches_dense(request, world, name):
         assert rep[name]["ok"], f"{name} on rank {rank} of {world}: {rep[name]}"
 
 
+@pytest.mark.distributed
+def test_dead_stage_ends_the_run_naming_it(tmp_path):
+    """Stage 1 raises while stage 0 waits for its gradient: the launch fails (no hang) and names rank 1."""
+    res = torchrun(2, ["-m", "minite.parallel.checks_pp", "die", "--timeout", "30", "--out", str(tmp_path)],
+                   timeout=90)
+    assert res.returncode != 0
+    assert "rank      : 1" in res.stdout and "dies on purpose" in res.stdout, res.stdout[-2000:]
+    assert not list(tmp_path.glob("rank*.json"))
+
+
 FLAGS = {"model.n_layer": 4, "model.n_head": 4, "model.n_kv_head": 2, "model.n_embd": 32, "model.mlp_hidden": 64,
          "model.block_size": 16, "model.backend": "torch", "train.batch_size": 8, "train.max_iters": 20,
          "train.log_interval": 1, "train.eval_interval": 10, "train.eval_iters": 2, "train.warmup_iters": 2,
