@@ -140,7 +140,7 @@ print(f"|loss - dense| = {abs(loss.item() - dense_loss.item()):.1e}, worst |grad
 # Run that on $p$ real ranks with the whole batch as one micro-batch: at any moment exactly one stage works.
 # Cut the batch into $m$ micro-batches and let stage $s$ start micro-batch $i+1$ while stage $s+1$ works on $i$.
 # The simplest schedule, **AFAB** (GPipe, Huang et al. 2019): every stage runs all $m$ forwards, then all $m$
-# backwards.
+# backwards. In the timelines below a light bar is a forward, a dark bar a backward, the number its micro-batch.
 
 # %%
 def afab_steps(p, m, stage):
@@ -241,7 +241,7 @@ for msg in rep[0]["reject"]["messages"]:
 # ## 6. The bubble, measured
 #
 # Each executed step is recorded as `(kind, micro-batch, start, end)` on its rank. Below: an 8-layer, 96-wide GPT
-# on 2 ranks, a global batch of 16 sequences cut into $m = 1, 4, 8$ micro-batches, two timed steps each (the one
+# on 2 ranks, a global batch of 16 sequences cut into $m = 1, 4, 8$ micro-batches, three timed steps each (the one
 # with the shortest span is kept). The measured bubble of a rank is $1 - \text{busy}/\text{span}$, the span
 # running from the first rank's first start to the last rank's last end.
 
@@ -253,13 +253,13 @@ def best_run(name):
     spans = [max(e[3] for v in ev.values() for e in v) - min(e[2] for v in ev.values() for e in v) for ev in runs]
     return runs[spans.index(min(spans))]
 
-print("schedule  m   measured bubble (rank 0, rank 1)   formula")
+print("schedule  m   measured bubble: rank 0, rank 1, mean   formula")
 for name in tl[0]:
     ev = best_run(name)
     t0, t1 = min(e[2] for v in ev.values() for e in v), max(e[3] for v in ev.values() for e in v)
     idle = [1 - sum(e[3] - e[2] for e in ev[r]) / (t1 - t0) for r in ev]
     sched, m = name.split("_m")
-    print(f"{sched:8} {m:>2}   {idle[0]:.2f}, {idle[1]:.2f}{'':20} {tl[0][name]['bubble_formula']:.2f}")
+    print(f"{sched:8} {m:>2}   {idle[0]:24.2f}, {idle[1]:.2f}, {sum(idle) / 2:.2f}   {tl[0][name]['bubble_formula']:.2f}")
 fig, axs = plt.subplots(1, 2, figsize=(11, 2.4), layout="tight")
 for ax, name in zip(axs, ("afab_m8", "1f1b_m8")):
     ev = best_run(name)
@@ -267,11 +267,13 @@ for ax, name in zip(axs, ("afab_m8", "1f1b_m8")):
                   f"{name}: measured, 2 ranks on 2 shared CPU cores (ms)")
 
 # %% [markdown]
-# The measured bubble falls with $m$ as the formula says, but sits above it: the formula assumes equal, constant
-# step times. Here the last stage also runs the head and the loss (a longer forward and backward), small
-# micro-batches make per-step overheads (Python, the message, `autograd` set-up) a larger share, and the two
-# processes share 2 CPU cores with everything else on the machine, so the bars are noisy. The *shape* is the
-# point: the gaps at the start of stage 1 and at the end of stage 0 are the bubble.
+# At $m = 1$ about half of the ranks' time is idle (the mean column), as the formula says. With more micro-batches the formula is a
+# lower bound that real runs do not reach: it assumes equal, constant step times, but here the last stage also
+# runs the head and the loss (a longer forward and backward), small micro-batches make per-step overheads
+# (Python, the message, `autograd`'s set-up) a larger share, and the two processes share 2 CPU cores with
+# everything else on the machine, so a step can lose its core half-way and the numbers change from run to run
+# (re-run the cell). The timelines show what the bubble *is*: the gap before stage 1's first forward and the gap
+# after stage 0's last forward while the first gradient travels back; 1F1B's interleaving does not remove them.
 #
 # ## 7. Activation memory per stage, measured
 #

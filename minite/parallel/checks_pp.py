@@ -190,7 +190,7 @@ def main(argv=None) -> int:
     ap.add_argument("--file", default="")
     ap.add_argument("--micro", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--mb", type=int, default=2, help="sequences per micro-batch (timeline)")
-    ap.add_argument("--repeat", type=int, default=2, help="timed steps per configuration (timeline)")
+    ap.add_argument("--repeat", type=int, default=3, help="timed steps per configuration (timeline)")
     ap.add_argument("--width", type=int, default=96, help="model width (timeline)")
     ap.add_argument("--timeout", type=float, default=60.0)
     args = ap.parse_args(argv)
