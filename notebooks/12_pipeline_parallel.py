@@ -253,13 +253,14 @@ def best_run(name):
     spans = [max(e[3] for v in ev.values() for e in v) - min(e[2] for v in ev.values() for e in v) for ev in runs]
     return runs[spans.index(min(spans))]
 
-print("schedule  m   measured bubble: rank 0, rank 1, mean   formula")
+print("measured bubble per rank, their mean, and (p-1)/(m+p-1)")
+print(f"{'schedule':8} {'m':>2}  {'rank 0':>6}  {'rank 1':>6}  {'mean':>6}  {'formula':>7}")
 for name in tl[0]:
     ev = best_run(name)
     t0, t1 = min(e[2] for v in ev.values() for e in v), max(e[3] for v in ev.values() for e in v)
     idle = [1 - sum(e[3] - e[2] for e in ev[r]) / (t1 - t0) for r in ev]
     sched, m = name.split("_m")
-    print(f"{sched:8} {m:>2}   {idle[0]:24.2f}, {idle[1]:.2f}, {sum(idle) / 2:.2f}   {tl[0][name]['bubble_formula']:.2f}")
+    print(f"{sched:8} {m:>2}  {idle[0]:6.2f}  {idle[1]:6.2f}  {sum(idle) / 2:6.2f}  {tl[0][name]['bubble_formula']:7.2f}")
 fig, axs = plt.subplots(1, 2, figsize=(11, 2.4), layout="tight")
 for ax, name in zip(axs, ("afab_m8", "1f1b_m8")):
     ev = best_run(name)
