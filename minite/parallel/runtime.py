@@ -69,6 +69,9 @@ class Parallel:
     def wrap(self, model):
         d = self.dims
         d.check_model(model.config)
+        if d.pp > 1:  # chapter 12: this rank's stage (pp composes with no other degree here)
+            from minite.parallel.pipeline import PipelineGPT
+            return PipelineGPT(model, d, *getattr(self, "pp_args", (0, "1f1b")))
         if d.tp > 1:
             from minite.parallel.sequence import TPGPT
             model = TPGPT.from_dense(model, d.group("tp"), sequence_parallel=self.sp)
@@ -100,6 +103,8 @@ class Parallel:
     def clip(self, model, opt, max_norm: float):
         if hasattr(opt, "clip_grad_norm_"):
             return opt.clip_grad_norm_(max_norm)
+        if hasattr(model, "clip_grad_norm_"):  # PipelineGPT: the norm over every stage
+            return model.clip_grad_norm_(max_norm)
         if self.dims.tp > 1:
             return clip_grad_norm_(model.parameters(), max_norm, self.dims.group("tp"))
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -121,14 +126,13 @@ class Parallel:
         if hasattr(opt, "save_sharded"):  # ZeRO: every rank writes its shard next to the checkpoint
             opt.save_sharded(os.path.join(out_dir, "optim_shards"))
             return None
-        return opt.state_dict() if self.dims.tp == 1 else None
+        return opt.state_dict() if self.dims.tp == self.dims.pp == 1 else None
 
 
 def setup_parallel(cfg, resume: bool = False) -> Parallel:
     p = cfg.parallel
-    if p.pp > 1 or p.cp > 1:
-        raise ParallelError(f"--parallel.pp={p.pp} / --parallel.cp={p.cp}: pipeline and context parallelism are "
-                            "chapters 12-13, not wired into minite.train yet")
+    if p.cp > 1:
+        raise ParallelError(f"--parallel.cp={p.cp}: context parallelism is chapter 13, not wired into minite.train yet")
     if p.zero not in (0, 1, 2, 3):
         raise ParallelError(f"--parallel.zero must be 0, 1, 2 or 3, got {p.zero}")
     if p.zero == 3 and p.tp > 1:
@@ -143,4 +147,6 @@ def setup_parallel(cfg, resume: bool = False) -> Parallel:
         if rank != 0:  # one voice: rank 0 prints and logs; errors still reach stderr from every rank
             sys.stdout = open(os.devnull, "w")
             cfg.train.progress = False
-    return Parallel(dims, zero=p.zero, sp=p.sp)
+    par = Parallel(dims, zero=p.zero, sp=p.sp)
+    par.pp_args = (p.microbatches, p.pp_schedule)  # chapter 12: PipelineGPT's micro-batches and schedule
+    return par

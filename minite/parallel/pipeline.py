@@ -1,0 +1,236 @@
+"""Pipeline parallelism (chapter 12): the GPT cut into stages by layers, one stage per rank of the pp group.
+
+    stage 0: embedding + blocks[0:a]  ->  stage 1: blocks[a:b]  -> ... ->  stage p-1: blocks[..] + norm + head + loss
+
+``partition`` balances the stages by parameter count (the embedding counts on the first stage, the tied head on
+the last). ``PipelineGPT.step(x, y)`` cuts the batch into m micro-batches and runs a schedule from
+``pipeline_schedule`` (AFAB or 1F1B): activations go forward and their gradients come back with ordered
+``isend``/``irecv`` (never ``batch_isend_irecv``: it hangs on gloo). Sends are non-blocking and receives wait, so any
+schedule whose dependencies are acyclic cannot deadlock. The tied embedding lives on both end stages; their two
+gradients are summed after the backward (Megatron's embedding group), so both copies take the same AdamW step.
+Each step records per-rank events (kind, micro-batch, start, end) and the peak bytes of activations that autograd
+held (saved tensors, counted by storage, parameters excluded), the measurements of the lesson.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from minite.models.gpt import GPT
+from minite.parallel import comm
+from minite.parallel.dims import ParallelError
+from minite.parallel.pipeline_schedule import SCHEDULES, check_schedule
+from minite.parallel.pipeline_stage import Stage, partition
+
+__all__ = ["partition", "Stage", "PipelineGPT"]
+
+
+def _now(x: torch.Tensor) -> float:
+    """Wall-clock seconds (one clock for every rank of a node); on CUDA after the queued kernels have run."""
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+    return time.time()
+
+
+class _PendingGrads(torch.autograd.Function):
+    """forward: the loss the schedule computed / backward: add upstream * the schedule's gradients to .grad."""
+
+    @staticmethod
+    def forward(ctx, loss, anchor, model):
+        ctx.model = model
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.model._accumulate(ctx.model._pending, float(g))
+        ctx.model._pending = None
+        return None, None, None
+
+
+class PipelineGPT(nn.Module):
+    """My stage of a GPT under pipeline parallelism (dims.pp stages). ``step(x, y)`` runs one schedule over the
+    global batch (the same x, y on every rank) and accumulates this stage's gradients; ``forward(x, y)`` does the
+    same behind minite.train's ``loss.backward()``."""
+
+    def __init__(self, dense: GPT, dims, microbatches: int = 0, schedule="1f1b"):
+        super().__init__()
+        if dims.size != dims.pp:
+            raise ParallelError(f"pipeline parallelism composes with no other degree here: dp={dims.dp} "
+                                f"tp={dims.tp} cp={dims.cp} (use pp alone)")
+        p, s = dims.pp, dims.pp_rank
+        self.config, self.dims, self.p, self.s = dense.config, dims, p, s
+        if isinstance(schedule, str) and schedule not in SCHEDULES or microbatches < 0:
+            raise ParallelError(f"pipeline schedule {schedule!r} (one of {sorted(SCHEDULES)}), microbatches="
+                                f"{microbatches} (>= 1, or 0 for pp={p})")
+        self.microbatches = microbatches or p
+        self.schedule = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
+        self.layers = partition(dense, p)
+        self.stage = Stage(dense, self.layers[s], s == 0, s == p - 1)
+        self.group = dims.group("pp")
+        self.ends = (dims.ranks.get("pp", [0])[0], dims.ranks.get("pp", [0])[-1])  # global ranks, first and last
+        self.act_dtype = next(dense.parameters()).dtype
+        self.events, self.mb_bytes, self.peak_act_bytes, self._pending = [], [], 0, None
+        self._anchor = torch.zeros((), requires_grad=True)
+
+    # ------------------------------------------------------------------ the schedule
+    def _chunks(self, x, y, m):
+        if x.shape[0] % m:
+            raise ParallelError(f"batch of {x.shape[0]} sequences does not split into {m} equal micro-batches "
+                                f"(--parallel.microbatches={m}); choose m dividing the global batch")
+        return x.chunk(m), (y.chunk(m) if y is not None else [None] * m)
+
+    def _recv(self, ref: torch.Tensor, src: int) -> torch.Tensor:
+        buf = torch.empty(*ref.shape, self.config.n_embd, dtype=self.act_dtype, device=ref.device)
+        comm.recv(buf, src, self.group).wait()
+        return buf
+
+    def _run(self, x, y, m: int):
+        """One schedule: (global loss, this stage's fresh gradients); .grad is left as it was."""
+        st, first, last = self.stage, self.stage.first, self.stage.last
+        params = list(st.parameters())
+        kept = [q.grad for q in params]
+        for q in params:
+            q.grad = None
+        xs, ys = self._chunks(x, y, m)
+        steps = list(self.schedule(self.p, m, self.s))
+        check_schedule(steps, m, self.s)
+        prev, nxt = self.dims.neighbour("pp", -1), self.dims.neighbour("pp", 1)
+        pptr = {q.untyped_storage().data_ptr() for q in [*params, *st.buffers()]}  # weights are not activations
+        ins, outs, nbytes, sends, loss = {}, {}, {}, [], torch.zeros((), dtype=torch.float64, device=x.device)
+        live = peak = 0
+        self.events, self.mb_bytes = [], []  # (kind, i, start, end) per step; activation bytes per forward
+        for kind, i in steps:
+            if kind == "F":
+                inp = xs[i] if first else self._recv(xs[i], prev).requires_grad_()
+                seen = {}
+
+                def pack(t):
+                    ptr = t.untyped_storage().data_ptr()
+                    if ptr not in pptr:
+                        seen[ptr] = t.untyped_storage().nbytes()
+                    return t
+                t0 = _now(x)
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    out = st(inp, ys[i] if last else None)
+                self.events.append(("F", i, t0, _now(x)))
+                if last:
+                    loss += out.detach().double() / m
+                else:
+                    sends.append((comm.send(out.detach(), nxt, self.group), out))
+                ins[i], outs[i], nbytes[i] = inp, out, sum(seen.values())
+                live += nbytes[i]
+                self.mb_bytes.append(nbytes[i])
+                peak = max(peak, live)
+            else:
+                grad = torch.full_like(outs[i], 1.0 / m) if last else self._recv(xs[i], nxt)
+                t0 = _now(x)
+                torch.autograd.backward(outs.pop(i), grad)
+                self.events.append(("B", i, t0, _now(x)))
+                inp = ins.pop(i)
+                if not first:
+                    sends.append((comm.send(inp.grad, prev, self.group), inp.grad))
+                live -= nbytes.pop(i)
+        for work, _ in sends:
+            work.wait()
+        self.peak_act_bytes = peak
+        self._sync_tied()
+        fresh = [q.grad if q.grad is not None else torch.zeros_like(q) for q in params]
+        for q, g in zip(params, kept):
+            q.grad = g
+        comm.broadcast(loss, self.ends[1], self.group)
+        return loss, fresh
+
+    def _sync_tied(self):
+        """Sum the embedding's gradient (stage 0) and the tied head's (stage p-1): both copies get the dense grad."""
+        if self.p == 1 or not (self.stage.first or self.stage.last):
+            return
+        w = self.stage.wte.weight
+        mine = w.grad if w.grad is not None else torch.zeros_like(w)
+        other = torch.empty_like(mine)
+        peer = self.ends[1] if self.stage.first else self.ends[0]
+        work = comm.send(mine, peer, self.group)
+        comm.recv(other, peer, self.group).wait()
+        work.wait()
+        w.grad = mine + other
+
+    def _accumulate(self, grads, scale: float = 1.0):
+        for q, g in zip(self.stage.parameters(), grads):
+            g = g if scale == 1.0 else g * scale
+            q.grad = g.clone() if q.grad is None else q.grad + g
+
+    def step(self, x, y, microbatches: int | None = None) -> float:
+        """Forward and backward of the global batch (x, y) through the pipeline; returns the global loss."""
+        loss, grads = self._run(x, y, microbatches or self.microbatches)
+        self._accumulate(grads)
+        return float(loss)
+
+    @torch.no_grad()
+    def _forward_only(self, x, y):
+        """Loss (or last-position logits when y is None) of (x, y), micro-batch by micro-batch, on every rank."""
+        st, m = self.stage, min(self.microbatches, x.shape[0])
+        m = max(d for d in range(1, m + 1) if x.shape[0] % d == 0)
+        xs, ys = self._chunks(x, y, m)
+        prev, nxt, outs, sends = self.dims.neighbour("pp", -1), self.dims.neighbour("pp", 1), [], []
+        for i in range(m):
+            out = st(xs[i] if st.first else self._recv(xs[i], prev), ys[i] if st.last else None)
+            if st.last:
+                outs.append(out)
+            else:
+                sends.append((comm.send(out, nxt, self.group), out))
+        for work, _ in sends:
+            work.wait()
+        if y is not None:
+            res = torch.stack(outs).double().mean() if st.last else torch.zeros((), dtype=torch.float64,
+                                                                                  device=x.device)
+        else:
+            V = self.config.padded_vocab_size
+            res = torch.cat(outs) if st.last else torch.empty(x.shape[0], 1, V, dtype=self.act_dtype,
+                                                              device=x.device)
+        comm.broadcast(res, self.ends[1], self.group)
+        return res
+
+    def forward(self, idx, targets=None):
+        """minite.train's interface: (None, loss). With gradients on, the whole schedule (forwards and backwards)
+        runs here; the returned loss's backward adds upstream * those gradients (1/grad_accum, loss scale)."""
+        if targets is None:
+            return self._forward_only(idx, None), None
+        if not torch.is_grad_enabled():
+            return None, self._forward_only(idx, targets)
+        loss, self._pending = self._run(idx, targets, self.microbatches)
+        return None, _PendingGrads.apply(loss, self._anchor, self)
+
+    def generate(self, idx, max_new_tokens, **kw):
+        kw["use_cache"] = False  # no KV cache across stages here: the whole context each token
+        return GPT.generate(self, idx, max_new_tokens, **kw)
+
+    # ------------------------------------------------------------------ what minite.train asks of a model
+    def _shared(self, q) -> bool:  # the last stage's copy of the tied embedding (counted once, on stage 0)
+        return self.p > 1 and self.stage.last and q is self.stage.wte.weight
+
+    def num_params(self) -> int:
+        n = torch.tensor([sum(q.numel() for q in self.stage.parameters() if not self._shared(q))],
+                         device=next(self.stage.parameters()).device)  # NCCL reduces CUDA tensors only
+        comm.all_reduce(n, self.group)
+        return int(n)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        qs = [q for q in self.stage.parameters() if q.grad is not None]
+        sq = sum((q.grad.double() ** 2).sum() for q in qs if not self._shared(q)).reshape(1)
+        comm.all_reduce(sq, self.group)
+        norm = sq.sqrt()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for q in qs:
+            q.grad.mul_(coef.to(q.grad.dtype))
+        return norm
+
+    def dense_state_dict(self) -> dict:
+        """The dense GPT's state dict, every stage's tensors gathered on every rank (collective)."""
+        mine = {k: v.detach().cpu() for k, v in self.stage.state_dict().items()}
+        if self.p == 1:
+            return mine
+        parts = [None] * self.p
+        dist.all_gather_object(parts, mine, group=self.group)
+        return {k: v for part in parts for k, v in part.items()}

@@ -1,0 +1,140 @@
+"""Chapter 12: pipeline parallelism on real torch.distributed (gloo), world 2 and 4, one torchrun launch each.
+
+Every rank compares its stage's loss and gradients with the dense GPT from the same seed (AFAB and 1F1B, micro-batch
+counts 1, 2, 3, 4, 6: at world 4 the first three are below the stage count), the train path (grad accumulation,
+global clipping, AdamW, consolidated state dict), the peak activation memory per stage and the rejections. The CLI
+test trains 20 steps with ``--parallel.pp=2`` and compares the curve with one process.
+"""
+import itertools
+import json
+
+import pytest
+import torch
+
+from minite.models.gpt import GPT, GPTConfig
+from minite.parallel.launch import results, torchrun
+from minite.parallel.pipeline_schedule import SCHEDULES, afab, bubble_fraction, check_schedule, one_f_one_b, simulate
+
+CHECKS = [f"grads_{s}_m{m}" for s in SCHEDULES for m in (1, 2, 3, 4, 6)] + \
+    ["reject", "train_3_steps", "memory_afab", "memory_1f1b"]
+
+
+# ------------------------------------------------------------------ single process: schedules and partition
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (3, 2), (4, 3), (4, 8)])
+def test_schedules_are_valid_and_bubble_matches_formula(p, m):
+    for name, sched in SCHEDULES.items():
+        for s in range(p):
+            check_schedule(sched(p, m, s), m, s)
+        ev = simulate(sched, p, m)
+        span = max(e[3] for v in ev.values() for e in v)
+        busy = sum(e[3] - e[2] for e in ev[0])
+        assert (span - busy) / span == pytest.approx(bubble_fraction(p, m)), name
+
+
+def test_one_f_one_b_order_and_in_flight():
+    assert one_f_one_b(4, 6, 1) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("F", 4),
+                                    ("B", 2), ("F", 5), ("B", 3), ("B", 4), ("B", 5)]
+    assert one_f_one_b(4, 2, 0) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]  # m < p: warm-up is cut at m
+    for p, m in ((4, 8), (4, 2)):
+        for s in range(p):
+            live = peak = 0
+            for kind, _ in one_f_one_b(p, m, s):
+                live += 1 if kind == "F" else -1
+                peak = max(peak, live)
+            assert peak == min(p - s, m)
+            assert max(i for k, i in afab(p, m, s)) == m - 1
+    with pytest.raises(ValueError, match="backward of micro-batch 1 before its forward"):
+        check_schedule([("F", 0), ("B", 1), ("F", 1), ("B", 0)], 2)
+
+
+def test_partition_balances_parameters():
+    from minite.parallel.pipeline import partition
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, n_layer=8, n_head=4, n_embd=32, mlp_hidden=64, backend="torch"))
+    for p in (1, 2, 4, 8):
+        parts = partition(model, p)
+        assert [i for r in parts for i in r] == list(range(8)) and all(len(r) for r in parts)
+    big = GPT(GPTConfig(vocab_size=640, n_layer=8, n_head=4, n_embd=32, mlp_hidden=64, backend="torch"))
+    block, emb = sum(q.numel() for q in big.blocks[0].parameters()), big.wte.weight.numel()
+
+    def worst(cuts):  # the largest stage's parameters, cut points 0 < c1 < c2 < c3 < 8
+        b = [0, *cuts, 8]
+        return max((b[k + 1] - b[k]) * block + emb * (k in (0, 3)) + 32 * (k == 3) for k in range(4))
+    parts = partition(big, 4)  # a 20k-parameter embedding (~2 blocks) on each end: the end stages get fewer blocks
+    best = min(worst(c) for c in itertools.combinations(range(1, 8), 3))
+    assert worst([r.start for r in parts[1:]]) == best
+    assert len(parts[0]) < len(parts[1]) and len(parts[-1]) < len(parts[2]), parts
+
+
+# ------------------------------------------------------------------ distributed
+def _launch(world, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"pp{world}")
+    res = torchrun(world, ["-m", "minite.parallel.checks_pp", "grads", "reject", "train", "memory",
+                           "--out", str(out)], timeout=240)
+    got = results(out)
+    assert sorted(got) == list(range(world)), f"missing rank reports (rc {res.returncode}):\n{res.stdout[-3000:]}"
+    return got
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    return _launch(2, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    return _launch(4, tmp_path_factory)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", CHECKS)
+@pytest.mark.parametrize("world", [2, 4])
+def test_pipeline_matches_dense(request, world, name):
+    for rank, rep in request.getfixturevalue(f"world{world}").items():
+        assert rep[name]["ok"], f"{name} on rank {rank} of {world}: {rep[name]}"
+
+
+@pytest.mark.distributed
+def test_dead_stage_ends_the_run_naming_it(tmp_path):
+    """Stage 1 raises while stage 0 waits for its gradient: the launch fails (no hang) and names rank 1."""
+    res = torchrun(2, ["-m", "minite.parallel.checks_pp", "die", "--timeout", "30", "--out", str(tmp_path)],
+                   timeout=90)
+    assert res.returncode != 0
+    assert "rank      : 1" in res.stdout and "dies on purpose" in res.stdout, res.stdout[-2000:]
+    assert not list(tmp_path.glob("rank*.json"))
+
+
+FLAGS = {"model.n_layer": 4, "model.n_head": 4, "model.n_kv_head": 2, "model.n_embd": 32, "model.mlp_hidden": 64,
+         "model.block_size": 16, "model.backend": "torch", "train.batch_size": 8, "train.max_iters": 20,
+         "train.log_interval": 1, "train.eval_interval": 10, "train.eval_iters": 2, "train.warmup_iters": 2,
+         "train.lr": 1e-2, "train.sample_tokens": 0, "train.progress": False, "train.threads": 1}
+
+
+def _curve(out):
+    rows = [json.loads(r) for r in (out / "log.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r], [r["val_loss"] for r in rows if "val_loss" in r]
+
+
+@pytest.mark.distributed
+def test_cli_pp2_matches_single_process(tmp_path):
+    from minite.config import make_config
+    from minite.train import load_checkpoint, train
+    words = "the king and queen of night shall speak to thee my lord what art thou sweet love".split()
+    g = torch.Generator().manual_seed(0)
+    (tmp_path / "corpus.txt").write_text("".join(" ".join(words[i] for i in torch.randint(
+        0, len(words), (6,), generator=g)) + ".\n" for _ in range(200)))
+    data = {"data.path": str(tmp_path / "corpus.txt"), "data.data_dir": str(tmp_path / "data")}
+    torch.set_num_threads(1)
+    train(make_config("cpu", {**FLAGS, **data, "train.out_dir": str(tmp_path / "single")}))
+    loss1, val1 = _curve(tmp_path / "single")
+    out = tmp_path / "pp2"
+    args = [f"--{k}={v}" for k, v in {**FLAGS, **data, "train.out_dir": str(out), "train.sample_tokens": 8}.items()]
+    res = torchrun(2, ["-m", "minite.train", *args, "--parallel.pp=2", "--parallel.microbatches=4"], timeout=180)
+    assert res.returncode == 0, res.stdout[-3000:]
+    loss, val = _curve(out)
+    assert len(loss) == 20 and len(val) == 3
+    assert max(abs(a - b) for a, b in zip(loss, loss1)) < 1e-4, (loss, loss1)
+    assert max(abs(a - b) for a, b in zip(val, val1)) < 1e-4, (val, val1)
+    assert res.stdout.count("val loss") == 1  # rank 0 speaks, once
+    state = load_checkpoint(out / "ckpt.pt")  # the consolidated dense model loads into a one-process GPT
+    GPT(GPTConfig(**state["config"]["model"])).load_state_dict(state["model"])
