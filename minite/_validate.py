@@ -68,3 +68,55 @@ def real(where: str, name: str, v, *, gt: float | None = None, ge: float | None 
 def same_device(where: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
     if t.device != ref.device:
         raise ValueError(f"{where}: {name} is on {t.device} but {ref_name} is on {ref.device}")
+
+
+def ce_args(logits, target, reduction, label_smoothing, name="logits"):
+    """cross_entropy / linear_cross_entropy argument checks (minite/kernels/cross_entropy.py)."""
+    tensor("cross_entropy", name, logits)
+    tensor("cross_entropy", "target", target)
+    if logits.dim() != 2:
+        raise ValueError(f"cross_entropy: {name} must be 2-D, got shape {tuple(logits.shape)}; flatten (B, T, .)")
+    if logits.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise ValueError(f"cross_entropy: {name} dtype {logits.dtype} is not fp16, bf16, fp32 or fp64")
+    if target.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"cross_entropy: target dtype {target.dtype} must be int64 (class indices)")
+    if target.shape != logits.shape[:1]:
+        raise ValueError(f"cross_entropy: target shape {tuple(target.shape)} != ({logits.shape[0]},), "
+                         f"the rows of {name} {tuple(logits.shape)}")
+    if target.device != logits.device:
+        raise ValueError(f"cross_entropy: target is on {target.device} but {name} is on {logits.device}")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"cross_entropy: reduction={reduction!r}; expected one of ('mean', 'sum', 'none')")
+    real("cross_entropy", "label_smoothing", label_smoothing, ge=0.0, le=1.0)
+
+
+def ce_targets(target, V, ignore_index, max_vocab):
+    """Vocabulary size and target range (the range only on the CPU, where the check costs no host sync)."""
+    if V > max_vocab:
+        raise ValueError(f"cross_entropy: vocabulary V={V} is too large (max {max_vocab}: int32 column offsets)")
+    # Range check only where it is free, on the CPU (on CUDA: a host sync per call; the kernels mask instead).
+    if target.device.type == "cpu" and target.numel():
+        bad = (target != ignore_index) & ((target < 0) | (target >= V))
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(f"cross_entropy: target[{i}] = {int(target[i])} is out of range [0, {V}) "
+                             f"and is not ignore_index={ignore_index}")
+
+
+def norm_args(op: str, x, weight, bias, eps) -> None:
+    """rmsnorm / layernorm argument checks (minite/kernels/rmsnorm.py)."""
+    tensor(op, "weight", weight)
+    if bias is not None:
+        tensor(op, "bias", bias)
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise ValueError(f"{op}: x must be a tensor with at least 1 dimension (..., C), got {type(x).__name__} "
+                         f"of shape {tuple(getattr(x, 'shape', ()))}")
+    C = x.shape[-1]
+    for name, p in (("x", x), ("weight", weight)) + ((("bias", bias),) if bias is not None else ()):
+        if not p.is_floating_point():
+            raise ValueError(f"{op}: {name} must be a floating-point tensor, got dtype {p.dtype}")
+        if p.device != x.device:
+            raise ValueError(f"{op}: {name} is on {p.device} but x is on {x.device}")
+        if name != "x" and tuple(p.shape) != (C,):
+            raise ValueError(f"{op}: {name} must have shape ({C},) to match x's last dim, got {tuple(p.shape)}")
+    real(op, "eps", eps, gt=0)

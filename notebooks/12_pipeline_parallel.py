@@ -296,7 +296,8 @@ for k, (sched, c) in enumerate((("afab", "tab:red"), ("1f1b", "tab:blue"))):
           f"measured = held x per-micro-batch bytes: {all(mem[r][f'memory_{sched}']['ok'] for r in range(4))}")
 ax.set(xticks=range(4), xticklabels=[f"stage {r}" for r in range(4)], ylabel="KB of saved activations",
        title="peak activation memory per stage, p=4, m=6 (measured)")
-ax.legend();
+ax.legend()
+plt.show()
 
 # %% [markdown]
 # AFAB holds all 6 micro-batches on every stage; 1F1B holds 4, 3, 2, 1. The last stage's bars are taller per

@@ -21,7 +21,6 @@ from minite.kernels._common import _acc, compute_dtype, launchable, op, row_laun
 __all__ = ["cross_entropy_ref", "cross_entropy", "CrossEntropyFunction", "linear_cross_entropy_ref",
            "linear_cross_entropy", "LinearCrossEntropyFunction", "LinearCrossEntropy"]
 
-_FLOATS, _REDUCTIONS = (torch.float16, torch.bfloat16, torch.float32, torch.float64), ("mean", "sum", "none")
 MAX_VOCAB = 2**31 - 1  # column offsets inside a row are int32 in the kernels
 
 
@@ -211,37 +210,6 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
 
 # -------------------------------------------------------------------------------------------- 5. functional
-def _check_ce(logits, target, reduction, label_smoothing, name="logits"):
-    _v.tensor("cross_entropy", name, logits)
-    _v.tensor("cross_entropy", "target", target)
-    if logits.dim() != 2:
-        raise ValueError(f"cross_entropy: {name} must be 2-D, got shape {tuple(logits.shape)}; flatten (B, T, .)")
-    if logits.dtype not in _FLOATS:
-        raise ValueError(f"cross_entropy: {name} dtype {logits.dtype} is not fp16, bf16, fp32 or fp64")
-    if target.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"cross_entropy: target dtype {target.dtype} must be int64 (class indices)")
-    if target.shape != logits.shape[:1]:
-        raise ValueError(f"cross_entropy: target shape {tuple(target.shape)} != ({logits.shape[0]},), "
-                         f"the rows of {name} {tuple(logits.shape)}")
-    if target.device != logits.device:
-        raise ValueError(f"cross_entropy: target is on {target.device} but {name} is on {logits.device}")
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"cross_entropy: reduction={reduction!r}; expected one of {_REDUCTIONS}")
-    _v.real("cross_entropy", "label_smoothing", label_smoothing, ge=0.0, le=1.0)
-
-
-def _check_targets(target, V, ignore_index):
-    if V > MAX_VOCAB:
-        raise ValueError(f"cross_entropy: vocabulary V={V} is too large (max {MAX_VOCAB}: int32 column offsets)")
-    # Range check only where it is free, on the CPU (on CUDA: a host sync per call; the kernels mask instead).
-    if target.device.type == "cpu" and target.numel():
-        bad = (target != ignore_index) & ((target < 0) | (target >= V))
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0, 0])
-            raise ValueError(f"cross_entropy: target[{i}] = {int(target[i])} is out of range [0, {V}) "
-                             f"and is not ignore_index={ignore_index}")
-
-
 def cross_entropy(logits, target, *, ignore_index: int = -100, reduction: str = "mean",
                   label_smoothing: float = 0.0, backend: str | None = None):
     """Cross-entropy of logits (N, V) against class indices target (N,). Returns an fp32 loss (fp64 for fp64):
@@ -249,8 +217,8 @@ def cross_entropy(logits, target, *, ignore_index: int = -100, reduction: str = 
 
     Out-of-range targets (not ignore_index, outside [0, V)): the CPU path raises a ValueError naming the row; on
     CUDA they are masked, not checked (a check costs a host sync): that row's loss is its logsumexp, no error."""
-    _check_ce(logits, target, reduction, label_smoothing)
-    _check_targets(target, logits.shape[1], ignore_index)
+    _v.ce_args(logits, target, reduction, label_smoothing)
+    _v.ce_targets(target, logits.shape[1], ignore_index, MAX_VOCAB)
     if logits.shape[1] == 0:  # no classes, so every row is ignored (checked above): torch's answers, no crash
         rows = logits.to(torch.promote_types(logits.dtype, torch.float32)).sum(-1)  # (N,) zeros, in the graph
         return rows if reduction == "none" else rows.sum() if reduction == "sum" else rows.sum() / 0.0
@@ -269,7 +237,7 @@ def linear_cross_entropy(x, weight, target, *, ignore_index: int = -100, reducti
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or x.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear_cross_entropy: x {tuple(getattr(x, 'shape', ()))} must be (N, C) and weight "
                          f"{tuple(getattr(weight, 'shape', ()))} (V, C) with the same C")
-    _check_ce(x, target, reduction, label_smoothing, name="x")
+    _v.ce_args(x, target, reduction, label_smoothing, name="x")
     if weight.dtype != x.dtype or weight.device != x.device:
         raise ValueError(f"linear_cross_entropy: weight ({weight.dtype}, {weight.device}) must match "
                          f"x ({x.dtype}, {x.device})")
@@ -278,7 +246,7 @@ def linear_cross_entropy(x, weight, target, *, ignore_index: int = -100, reducti
                          "in the forward for a scalar loss); use 'mean' or 'sum'")
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"linear_cross_entropy: chunk_size={chunk_size!r} must be a positive int")
-    _check_targets(target, weight.shape[0], ignore_index)
+    _v.ce_targets(target, weight.shape[0], ignore_index, MAX_VOCAB)
     use_triton, grad = resolve_backend(x, backend) == "triton", torch.is_grad_enabled()
     return LinearCrossEntropyFunction.apply(x.contiguous(), weight.contiguous(), target.long().contiguous(),
                                             int(ignore_index), reduction, float(label_smoothing), chunk_size,

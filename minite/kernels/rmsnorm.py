@@ -227,24 +227,6 @@ class LayerNormFunction(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------------------------------ 5. functional
-def _check_inputs(op: str, x, weight, bias, eps) -> None:
-    _v.tensor(op, "weight", weight)
-    if bias is not None:
-        _v.tensor(op, "bias", bias)
-    if not isinstance(x, torch.Tensor) or x.dim() < 1:
-        raise ValueError(f"{op}: x must be a tensor with at least 1 dimension (..., C), got {type(x).__name__} "
-                         f"of shape {tuple(getattr(x, 'shape', ()))}")
-    C = x.shape[-1]
-    for name, p in (("x", x), ("weight", weight)) + ((("bias", bias),) if bias is not None else ()):
-        if not p.is_floating_point():
-            raise ValueError(f"{op}: {name} must be a floating-point tensor, got dtype {p.dtype}")
-        if p.device != x.device:
-            raise ValueError(f"{op}: {name} is on {p.device} but x is on {x.device}")
-        if name != "x" and tuple(p.shape) != (C,):
-            raise ValueError(f"{op}: {name} must have shape ({C},) to match x's last dim, got {tuple(p.shape)}")
-    _v.real(op, "eps", eps, gt=0)
-
-
 def _check_size(op: str, x) -> None:
     if x.shape[-1] > MAX_FUSED_SIZE:
         raise ValueError(f"{op}: the Triton kernel keeps a whole row in one program; C={x.shape[-1]} exceeds "
@@ -253,7 +235,7 @@ def _check_size(op: str, x) -> None:
 
 def rmsnorm(x, weight, *, eps: float = 1e-6, backend: str | None = None):
     """RMSNorm over the last dim: x (..., C), weight (C,) -> (..., C) in x.dtype."""
-    _check_inputs("rmsnorm", x, weight, None, eps)
+    _v.norm_args("rmsnorm", x, weight, None, eps)
     if x.numel() and resolve_backend(x, backend) == "triton":  # empty: nothing to launch, the reference is exact
         _check_size("rmsnorm", x)
         return RMSNormFunction.apply(x, weight, eps)
@@ -264,7 +246,7 @@ def layernorm(x, weight, bias, *, eps: float = 1e-5, backend: str | None = None)
     """LayerNorm over the last dim: x (..., C), weight/bias (C,) -> (..., C) in x.dtype."""
     if bias is None:
         raise ValueError("layernorm: bias is required (pass torch.zeros(C) for none)")
-    _check_inputs("layernorm", x, weight, bias, eps)
+    _v.norm_args("layernorm", x, weight, bias, eps)
     if x.numel() and resolve_backend(x, backend) == "triton":
         _check_size("layernorm", x)
         return LayerNormFunction.apply(x, weight, bias, eps)
