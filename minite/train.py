@@ -246,7 +246,8 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
 
     def checkpoint():  # under torchrun every rank gathers the state (collectives), rank 0 writes it
         log.flush()  # every log line up to this step is on disk before the checkpoint that claims this step
-        os.fsync(log.fileno())
+        with contextlib.suppress(OSError):  # ranks other than 0 log to os.devnull, which cannot be fsynced
+            os.fsync(log.fileno())
         par.save(save_checkpoint, ckpt_path, {
             "model": finetune.model_state(model, cfg) if cfg.lora.r > 0 else par.model_state(model),
             "optimizer": par.optim_state(opt, out), "step": step, "best_val": best_val,
