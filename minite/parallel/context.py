@@ -1,0 +1,271 @@
+"""Chapter 13: context parallelism (CP): the sequence sharded over ranks, attention computed by a ring of K/V blocks.
+
+Every layer but attention is per-token, so it runs unchanged on a rank's T/cp tokens. Attention needs every key:
+
+    ring (Megatron CP, ring attention)   K/V blocks pass around the cp ranks; at each of the cp steps a rank runs the
+                                         chapter-07 flash kernel (return_lse=True) on its queries and the block it
+                                         holds, while the next block is already on the wire (isend/irecv posted
+                                         before the compute). Partial outputs merge in fp32 by their LSE.
+    all-gather (Megatron's description)  all-gather K/V forward (every rank holds all T), reduce-scatter dK/dV
+                                         backward: the same bytes, cp times the K/V memory.
+
+Causal load balancing: with plain contiguous shards rank cp-1 sees every key and rank 0 only its own. Cut the
+sequence into 2*cp chunks and give rank r chunks r and 2*cp-1-r: every rank then does the same work. In that layout
+the diagonal step is a plain causal call on the local tokens; a block from a lower rank is seen (non-causally) by
+all my queries through its first half only; a block from a higher rank by my second half only.
+
+Backward: the block gradients use the FINAL O and LSE (Delta = rowsum(dO * O), P = exp(S - LSE)), so each step's
+dQ adds up locally, and dK/dV partials travel with the ring and arrive home after cp hops.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from minite.backend import resolve_backend
+from minite.kernels.attention import attention, attention_bwd
+from minite.parallel import comm
+
+__all__ = ["lse_merge", "positions", "shard", "unshard", "check_length", "ring_attention", "allgather_attention",
+           "RingAttention", "AllGatherAttention"]
+
+NEG_INF = float("-inf")
+
+
+# ----------------------------------------------------------------------------------- the LSE merge
+def lse_merge(o1, lse1, o2, lse2):
+    """Merge two partial attentions over disjoint key sets. o (..., T, D), lse (..., T) -> fp32 (o, lse).
+        lse = log(e^lse1 + e^lse2),   o = e^(lse1 - lse) o1 + e^(lse2 - lse) o2
+    A row that saw no key in either part keeps lse = -inf and o = 0 (never NaN)."""
+    lse1, lse2 = lse1.float(), lse2.float()
+    m = torch.maximum(lse1, lse2)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # both -inf: shift by 0, not by -inf (NaN)
+    a, b = torch.exp(lse1 - m), torch.exp(lse2 - m)  # (..., T), each in [0, 1]
+    s = a + b
+    lse = torch.where(s > 0, m + torch.log(s), torch.full_like(s, NEG_INF))
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return o1.float() * (a / s)[..., None] + o2.float() * (b / s)[..., None], lse
+
+
+# ----------------------------------------------------------------------------------- the layout
+def check_length(T: int, cp: int, balanced: bool = True) -> None:
+    n = 2 * cp if balanced else cp
+    if T % n:
+        raise ValueError(f"context parallelism: sequence length T={T} must be divisible by "
+                         f"{'2*cp' if balanced else 'cp'}={n} (cp={cp}{', load-balanced chunks' if balanced else ''})")
+
+
+def positions(T: int, cp: int, rank: int, balanced: bool = True) -> torch.Tensor:
+    """Global positions of rank `rank`'s tokens: chunks r and 2cp-1-r of 2cp (balanced), else chunk r of cp."""
+    check_length(T, cp, balanced)
+    if not balanced:
+        c = T // cp
+        return torch.arange(rank * c, (rank + 1) * c)
+    c = T // (2 * cp)
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+
+
+def shard(x: torch.Tensor, cp: int, rank: int, dim: int = 1, balanced: bool = True) -> torch.Tensor:
+    """My tokens of x along `dim` (the sequence), in the order of ``positions``."""
+    return x.index_select(dim, positions(x.shape[dim], cp, rank, balanced).to(x.device))
+
+
+def unshard(parts: list[torch.Tensor], dim: int = 1, balanced: bool = True) -> torch.Tensor:
+    """Inverse of shard: every rank's part (in rank order) back into the global sequence order."""
+    cp, cat = len(parts), torch.cat(parts, dim=dim)
+    perm = torch.cat([positions(cat.shape[dim], cp, r, balanced) for r in range(cp)]).to(cat.device)
+    return cat.index_select(dim, torch.argsort(perm))
+
+
+# ----------------------------------------------------------------------------------- one block, fwd and bwd
+def _block_fwd(q, k, v, causal, scale, backend):
+    """The chapter-07 kernel (or its reference) on one block, no autograd: fp32 o, lse (B, H, Tq)."""
+    with torch.no_grad():
+        o, lse = attention(q, k, v, causal=causal, scale=scale, return_lse=True, backend=backend)
+    return o.float(), lse
+
+
+def _block_bwd(do, q, k, v, o, lse, causal, scale, backend):
+    """Gradients of one block given the FINAL o and lse. The Triton launcher, or the same math in PyTorch."""
+    if backend == "triton":  # the launcher assumes contiguous o and lse (it makes only do, q, k, v contiguous)
+        return attention_bwd(do, q, k, v, o.contiguous(), lse.contiguous(), causal, scale)
+    B, H, Tq, D = q.shape
+    KVH, Tk, G = k.shape[1], k.shape[2], H // k.shape[1]
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    kr, vr = k.to(ct).repeat_interleave(G, 1), v.to(ct).repeat_interleave(G, 1)  # (B, H, Tk, D)
+    s = q.to(ct) @ kr.transpose(-1, -2) * scale  # (B, H, Tq, Tk)
+    keep = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device)
+    keep = keep.tril(Tk - Tq) if causal else keep  # bottom-right, as the kernel
+    p = torch.where(keep & torch.isfinite(lse)[..., None], torch.exp(s - lse.to(ct)[..., None]), 0.0)
+    do_, delta = do.to(ct), (do.to(ct) * o.to(ct)).sum(-1, keepdim=True)  # Delta = rowsum(dO * O)
+    ds = p * (do_ @ vr.transpose(-1, -2) - delta)  # dS = P * (dP - Delta)
+    dq = ds @ kr * scale
+    dk = (ds.transpose(-1, -2) @ q.to(ct) * scale).view(B, KVH, G, Tk, D).sum(2)  # GQA: sum over the group
+    dv = (p.transpose(-1, -2) @ do_).view(B, KVH, G, Tk, D).sum(2)
+    return dq, dk, dv
+
+
+def _plan(step, r, n, causal, balanced, Tl):
+    """What rank r computes with the block that left rank (r - step) % n `step` hops ago:
+    (query rows, key rows, causal) or None (the block is entirely in the future of my queries)."""
+    src, full = (r - step) % n, slice(0, Tl)
+    if not causal:
+        return full, full, False
+    if step == 0:
+        return full, full, True  # my own block: local order follows global order, a plain causal mask is right
+    if balanced:
+        h = Tl // 2
+        return (full, slice(0, h), False) if src < r else (slice(h, Tl), full, False)
+    return (full, full, False) if src < r else None
+
+
+def _ring(buf, group):
+    """Post the send of `buf` to the next cp rank and the receive of the previous rank's; (recv buffer, works).
+    Ordered isend/irecv, never batch_isend_irecv (it hangs on gloo)."""
+    n, r = comm.size(group), comm.rank(group)
+    nxt, prv = dist.get_global_rank(group, (r + 1) % n), dist.get_global_rank(group, (r - 1) % n)
+    recv = torch.empty_like(buf)
+    return recv, [comm.send(buf, nxt, group), comm.recv(recv, prv, group)]
+
+
+def _wait(pending):
+    recv, works = pending
+    for w in works:
+        w.wait()
+    return recv
+
+
+def _tally(stats, q, nq, nk, causal):
+    # Score entries this rank's kernel calls compute: nq x nk, or under a bottom-right causal mask the visible ones
+    if stats is not None:
+        bh = q.shape[0] * q.shape[1]
+        stats["scores"] = stats.get("scores", 0) + bh * (nq * (nk - nq) + nq * (nq + 1) // 2 if causal else nq * nk)
+        stats["calls"] = stats.get("calls", 0) + 1
+
+
+# ----------------------------------------------------------------------------------- ring attention
+class RingAttention(torch.autograd.Function):
+    """forward: cp ring steps of flash attention + LSE merge / backward: cp ring steps, dK/dV travelling home."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale, balanced, backend, stats):
+        n, r = comm.size(group), comm.rank(group)
+        B, H, Tl, D = q.shape
+        o = torch.zeros(B, H, Tl, D, dtype=torch.float32, device=q.device)  # running output, fp32
+        lse = torch.full((B, H, Tl), NEG_INF, device=q.device)  # running LSE: no key seen yet
+        kv = torch.stack([k, v]).contiguous()  # (2, B, KVH, Tl, D): one message per step
+        for step in range(n):
+            pending = _ring(kv, group) if step < n - 1 else None  # the next block travels while we compute
+            plan = _plan(step, r, n, causal, balanced, Tl)
+            if plan is not None:
+                qs, ks, c = plan
+                _tally(stats, q, len(range(Tl)[qs]), len(range(Tl)[ks]), c)
+                ob, lb = _block_fwd(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], c, scale, backend)
+                o[:, :, qs], lse[:, :, qs] = lse_merge(o[:, :, qs], lse[:, :, qs], ob, lb)
+            if pending is not None:
+                kv = _wait(pending)
+        out = o.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)  # O(T/cp) per rank: no other rank's K/V is kept
+        ctx.args = (group, causal, scale, balanced, backend)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        group, causal, scale, balanced, backend = ctx.args
+        n, r, Tl = comm.size(group), comm.rank(group), q.shape[2]
+        do = do.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv, dkv_pending = torch.stack([k, v]).contiguous(), None
+        for step in range(n):
+            pending = _ring(kv, group) if step < n - 1 else None
+            dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)  # my part for this block
+            plan = _plan(step, r, n, causal, balanced, Tl)
+            if plan is not None:
+                qs, ks, c = plan
+                g = _block_bwd(do[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], o[:, :, qs],
+                               lse[:, :, qs], c, scale, backend)
+                dq[:, :, qs] += g[0].float()
+                dkv[0][:, :, ks] += g[1].float()
+                dkv[1][:, :, ks] += g[2].float()
+            if dkv_pending is not None:  # what the ranks before me added to this block
+                dkv += _wait(dkv_pending)
+            dkv_pending = _ring(dkv, group)  # on to the next rank; the last hop brings each block home
+            if pending is not None:
+                kv = _wait(pending)
+        dkv = _wait(dkv_pending)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------------- all-gather K/V
+def _pieces(r, n, Tl, causal, balanced):
+    """(my query rows, number of global keys they attend to, causal) for each of my chunks."""
+    T = Tl * n
+    if not causal:
+        return [(slice(0, Tl), T, False)]
+    if not balanced:
+        return [(slice(0, Tl), (r + 1) * Tl, True)]  # bottom-right causal against the prefix
+    c = Tl // 2
+    return [(slice(0, c), (r + 1) * c, True), (slice(c, Tl), (2 * n - r) * c, True)]
+
+
+class AllGatherAttention(torch.autograd.Function):
+    """forward: all-gather K/V, attend to the causal prefix / backward: dK/dV reduce-scattered to their owners."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale, balanced, backend, stats):
+        n, r, Tl = comm.size(group), comm.rank(group), q.shape[2]
+        perm = torch.cat([positions(Tl * n, n, i, balanced) for i in range(n)]).to(q.device)
+        kv = comm.all_gather(torch.stack([k, v]).contiguous(), group, dim=3)  # (2, B, KVH, T, D), ranks' order
+        kv = kv.index_select(3, torch.argsort(perm))  # global order
+        o, lse = torch.empty_like(q), torch.empty(q.shape[:3], device=q.device)
+        for qs, nk, c in _pieces(r, n, Tl, causal, balanced):
+            _tally(stats, q, len(range(Tl)[qs]), nk, c)
+            ob, lse[:, :, qs] = _block_fwd(q[:, :, qs], kv[0][:, :, :nk], kv[1][:, :, :nk], c, scale, backend)
+            o[:, :, qs] = ob.to(q.dtype)
+        ctx.save_for_backward(q, kv, o, lse, perm)  # the gathered K/V stay until backward: cp x the K/V memory
+        ctx.args = (group, causal, scale, balanced, backend)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, kv, o, lse, perm = ctx.saved_tensors
+        group, causal, scale, balanced, backend = ctx.args
+        n, r, Tl = comm.size(group), comm.rank(group), q.shape[2]
+        dq, dkv = torch.zeros_like(q), torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        for qs, nk, c in _pieces(r, n, Tl, causal, balanced):
+            g = _block_bwd(do[:, :, qs].contiguous(), q[:, :, qs], kv[0][:, :, :nk], kv[1][:, :, :nk], o[:, :, qs],
+                           lse[:, :, qs], c, scale, backend)
+            dq[:, :, qs] = g[0].to(q.dtype)
+            dkv[0][:, :, :nk] += g[1].float()
+            dkv[1][:, :, :nk] += g[2].float()
+        dkv = comm.reduce_scatter(dkv.index_select(3, perm), group, dim=3)  # ranks' order: my chunks of the sum
+        return dq, dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None, None, None, None, None
+
+
+def _cp_attention(fn, q, k, v, group, causal, scale, balanced, backend, return_lse, stats):
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    check_length(q.shape[2] * comm.size(group), comm.size(group), balanced and causal)
+    be = resolve_backend(q, backend)
+    if comm.size(group) == 1:  # one rank: the plain kernel
+        out = attention(q, k, v, causal=causal, scale=scale, return_lse=True, backend=be)
+    else:
+        out = fn.apply(q, k, v, group, causal, scale, balanced and causal, be, stats)
+    return out if return_lse else out[0]
+
+
+def ring_attention(q, k, v, group, *, causal=True, scale=None, balanced=True, backend=None, return_lse=False,
+                   stats=None):
+    """Attention of my query shard (B, H, T/cp, D) over the keys of every cp rank (k/v (B, KVH, T/cp, D), GQA),
+    by the ring. The shards are ``shard(x, cp, rank, balanced=...)`` of the global sequence."""
+    return _cp_attention(RingAttention, q, k, v, group, causal, scale, balanced, backend, return_lse, stats)
+
+
+def allgather_attention(q, k, v, group, *, causal=True, scale=None, balanced=True, backend=None,
+                        return_lse=False, stats=None):
+    """The same result as ``ring_attention``, by all-gathering K/V (forward) and reduce-scattering dK/dV."""
+    return _cp_attention(AllGatherAttention, q, k, v, group, causal, scale, balanced, backend, return_lse, stats)
