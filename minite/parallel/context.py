@@ -1,24 +1,19 @@
 """Chapter 13: context parallelism (CP): the sequence sharded over ranks, attention computed by a ring of K/V blocks.
 
-Every layer but attention is per-token, so it runs unchanged on a rank's T/cp tokens. Attention needs every key:
-
-    ring (Megatron CP, ring attention)   K/V blocks pass around the cp ranks; at each of the cp steps a rank runs the
-                                         chapter-07 flash kernel (return_lse=True) on its queries and the block it
-                                         holds, while the next block is already on the wire (isend/irecv posted
-                                         before the compute). Partial outputs merge in fp32 by their LSE.
-    all-gather (Megatron's description)  all-gather K/V forward (every rank holds all T), reduce-scatter dK/dV
-                                         backward: the same bytes, cp times the K/V memory.
-
-Causal load balancing: with plain contiguous shards rank cp-1 sees every key and rank 0 only its own. Cut the
-sequence into 2*cp chunks and give rank r chunks r and 2*cp-1-r: every rank then does the same work. In that layout
-the diagonal step is a plain causal call on the local tokens; a block from a lower rank is seen (non-causally) by
-all my queries through its first half only; a block from a higher rank by my second half only.
-
-Backward: the block gradients use the FINAL O and LSE (Delta = rowsum(dO * O), P = exp(S - LSE)), so each step's
-dQ adds up locally, and dK/dV partials travel with the ring and arrive home after cp hops.
+Every layer but attention is per-token and runs unchanged on a rank's T/cp tokens. Attention needs every key:
+  ring (Megatron CP)  K/V blocks pass around the cp ranks; at each of the cp steps a rank runs the chapter-07 flash
+                      kernel (return_lse=True) on its queries and the block it holds while the next block is already
+                      on the wire (isend/irecv posted before the compute); partial outputs merge in fp32 by the LSE.
+  all-gather          all-gather K/V forward, reduce-scatter dK/dV backward: the same bytes, cp x the K/V memory.
+Causal load balancing: contiguous shards leave rank 0 one block of work and rank cp-1 all of them. Cut the sequence
+into 2*cp chunks, rank r holding chunks r and 2*cp-1-r: the diagonal step is a plain causal call on my tokens, a
+block from a lower rank is seen (non-causally) through its first half, one from a higher rank by my second half.
+Backward: the block gradients use the FINAL O and LSE (Delta = rowsum(dO * O), P = exp(S - LSE)), so dQ adds up
+locally and the dK/dV partials travel with the ring, home after cp hops.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -28,9 +23,8 @@ from minite.backend import resolve_backend
 from minite.kernels.attention import attention, attention_bwd
 from minite.parallel import comm
 
-__all__ = ["lse_merge", "positions", "shard", "unshard", "check_length", "ring_attention", "allgather_attention",
-           "RingAttention", "AllGatherAttention"]
-
+__all__ = ["lse_merge", "positions", "shard", "unshard", "check_length", "cp_attention", "ring_attention",
+           "allgather_attention", "RingAttention", "AllGatherAttention"]
 NEG_INF = float("-inf")
 
 
@@ -39,10 +33,9 @@ def lse_merge(o1, lse1, o2, lse2):
     """Merge two partial attentions over disjoint key sets. o (..., T, D), lse (..., T) -> fp32 (o, lse).
         lse = log(e^lse1 + e^lse2),   o = e^(lse1 - lse) o1 + e^(lse2 - lse) o2
     A row that saw no key in either part keeps lse = -inf and o = 0 (never NaN)."""
-    lse1, lse2 = lse1.float(), lse2.float()
-    m = torch.maximum(lse1, lse2)
+    m = torch.maximum(lse1.float(), lse2.float())
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # both -inf: shift by 0, not by -inf (NaN)
-    a, b = torch.exp(lse1 - m), torch.exp(lse2 - m)  # (..., T), each in [0, 1]
+    a, b = torch.exp(lse1.float() - m), torch.exp(lse2.float() - m)  # (..., T), each in [0, 1]
     s = a + b
     lse = torch.where(s > 0, m + torch.log(s), torch.full_like(s, NEG_INF))
     s = torch.where(s > 0, s, torch.ones_like(s))
@@ -61,10 +54,9 @@ def positions(T: int, cp: int, rank: int, balanced: bool = True) -> torch.Tensor
     """Global positions of rank `rank`'s tokens: chunks r and 2cp-1-r of 2cp (balanced), else chunk r of cp."""
     check_length(T, cp, balanced)
     if not balanced:
-        c = T // cp
-        return torch.arange(rank * c, (rank + 1) * c)
-    c = T // (2 * cp)
-    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+        return torch.arange(rank * T // cp, (rank + 1) * T // cp)
+    c, j = T // (2 * cp), 2 * cp - 1 - rank  # chunk size, my second chunk
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange(j * c, (j + 1) * c)])
 
 
 def shard(x: torch.Tensor, cp: int, rank: int, dim: int = 1, balanced: bool = True) -> torch.Tensor:
@@ -81,10 +73,9 @@ def unshard(parts: list[torch.Tensor], dim: int = 1, balanced: bool = True) -> t
 
 # ----------------------------------------------------------------------------------- one block, fwd and bwd
 def _block_fwd(q, k, v, causal, scale, backend):
-    """The chapter-07 kernel (or its reference) on one block, no autograd: fp32 o, lse (B, H, Tq)."""
+    """The chapter-07 kernel (or its reference) on one block, no autograd: o, lse (B, H, Tq) fp32."""
     with torch.no_grad():
-        o, lse = attention(q, k, v, causal=causal, scale=scale, return_lse=True, backend=backend)
-    return o.float(), lse
+        return attention(q, k, v, causal=causal, scale=scale, return_lse=True, backend=backend)
 
 
 def _block_bwd(do, q, k, v, o, lse, causal, scale, backend):
@@ -96,14 +87,12 @@ def _block_bwd(do, q, k, v, o, lse, causal, scale, backend):
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
     kr, vr = k.to(ct).repeat_interleave(G, 1), v.to(ct).repeat_interleave(G, 1)  # (B, H, Tk, D)
     s = q.to(ct) @ kr.transpose(-1, -2) * scale  # (B, H, Tq, Tk)
-    keep = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device)
-    keep = keep.tril(Tk - Tq) if causal else keep  # bottom-right, as the kernel
+    keep = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq if causal else Tk)  # bottom-right
     p = torch.where(keep & torch.isfinite(lse)[..., None], torch.exp(s - lse.to(ct)[..., None]), 0.0)
     do_, delta = do.to(ct), (do.to(ct) * o.to(ct)).sum(-1, keepdim=True)  # Delta = rowsum(dO * O)
     ds = p * (do_ @ vr.transpose(-1, -2) - delta)  # dS = P * (dP - Delta)
-    dq = ds @ kr * scale
-    dk = (ds.transpose(-1, -2) @ q.to(ct) * scale).view(B, KVH, G, Tk, D).sum(2)  # GQA: sum over the group
-    dv = (p.transpose(-1, -2) @ do_).view(B, KVH, G, Tk, D).sum(2)
+    dq, dk = ds @ kr * scale, (ds.transpose(-1, -2) @ q.to(ct) * scale).view(B, KVH, G, Tk, D).sum(2)
+    dv = (p.transpose(-1, -2) @ do_).view(B, KVH, G, Tk, D).sum(2)  # GQA: dK, dV summed over the group
     return dq, dk, dv
 
 
@@ -125,23 +114,21 @@ def _ring(buf, group):
     """Post the send of `buf` to the next cp rank and the receive of the previous rank's; (recv buffer, works).
     Ordered isend/irecv, never batch_isend_irecv (it hangs on gloo)."""
     n, r = comm.size(group), comm.rank(group)
-    nxt, prv = dist.get_global_rank(group, (r + 1) % n), dist.get_global_rank(group, (r - 1) % n)
     recv = torch.empty_like(buf)
-    return recv, [comm.send(buf, nxt, group), comm.recv(recv, prv, group)]
+    return recv, [comm.send(buf, dist.get_global_rank(group, (r + 1) % n), group),
+                  comm.recv(recv, dist.get_global_rank(group, (r - 1) % n), group)]
 
 
 def _wait(pending):
-    recv, works = pending
-    for w in works:
-        w.wait()
-    return recv
+    [w.wait() for w in pending[1]]
+    return pending[0]
 
 
 def _tally(stats, q, nq, nk, causal):
     # Score entries this rank's kernel calls compute: nq x nk, or under a bottom-right causal mask the visible ones
     if stats is not None:
-        bh = q.shape[0] * q.shape[1]
-        stats["scores"] = stats.get("scores", 0) + bh * (nq * (nk - nq) + nq * (nq + 1) // 2 if causal else nq * nk)
+        seen = nq * (nk - nq) + nq * (nq + 1) // 2 if causal else nq * nk
+        stats["scores"] = stats.get("scores", 0) + q.shape[0] * q.shape[1] * seen
         stats["calls"] = stats.get("calls", 0) + 1
 
 
@@ -151,10 +138,9 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group, causal, scale, balanced, backend, stats):
-        n, r = comm.size(group), comm.rank(group)
-        B, H, Tl, D = q.shape
-        o = torch.zeros(B, H, Tl, D, dtype=torch.float32, device=q.device)  # running output, fp32
-        lse = torch.full((B, H, Tl), NEG_INF, device=q.device)  # running LSE: no key seen yet
+        n, r, Tl = comm.size(group), comm.rank(group), q.shape[2]
+        o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # running output (B, H, T/cp, D), fp32
+        lse = torch.full(q.shape[:3], NEG_INF, device=q.device)  # running LSE: no key seen yet
         kv = torch.stack([k, v]).contiguous()  # (2, B, KVH, Tl, D): one message per step
         for step in range(n):
             pending = _ring(kv, group) if step < n - 1 else None  # the next block travels while we compute
@@ -164,8 +150,7 @@ class RingAttention(torch.autograd.Function):
                 _tally(stats, q, len(range(Tl)[qs]), len(range(Tl)[ks]), c)
                 ob, lb = _block_fwd(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], c, scale, backend)
                 o[:, :, qs], lse[:, :, qs] = lse_merge(o[:, :, qs], lse[:, :, qs], ob, lb)
-            if pending is not None:
-                kv = _wait(pending)
+            kv = _wait(pending) if pending else kv
         out = o.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)  # O(T/cp) per rank: no other rank's K/V is kept
         ctx.args = (group, causal, scale, balanced, backend)
@@ -177,8 +162,7 @@ class RingAttention(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         group, causal, scale, balanced, backend = ctx.args
         n, r, Tl = comm.size(group), comm.rank(group), q.shape[2]
-        do = do.contiguous()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        do, dq = do.contiguous(), torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv, dkv_pending = torch.stack([k, v]).contiguous(), None
         for step in range(n):
             pending = _ring(kv, group) if step < n - 1 else None
@@ -189,13 +173,11 @@ class RingAttention(torch.autograd.Function):
                 g = _block_bwd(do[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], o[:, :, qs],
                                lse[:, :, qs], c, scale, backend)
                 dq[:, :, qs] += g[0].float()
-                dkv[0][:, :, ks] += g[1].float()
-                dkv[1][:, :, ks] += g[2].float()
+                dkv[:, :, :, ks] += torch.stack(g[1:]).float()
             if dkv_pending is not None:  # what the ranks before me added to this block
                 dkv += _wait(dkv_pending)
             dkv_pending = _ring(dkv, group)  # on to the next rank; the last hop brings each block home
-            if pending is not None:
-                kv = _wait(pending)
+            kv = _wait(pending) if pending else kv
         dkv = _wait(dkv_pending)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
 
@@ -203,9 +185,8 @@ class RingAttention(torch.autograd.Function):
 # ----------------------------------------------------------------------------------- all-gather K/V
 def _pieces(r, n, Tl, causal, balanced):
     """(my query rows, number of global keys they attend to, causal) for each of my chunks."""
-    T = Tl * n
     if not causal:
-        return [(slice(0, Tl), T, False)]
+        return [(slice(0, Tl), Tl * n, False)]
     if not balanced:
         return [(slice(0, Tl), (r + 1) * Tl, True)]  # bottom-right causal against the prefix
     c = Tl // 2
@@ -241,13 +222,20 @@ class AllGatherAttention(torch.autograd.Function):
             g = _block_bwd(do[:, :, qs].contiguous(), q[:, :, qs], kv[0][:, :, :nk], kv[1][:, :, :nk], o[:, :, qs],
                            lse[:, :, qs], c, scale, backend)
             dq[:, :, qs] = g[0].to(q.dtype)
-            dkv[0][:, :, :nk] += g[1].float()
-            dkv[1][:, :, :nk] += g[2].float()
+            dkv[:, :, :, :nk] += torch.stack(g[1:]).float()
         dkv = comm.reduce_scatter(dkv.index_select(3, perm), group, dim=3)  # ranks' order: my chunks of the sum
         return dq, dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None, None, None, None, None
 
 
-def _cp_attention(fn, q, k, v, group, causal, scale, balanced, backend, return_lse, stats):
+def cp_attention(q, k, v, group, *, variant: str = "ring", causal: bool = True, scale: float | None = None,
+                 balanced: bool = True, backend: str | None = None, return_lse: bool = False, stats=None):
+    """Attention of my query shard q (B, H, T/cp, D) over the keys of every rank of `group`, k/v (B, KVH, T/cp, D)
+    (GQA), by the "ring" or the "allgather" variant; the shards are ``shard(x, cp, rank, balanced=...)``.
+    -> o (B, H, T/cp, D) [, lse (B, H, T/cp) fp32]. stats: a dict that collects the score entries computed."""
+    fn = {"ring": RingAttention, "allgather": AllGatherAttention}[variant]
+    if q.dim() != 4 or k.dim() != 4 or q.shape[2] != k.shape[2]:
+        raise ValueError(f"cp attention: q {tuple(q.shape)} and k {tuple(k.shape)} must be (B, heads, T/cp, D) "
+                         "shards of the same tokens")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     check_length(q.shape[2] * comm.size(group), comm.size(group), balanced and causal)
     be = resolve_backend(q, backend)
@@ -258,14 +246,5 @@ def _cp_attention(fn, q, k, v, group, causal, scale, balanced, backend, return_l
     return out if return_lse else out[0]
 
 
-def ring_attention(q, k, v, group, *, causal=True, scale=None, balanced=True, backend=None, return_lse=False,
-                   stats=None):
-    """Attention of my query shard (B, H, T/cp, D) over the keys of every cp rank (k/v (B, KVH, T/cp, D), GQA),
-    by the ring. The shards are ``shard(x, cp, rank, balanced=...)`` of the global sequence."""
-    return _cp_attention(RingAttention, q, k, v, group, causal, scale, balanced, backend, return_lse, stats)
-
-
-def allgather_attention(q, k, v, group, *, causal=True, scale=None, balanced=True, backend=None,
-                        return_lse=False, stats=None):
-    """The same result as ``ring_attention``, by all-gathering K/V (forward) and reduce-scattering dK/dV."""
-    return _cp_attention(AllGatherAttention, q, k, v, group, causal, scale, balanced, backend, return_lse, stats)
+ring_attention = functools.partial(cp_attention, variant="ring")
+allgather_attention = functools.partial(cp_attention, variant="allgather")
