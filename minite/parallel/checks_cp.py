@@ -126,7 +126,7 @@ def check_measure(group, n, r, args) -> dict:
             dist.barrier()
             t0 = time.perf_counter()
             with comm.CommLog() as log, PeakBytes() as pk:
-                VARIANTS[variant](*sh, group, causal=True, balanced=balanced, backend="torch",
+                VARIANTS[variant](*sh, group, causal=True, balanced=balanced, backend=args.backend,
                                   stats=stats).backward(dsh)
             sec = time.perf_counter() - t0
             res[f"{variant}_{'balanced' if balanced else 'contiguous'}"] = {
@@ -187,6 +187,7 @@ def main(argv=None) -> int:
     ap.add_argument("checks", nargs="+", choices=sorted(CHECKS))
     ap.add_argument("--out", default=tempfile.gettempdir())
     ap.add_argument("--T", type=int, default=1024, help="sequence length of the measurements")
+    ap.add_argument("--backend", default="torch", help="attention backend of the measurements")
     ap.add_argument("--file", default="")
     ap.add_argument("--task", default="ring_step_merge", choices=sorted(GRADED))
     ap.add_argument("--timeout", type=float, default=60.0)
