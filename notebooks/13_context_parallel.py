@@ -182,11 +182,12 @@ plt.show()
 
 # %%
 out_dir = tempfile.mkdtemp()
-res = torchrun(2, ["-m", "minite.parallel.checks_cp", "attn", "gpt", "--out", out_dir], timeout=240, env=ENV)
+res = torchrun(2, ["-m", "minite.parallel.checks_cp", "attn", "gpt", "measure", "--T", "256", "--out", out_dir],
+               timeout=240, env=ENV)
 assert res.returncode == 0, res.stdout[-2000:]
 rep = results(out_dir)
 print(f"{'check':34} {'max error (both ranks)':>24}")
-for name in rep[0]:
+for name in [n for n in rep[0] if n != "measure"]:
     worst = max(rep[r][name]["max_err"] for r in rep)
     print(f"{name:34} {'below 1e-5' if worst < 1e-5 else f'{worst:.1e}':>24}  "
           f"{'ok' if all(rep[r][name]['ok'] for r in rep) else 'FAIL'}")
@@ -195,39 +196,42 @@ print("GPT under CP, losses of the 5 steps:", [round(x, 4) for x in rep[0]["gpt_
 # %% [markdown]
 # ## 6. Measured: work per rank, bytes and peak memory
 #
-# One causal forward + backward at $T = 512$, 4 heads of $D = 64$, batch 1, on 4 ranks, for each variant with and
-# without load balancing. Per rank we record
-# * the **score entries** its block calls compute (the work; the causal diagonal counts its visible half);
-# * the bytes it **sends** (`comm.CommLog`, ring-algorithm bytes: gloo's reduce-scatter is really an all-reduce,
-#   so we count rather than time).
+# The launch above also ran one causal forward + backward at $T = 256$ (4 heads of $D = 64$, batch 1) for each
+# variant with and without load balancing. Per rank it recorded
+# * the **score entries** its block calls computed (the work; the causal diagonal counts its visible half);
+# * the bytes it **sent** (`comm.CommLog`, ring-algorithm bytes: gloo's reduce-scatter is really an all-reduce,
+#   so we count rather than time), in units of one rank's K/V shard.
 #
-# Both are the same whichever attention backend runs the blocks, so this run uses the fast PyTorch reference.
+# Both are the same whichever attention backend runs the blocks, so that run used the fast PyTorch reference.
 
 # %%
-m_dir = tempfile.mkdtemp()
-res = torchrun(4, ["-m", "minite.parallel.checks_cp", "measure", "--T", "512", "--out", m_dir], timeout=240)
-assert res.returncode == 0, res.stdout[-2000:]
-meas = {r: v["measure"] for r, v in results(m_dir).items()}
 runs = ["ring_contiguous", "ring_balanced", "allgather_contiguous", "allgather_balanced"]
-print(f"{'run':22}" + "".join(f"{'rank ' + str(r) + ' work':>14}" for r in range(4)) + f"{'max/min':>9}"
-      + f"{'sent / K-V shard':>18}")
+meas = {r: rep[r]["measure"] for r in rep}
+print(f"cp=2, T={meas[0]['T']}")
+print(f"{'run':22}{'rank 0 work':>14}{'rank 1 work':>14}{'max/min':>9}{'sent / K-V shard':>18}")
 for name in runs:
-    w = [meas[r][name]["scores"] / 1e3 for r in range(4)]
+    w = [meas[r][name]["scores"] / 1e3 for r in range(2)]
     sent = meas[0][name]["bytes_sent"] / meas[0][name]["kv_shard_bytes"]
     print(f"{name:22}" + "".join(f"{x:>13.1f}k" for x in w) + f"{max(w) / min(w):>9.2f}{sent:>18.1f}")
 
 # %% [markdown]
 # Peak memory is the one number where the backend matters: the PyTorch reference materialises each block's score
-# matrix, the flash kernel never does. So it was measured with the Triton kernel (on the interpreter, 30 s a run,
-# too slow for this notebook) at world 2 and 4 and recorded in `benchmarks/results/cp_attention_cpu.json`: the
-# bytes of every tensor created during the step (`minite.bytecount.PeakBytes`), the largest over the ranks.
+# matrix, the flash kernel never does. So it was measured with the Triton kernel (on the interpreter, about 30 s a
+# run, too slow for this notebook) at world 2 and 4, $T = 512$, and recorded in
+# `benchmarks/results/cp_attention_cpu.json`: the bytes of every tensor created during the step
+# (`minite.bytecount.PeakBytes`), the largest over the ranks, with the same work and byte counts as above.
 
 # %%
 rec = json.load(open("../benchmarks/results/cp_attention_cpu.json"))
+r4 = rec["runs"]["cp4_T512"]
 print(f"recorded on {rec['device']}, {rec['date']}")
+for name in runs:
+    w = [r4[r][name]["scores"] / 1e3 for r in sorted(r4)]
+    print(f"cp=4 {name:22} work per rank " + " ".join(f"{x:6.1f}k" for x in w) + f"   max/min {max(w) / min(w):.2f}"
+          f"   sent / shard {r4['0'][name]['bytes_sent'] / r4['0'][name]['kv_shard_bytes']:.1f}")
 fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), layout="tight")
 for i, name in enumerate(("ring_contiguous", "ring_balanced")):
-    axes[0].bar([r + 0.38 * i for r in range(4)], [meas[r][name]["scores"] / 1e3 for r in range(4)], width=0.38,
+    axes[0].bar([r + 0.38 * i for r in range(4)], [r4[str(r)][name]["scores"] / 1e3 for r in range(4)], width=0.38,
                 label=name.replace("ring_", ""))
 axes[0].set(xlabel="rank", ylabel="score entries (thousands)", title="causal work per rank, cp=4, T=512")
 axes[0].legend()
@@ -242,8 +246,8 @@ plt.show()
 
 # %% [markdown]
 # What the numbers say:
-# * **Load balancing**: contiguous shards give the last rank about $2cp-1 = 7\times$ the work of rank 0; the
-#   balanced layout gives every rank the same count, exactly.
+# * **Load balancing**: contiguous shards give the last rank about $2cp-1$ times the work of rank 0 (3 at cp=2, 7 at
+#   cp=4); the balanced layout gives every rank the same count, exactly.
 # * **Bytes**: both variants send the same amount in the forward: $(cp-1)$ K/V shards per rank, for the ring as
 #   $cp-1$ point-to-point messages, for the all-gather as one collective. In the backward the ring sends K/V around
 #   again and its fp32 dK/dV accumulator makes one extra hop; the all-gather keeps the gathered K/V and
@@ -280,6 +284,7 @@ plt.show()
 # The run below trains 8 steps with CP on 2 ranks; the test suite compares 20 steps with one process.
 
 # %%
+import contextlib, io
 from minite.config import make_config
 from minite.train import train
 cli_dir = tempfile.mkdtemp()
@@ -296,7 +301,8 @@ res = torchrun(2, ["-m", "minite.train", *[f"--{k}={v}" for k, v in flags.items(
                    f"--train.out_dir={cli_dir}/cp2"], timeout=240)
 assert res.returncode == 0, res.stdout[-2000:]
 cp_loss = [json.loads(x)["loss"] for x in open(f"{cli_dir}/cp2/log.jsonl") if '"loss"' in x]
-one = train(make_config("cpu", {**flags, "train.out_dir": f"{cli_dir}/one"}))
+with contextlib.redirect_stdout(io.StringIO()):  # its banner names a temporary directory
+    one = train(make_config("cpu", {**flags, "train.out_dir": f"{cli_dir}/one"}))
 one_loss = [round(one["losses"][s], 6) for s in sorted(one["losses"])]
 print("cp=2 on 2 ranks:", [round(x, 4) for x in cp_loss])
 print("one process:    ", [round(x, 4) for x in one_loss])

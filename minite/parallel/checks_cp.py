@@ -142,11 +142,12 @@ def _grade_ring_merge(mod, group, n, r) -> float:
     by one K/V exchange and an LSE merge; compared with the full single-process attention (my rows)."""
     worst = 0.0
     for T, KVH in ((6, 2), (10, 1)):
-        q, k, v, _ = _qkv(2, 2, KVH, T * n, 16, torch.float64, seed=T)
-        o, lse = attention(q, k, v, causal=False, return_lse=True, backend="torch")
+        q, k, v, _ = _qkv(2, 2, KVH, T * n, 16, torch.float32, seed=T)
+        o, lse = attention(q.double(), k.double(), v.double(), causal=False, return_lse=True, backend="torch")
         mine = [t.chunk(n, dim=2)[r].contiguous() for t in (q, k, v)]
         mo, mlse = mod.ring_step_merge(*mine, group)
-        worst = max(worst, float((mo - o.chunk(n, 2)[r]).abs().max()), float((mlse - lse.chunk(n, 2)[r]).abs().max()))
+        worst = max(worst, float((mo.double() - o.chunk(n, 2)[r]).abs().max()),
+                    float((mlse.double() - lse.chunk(n, 2)[r]).abs().max()))
     return worst
 
 
@@ -175,7 +176,7 @@ def run_graded(source: str, task: str, world: int = 2, timeout: float = 120) -> 
 def check_grade(group, n, r, args) -> dict:
     from minite.parallel.grade import _load
     err = GRADED[args.task](_load(args.file), group, n, r)
-    return {args.task: {"ok": err < 1e-9, "max_err": err}}
+    return {args.task: {"ok": err < 1e-5, "max_err": err}}  # fp32 inputs against an fp64 reference
 
 
 CHECKS = {"attn": check_attn, "triton": check_triton, "gpt": check_gpt, "measure": check_measure,
