@@ -233,7 +233,8 @@ fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), layout="tight")
 for i, name in enumerate(("ring_contiguous", "ring_balanced")):
     axes[0].bar([r + 0.38 * i for r in range(4)], [r4[str(r)][name]["scores"] / 1e3 for r in range(4)], width=0.38,
                 label=name.replace("ring_", ""))
-axes[0].set(xlabel="rank", ylabel="score entries (thousands)", title="causal work per rank, cp=4, T=512")
+axes[0].set(xlabel="rank", ylabel="score entries (thousands)", title="causal work per rank, cp=4, T=512",
+            xticks=[r + 0.19 for r in range(4)], xticklabels=range(4))
 axes[0].legend()
 for name, c in (("ring_balanced", "tab:blue"), ("allgather_balanced", "tab:red")):
     peaks = [max(v[name]["peak_bytes"] for v in rec["runs"][f"cp{w}_T512"].values()) / 1e6 for w in (2, 4)]
