@@ -215,6 +215,21 @@ for name in runs:
     print(f"{name:22}" + "".join(f"{x:>13.1f}k" for x in w) + f"{max(w) / min(w):>9.2f}{sent:>18.1f}")
 
 # %% [markdown]
+# **Overlap.** At each forward step the ring posts the `isend` of the block it holds and the `irecv` of the next
+# *before* computing; after the compute it waits. The run recorded, per step of the balanced ring's forward, the
+# seconds spent computing and the seconds still blocked on the transfer afterwards: what the overlap did not hide.
+# (gloo moves the bytes on its own threads; on GPUs NCCL does it on a separate stream.) At this toy size a block's
+# compute takes a few milliseconds, less than gloo needs to deliver the block (and the other rank to get there), so
+# part of the transfer shows up as blocked time: overlap hides a transfer only when a step computes for longer than
+# the transfer takes. The last step has nothing left to receive. Section 6's closing note says when that holds.
+
+# %%
+for r in range(2):
+    steps = meas[r]["ring_balanced"]["steps"]
+    print(f"rank {r}: " + ", ".join(f"step {i}: computed {c * 1e3:.1f} ms, then blocked {w * 1e3:.2f} ms"
+                                    for i, (c, w) in enumerate(steps)))
+
+# %% [markdown]
 # Peak memory is the one number where the backend matters: the PyTorch reference materialises each block's score
 # matrix, the flash kernel never does. So it was measured with the Triton kernel (on the interpreter, about 30 s a
 # run, too slow for this notebook) at world 2 and 4, $T = 512$, and recorded in

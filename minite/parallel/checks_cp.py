@@ -130,7 +130,7 @@ def check_measure(group, n, r, args) -> dict:
                                   stats=stats).backward(dsh)
             sec = time.perf_counter() - t0
             res[f"{variant}_{'balanced' if balanced else 'contiguous'}"] = {
-                "ok": True, "scores": stats["scores"], "calls": stats["calls"], "seconds": round(sec, 4),
+                "ok": True, "scores": stats["scores"], "seconds": round(sec, 4), "steps": stats.get("steps", []),
                 "bytes_sent": log.total(), "peak_bytes": pk.peak, "input_bytes": inputs,
                 "kv_shard_bytes": 2 * sh[1].numel() * sh[1].element_size()}
     return {"measure": {"ok": True, "T": T, "cp": n, "B": B, "H": H, "D": D, **res}}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 
 import torch
 import torch.distributed as dist
@@ -129,7 +130,6 @@ def _tally(stats, q, nq, nk, causal):
     if stats is not None:
         seen = nq * (nk - nq) + nq * (nq + 1) // 2 if causal else nq * nk
         stats["scores"] = stats.get("scores", 0) + q.shape[0] * q.shape[1] * seen
-        stats["calls"] = stats.get("calls", 0) + 1
 
 
 # ----------------------------------------------------------------------------------- ring attention
@@ -143,14 +143,16 @@ class RingAttention(torch.autograd.Function):
         lse = torch.full(q.shape[:3], NEG_INF, device=q.device)  # running LSE: no key seen yet
         kv = torch.stack([k, v]).contiguous()  # (2, B, KVH, Tl, D): one message per step
         for step in range(n):
-            pending = _ring(kv, group) if step < n - 1 else None  # the next block travels while we compute
+            pending, t0 = _ring(kv, group) if step < n - 1 else None, time.perf_counter()  # next block on the wire
             plan = _plan(step, r, n, causal, balanced, Tl)
             if plan is not None:
                 qs, ks, c = plan
                 _tally(stats, q, len(range(Tl)[qs]), len(range(Tl)[ks]), c)
                 ob, lb = _block_fwd(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], c, scale, backend)
                 o[:, :, qs], lse[:, :, qs] = lse_merge(o[:, :, qs], lse[:, :, qs], ob, lb)
-            kv = _wait(pending) if pending else kv
+            t1, kv = time.perf_counter(), _wait(pending) if pending else kv
+            if stats is not None:  # seconds computing, then seconds still blocked on the transfer (not hidden)
+                stats.setdefault("steps", []).append((t1 - t0, time.perf_counter() - t1))
         out = o.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)  # O(T/cp) per rank: no other rank's K/V is kept
         ctx.args = (group, causal, scale, balanced, backend)
@@ -185,10 +187,8 @@ class RingAttention(torch.autograd.Function):
 # ----------------------------------------------------------------------------------- all-gather K/V
 def _pieces(r, n, Tl, causal, balanced):
     """(my query rows, number of global keys they attend to, causal) for each of my chunks."""
-    if not causal:
-        return [(slice(0, Tl), Tl * n, False)]
-    if not balanced:
-        return [(slice(0, Tl), (r + 1) * Tl, True)]  # bottom-right causal against the prefix
+    if not (causal and balanced):  # every key, or (bottom-right causal) the prefix up to my chunk
+        return [(slice(0, Tl), (r + 1) * Tl if causal else Tl * n, causal)]
     c = Tl // 2
     return [(slice(0, c), (r + 1) * c, True), (slice(c, Tl), (2 * n - r) * c, True)]
 
