@@ -52,7 +52,8 @@ class CPAttention(CausalSelfAttention):
 class CPGPT(nn.Module):
     """The dense GPT (its own modules, so its state_dict) with attention over the cp ranks. forward(idx, targets)
     keeps my tokens of the sequence; the loss VALUE is the global-batch loss (all-reduced), its gradient that of
-    my tokens' mean: averaging the parameter gradients over the cp (dp x cp) ranks gives the global gradient."""
+    my tokens' mean: averaging the parameter gradients over the cp (dp x cp) ranks gives the global gradient
+    (exact when every rank holds as many counted targets: true for LM batches without ignore_index)."""
 
     generate = GPT.generate
     num_params = GPT.num_params

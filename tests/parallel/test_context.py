@@ -150,22 +150,31 @@ def _curve(out):
     return [r["loss"] for r in rows if "loss" in r], [r["val_loss"] for r in rows if "val_loss" in r]
 
 
-@pytest.mark.distributed
-def test_cli_cp2_matches_single_process(tmp_path):
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
     from minite.config import make_config
     from minite.train import train
+    d = tmp_path_factory.mktemp("cp_cli")
     words = "the king and queen of night shall speak to thee my lord what art thou sweet love".split()
     g = torch.Generator().manual_seed(0)
-    (tmp_path / "corpus.txt").write_text("".join(" ".join(words[i] for i in torch.randint(0, len(words), (6,),
-                                                                                          generator=g)) + ".\n"
-                                                 for _ in range(200)))
-    flags = {**FLAGS, "data.path": str(tmp_path / "corpus.txt"), "data.data_dir": str(tmp_path / "data")}
+    (d / "corpus.txt").write_text("".join(" ".join(words[i] for i in torch.randint(0, len(words), (6,), generator=g))
+                                          + ".\n" for _ in range(200)))
+    flags = {**FLAGS, "data.path": str(d / "corpus.txt"), "data.data_dir": str(d / "data")}
     torch.set_num_threads(1)
-    train(make_config("cpu", {**flags, "train.out_dir": str(tmp_path / "single")}))
-    args = [f"--{k}={v}" for k, v in {**flags, "train.out_dir": str(tmp_path / "cp2")}.items()] + ["--parallel.cp=2"]
-    res = torchrun(2, ["-m", "minite.train", *args], timeout=180)
+    train(make_config("cpu", {**flags, "train.out_dir": str(d / "single")}))
+    return d, flags, _curve(d / "single")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["cp2", "dp2_cp2"])
+def test_cli_cp_matches_single_process(single, layout):
+    """torchrun -m minite.train --parallel.cp=2 (and dp=2 x cp=2 on 4 ranks): the one-process curve, 20 steps."""
+    d, flags, (loss1, val1) = single
+    extra, world = (["--parallel.cp=2"], 2) if layout == "cp2" else (["--parallel.dp=2", "--parallel.cp=2"], 4)
+    args = [f"--{k}={v}" for k, v in {**flags, "train.out_dir": str(d / layout)}.items()] + extra
+    res = torchrun(world, ["-m", "minite.train", *args], timeout=180)
     assert res.returncode == 0, res.stdout[-3000:]
-    (loss, val), (loss1, val1) = _curve(tmp_path / "cp2"), _curve(tmp_path / "single")
+    loss, val = _curve(d / layout)
     assert len(loss) == 20 and len(val) == 3
     assert max(abs(a - b) for a, b in zip(loss, loss1)) < 1e-4, (loss, loss1)
     assert max(abs(a - b) for a, b in zip(val, val1)) < 1e-4, (val, val1)
