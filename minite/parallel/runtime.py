@@ -75,9 +75,12 @@ class Parallel:
         if d.tp > 1:
             from minite.parallel.sequence import TPGPT
             model = TPGPT.from_dense(model, d.group("tp"), sequence_parallel=self.sp)
-        if d.dp > 1 or self.zero > 0:
+        if d.cp > 1:  # chapter 13: my tokens of each sequence, attention by the ring; grads averaged over dp x cp
+            from minite.parallel.context_gpt import CPGPT
+            model = CPGPT.from_dense(model, d.group("cp"))
+        if d.dp > 1 or self.zero > 0 or d.cp > 1:
             from minite.parallel.data import DataParallel
-            self.dp = DataParallel(model, d.group("dp"), stage=self.zero)
+            self.dp = DataParallel(model, d.group("dp_cp" if d.cp > 1 else "dp"), stage=self.zero)
         return model
 
     def optimizer(self, model, make, t):
@@ -131,8 +134,12 @@ class Parallel:
 
 def setup_parallel(cfg, resume: bool = False) -> Parallel:
     p = cfg.parallel
-    if p.cp > 1:
-        raise ParallelError(f"--parallel.cp={p.cp}: context parallelism is chapter 13, not wired into minite.train yet")
+    if p.cp > 1:  # chapter 13
+        from minite.parallel.context import check_length
+        if p.tp > 1 or p.pp > 1:
+            raise ParallelError(f"--parallel.cp={p.cp} with --parallel.tp={p.tp} / --parallel.pp={p.pp} is not "
+                                "supported (cp combines with dp only)")
+        check_length(cfg.data.block_size or cfg.model.block_size, p.cp)  # 2*cp load-balanced chunks per sequence
     if p.zero not in (0, 1, 2, 3):
         raise ParallelError(f"--parallel.zero must be 0, 1, 2 or 3, got {p.zero}")
     if p.zero == 3 and p.tp > 1:
