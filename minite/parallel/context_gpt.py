@@ -28,8 +28,7 @@ class CPAttention(CausalSelfAttention):
         for a in ("n_head", "n_kv_head", "head_dim", "max_seq_len", "backend"):
             setattr(self, a, getattr(dense, a))
         self.qkv, self.proj, self.resid_dropout = dense.qkv, dense.proj, dense.resid_dropout
-        self.register_buffer("rope_cos", dense.rope_cos, persistent=False)
-        self.register_buffer("rope_sin", dense.rope_sin, persistent=False)
+        self.rotary = dense.rotary  # minite.nn.RotaryEmbedding: its cos/sin tables (T_max, D/2)
         self.group, self.balanced, self.pos = group, balanced, None
         self.fn = {"ring": ring_attention, "allgather": allgather_attention}[variant]
 
@@ -42,7 +41,7 @@ class CPAttention(CausalSelfAttention):
         q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T/cp, D)
         k = k.view(B, T, KVH, D).transpose(1, 2)  # (B, KVH, T/cp, D)
         v = v.view(B, T, KVH, D).transpose(1, 2).contiguous()
-        cos, sin = self.rope_cos[self.pos], self.rope_sin[self.pos]  # (T/cp, D/2): my GLOBAL positions
+        cos, sin = self.rotary.cos[self.pos], self.rotary.sin[self.pos]  # (T/cp, D/2): my GLOBAL positions
         q, k = rope(q, cos, sin, backend=self.backend), rope(k, cos, sin, backend=self.backend)
         y = self.fn(q.contiguous(), k.contiguous(), v, self.group, causal=True, balanced=self.balanced,
                     backend=self.backend)  # (B, H, T/cp, D)
