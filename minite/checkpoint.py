@@ -101,6 +101,8 @@ def _check_structure(path: Path, state) -> None:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise CheckpointError(f"checkpoint {path}: 'step' must be an int >= 0, got {type(step).__name__} {step!r}")
     for key in ("model", "optimizer", "config"):
+        if key == "optimizer" and state[key] is None:  # a torchrun run whose optimizer state is sharded (ZeRO,
+            continue                                    # TP, PP): the model is the consolidated dense one
         if not isinstance(state[key], dict):
             raise CheckpointError(f"checkpoint {path}: {key!r} must be a dict, got {type(state[key]).__name__}")
     bad = [k for k, v in state["model"].items() if not isinstance(v, torch.Tensor) and not k.endswith("_extra_state")]

@@ -219,6 +219,9 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
             finetune.load_model_state(model, state["model"], cfg)  # under LoRA: the adapters only
         else:
             load_model_state(model, state["model"], ckpt_path)  # names a wrong-shaped or missing tensor
+        if state["optimizer"] is None:
+            raise CheckpointError(f"checkpoint {ckpt_path} holds no optimizer state a single process can resume (a "
+                                  "distributed run sharded it); start from its weights with --init_from instead")
         try:
             opt.load_state_dict(state["optimizer"])
         except (ValueError, KeyError, TypeError, RuntimeError) as e:
