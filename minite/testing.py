@@ -62,7 +62,9 @@ def fp8_dot_tolerance(a: torch.Tensor, b: torch.Tensor, *, device: torch.device 
     """
     if torch.device(device).type != "cuda":
         return {"atol": atol, "rtol": rtol}
-    a, b = (t.dequantize(torch.float32) if hasattr(t, "dequantize") else t for t in (a, b))
+    from minite.formats.fp8 import Float8Tensor
+
+    a, b = (t.dequantize(torch.float32) if isinstance(t, Float8Tensor) else t for t in (a, b))
     K = a.shape[-1]
     steps = -(-min(K, promote_every or K) // FP8_MMA_K)
     mag = a.detach().abs().float() @ b.detach().abs().float()  # (|A| @ |B|)_ij: sum of absolute products
