@@ -6,6 +6,7 @@ not start with ``bench_``: ``make bench`` runs every ``benchmarks/bench_*.py``.
 """
 from __future__ import annotations
 
+import gc
 import json
 import platform
 import re
@@ -84,9 +85,18 @@ def _do_bench_graph(fn, grad_to_none=None, reps: int = 50) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     for t in grad_to_none or []:
         t.grad = None
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    dev, prev_stream = torch.cuda.current_device(), torch.cuda.current_stream()
+    pool = torch.cuda.graph_pool_handle()  # our own pool id: after a failed capture only we can release it
+    rng = torch.cuda.get_rng_state(dev)
+    g, failure = torch.cuda.CUDAGraph(), None
+    try:
+        with torch.cuda.graph(g, pool=pool):
+            fn()
+    except Exception as e:  # keep only the message: the traceback's frames hold tensors of the capture's pool
+        failure = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:100]}"
+    if failure is not None:
+        _recover_from_failed_capture(g, dev, pool, rng, prev_stream, grad_to_none)
+        raise RuntimeError(f"CUDA graph capture failed ({failure})")
     torch.cuda.synchronize()
     cache = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")  # > L2: flush between replays
     times = []
@@ -101,17 +111,62 @@ def _do_bench_graph(fn, grad_to_none=None, reps: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _recover_from_failed_capture(g, dev: int, pool, rng_state, stream, grad_to_none) -> None:
+    """Undo what a failed ``torch.cuda.graph`` capture leaves behind, so the process can go on (eagerly).
+
+    When the capture is invalidated (a host sync, an illegal call inside fn), ``CUDAGraph.capture_end`` raises at
+    ``cudaStreamEndCapture``, before its bookkeeping (torch/csrc ATen/cuda/CUDAGraph.cpp), so:
+    * the allocator still counts the capture's private pool as in use (``capture_ended_`` is false, so the graph's
+      reset/destructor never releases it): every failed capture leaked its pool (76 GiB reserved in private
+      pools, then an OOM, on the H100). We end and release the pool ourselves, as ``torch.cuda.use_mem_pool``
+      does at exit, then ``empty_cache`` returns it;
+    * the default CUDA generator stays in capture mode (the epilogue never ran): the next ``torch.randn`` raised
+      "Offset increment outside graph capture encountered unexpectedly". We give it a fresh state
+      (``graphsafe_set_state``) and restore the seed/offset saved before the capture;
+    * ``torch.cuda.graph.__exit__`` never restored the caller's stream.
+    Every step is best effort: torch versions differ in what a failed capture leaves.
+    """
+    torch.cuda.set_stream(stream)
+    for t in grad_to_none or []:  # grads written during the capture live in its pool
+        t.grad = None
+    gc.collect()
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError:
+        pass
+    try:
+        g.pool()  # succeeds only if capture_end got far enough: then the graph's destructor releases the pool
+        ended = True
+    except RuntimeError:
+        ended = False
+    del g
+    if not ended:
+        for name in ("_cuda_endAllocateToPool", "_cuda_releasePool"):
+            try:
+                getattr(torch._C, name)(dev, pool)
+            except (AttributeError, RuntimeError):
+                pass  # not allocating to that pool any more / binding absent in this torch
+    gen = torch.cuda.default_generators[dev]
+    if hasattr(gen, "graphsafe_set_state"):
+        gen.graphsafe_set_state(torch.Generator(device=f"cuda:{dev}"))
+    torch.cuda.set_rng_state(rng_state, dev)
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def do_bench(fn, grad_to_none=None, eager: bool = False) -> float:
     """Milliseconds per call of fn: CUDA-graph replay when TIMER == "graph" and fn can be captured (a host sync
     inside fn cannot), else triton.testing.do_bench (median, L2 flushed). `grad_to_none`: grads reset per call.
-    eager=True: always the eager timer (for code known to sync with the host, e.g. Liger's CE: a failed capture
-    leaves the CUDA context unusable). Leaf tensors timed with grads must not have been used in a graph on
-    another stream before (their AccumulateGrad node would tie the capture to that stream)."""
+    eager=True: always the eager timer (for code known to sync with the host, e.g. Liger's CE). A failed capture
+    is cleaned up (its memory pool released, the CUDA RNG and the current stream restored: see
+    `_recover_from_failed_capture`) and fn is timed eagerly instead. Leaf tensors timed with grads must not have
+    been used in a graph on another stream before (their AccumulateGrad node would tie the capture to that
+    stream)."""
     if TIMER == "graph" and not eager:
         try:
             return _do_bench_graph(fn, grad_to_none)
         except Exception as e:  # capture refused (a .item() / host sync inside): time it eagerly, and say so
-            print(f"  (not capturable, timed eagerly: {type(e).__name__}: {str(e).splitlines()[0][:100]})")
+            print(f"  (not capturable, timed eagerly: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]})")
             torch.cuda.synchronize()
     return _do_bench_eager(fn, grad_to_none)
 

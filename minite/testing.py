@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["dtype_tols", "assert_close", "check_op", "TOLS"]
+__all__ = ["dtype_tols", "assert_close", "check_op", "fp8_dot_tolerance", "TOLS"]
 
 # (atol, rtol) per dtype for an op that computes in fp32 and rounds once to the output dtype.
 #   fp16: 10 mantissa bits -> 1 ulp relative = 2**-10 ~ 1e-3; allow ~2 ulp.
@@ -39,24 +39,69 @@ def dtype_tols(dtype: torch.dtype) -> dict[str, float]:
     return {"atol": atol, "rtol": rtol}
 
 
-def _describe_mismatch(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float) -> str:
+# FP8 tensor cores (Hopper wgmma) do not accumulate in full fp32: each MMA instruction (k = 32 fp8 products) adds
+# its products into an accumulator that keeps only ~14 significant bits, the smaller addends truncated (DeepSeek-V3
+# §3.3.2). One such step errs by at most 2^-13 of the magnitude it handles, which is <= sum_k |a_ik b_kj|, so a chain
+# of s steps errs by <= s * 2^-13 * (|A| @ |B|)_ij. "split" accumulation (minite.kernels.fp8_gemm) promotes the
+# partial sum to fp32 every `promote_every` = 128 elements of K, so the chain is ceil(128 / 32) = 4 steps long and
+# the per-interval errors add up to <= 4 * 2^-13 * (|A| @ |B|)_ij over the whole K; "fast" never promotes (a chain
+# of ceil(K / 32) steps). The CPU interpreter multiplies in numpy fp32: no extra term there.
+FP8_MMA_K = 32               # fp8 products per tensor-core instruction (wgmma k = 32 for 8-bit operands)
+FP8_ACC_UNIT = 2.0 ** -13    # ~14-bit accumulator significand, truncating
+
+
+def fp8_dot_tolerance(a: torch.Tensor, b: torch.Tensor, *, device: torch.device | str, atol: float, rtol: float,
+                      promote_every: int | None = 128) -> dict:
+    """``dict(atol=..., rtol=...)`` for comparing an FP8 GEMM ``a @ b`` (on `device`) against an fp32 reference.
+
+    `a` (M, K) and `b` (K, N) are the operands' dequantized values (Float8Tensor is dequantized here);
+    `atol`/`rtol` are what the test allows on the CPU (summation order, output rounding). On CUDA the tensor
+    core's accumulator error is added element-wise: ``steps * 2^-13 * (|a| @ |b|)`` with
+    ``steps = ceil(min(K, promote_every) / 32)`` (`promote_every=None`: never promoted, the "fast" mode).
+    The result's atol is then a tensor (M, N); ``assert_close`` accepts it.
+    """
+    if torch.device(device).type != "cuda":
+        return {"atol": atol, "rtol": rtol}
+    from minite.formats.fp8 import Float8Tensor
+
+    a, b = (t.dequantize(torch.float32) if isinstance(t, Float8Tensor) else t for t in (a, b))
+    K = a.shape[-1]
+    steps = -(-min(K, promote_every or K) // FP8_MMA_K)
+    mag = a.detach().abs().float() @ b.detach().abs().float()  # (|A| @ |B|)_ij: sum of absolute products
+    return {"atol": atol + steps * FP8_ACC_UNIT * mag, "rtol": rtol}
+
+
+def _bad(a: torch.Tensor, e: torch.Tensor, atol, rtol: float) -> torch.Tensor:
+    bad = ~((a - e).abs() <= atol + rtol * e.abs())  # NaN-aware: NaN counts as bad; atol may be a tensor
+    bad &= ~(torch.isnan(a) & torch.isnan(e))      # equal_nan
+    bad |= torch.isnan(a) != torch.isnan(e)
+    bad &= ~((a == e) & torch.isinf(a))            # equal infinities
+    return bad
+
+
+def _describe_mismatch(actual: torch.Tensor, expected: torch.Tensor, atol, rtol: float) -> str:
     a, e = actual.detach().double(), expected.detach().double()
     err = (a - e).abs()
-    bad = ~(err <= atol + rtol * e.abs())  # NaN-aware: NaN counts as bad
-    bad |= torch.isnan(a) != torch.isnan(e)
+    bad = _bad(a, e, atol, rtol)
     n_bad = int(bad.sum())
     finite_err = torch.where(torch.isfinite(err), err, torch.zeros_like(err))
     idx = tuple(int(i) for i in torch.unravel_index(finite_err.argmax(), err.shape)) if err.numel() else ()
     where = ""
     if idx:
         where = f" at {idx}: got {a[idx].item():.6g}, expected {e[idx].item():.6g}"
+    if isinstance(atol, torch.Tensor):  # element-wise atol (fp8_dot_tolerance): name the one at the worst element
+        atol = f"{torch.broadcast_to(atol, err.shape)[idx].item():.3g} here" if idx else "[]"
+    else:
+        atol = f"{atol:g}"
     return (f"{n_bad}/{err.numel()} elements differ; max abs err {finite_err.max().item():.3g}{where} "
-            f"(atol={atol:g}, rtol={rtol:g})")
+            f"(atol={atol}, rtol={rtol:g})")
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, dtype: torch.dtype | None = None,
-                 name: str = "tensor", atol: float | None = None, rtol: float | None = None) -> None:
+                 name: str = "tensor", atol: float | torch.Tensor | None = None, rtol: float | None = None) -> None:
     """Assert `actual` matches `expected` within ``dtype_tols`` (of `dtype`, default `actual.dtype`).
+
+    `atol` may be a tensor broadcastable to the shape (an element-wise bound, e.g. ``fp8_dot_tolerance``).
 
     Raises AssertionError naming `name`, the shape/dtype, how many elements differ and the worst one.
     """
@@ -70,7 +115,11 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, dtype: torch.d
     atol = tol["atol"] if atol is None else atol
     rtol = tol["rtol"] if rtol is None else rtol
     a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
-    ok = torch.isclose(a, e, atol=atol, rtol=rtol, equal_nan=True).all().item()
+    if isinstance(atol, torch.Tensor):
+        ok = not _bad(a, e, atol.detach().double().cpu(), rtol).any().item()
+        atol = atol.detach().double().cpu()
+    else:
+        ok = torch.isclose(a, e, atol=atol, rtol=rtol, equal_nan=True).all().item()
     if not ok:
         raise AssertionError(f"{name} {tuple(actual.shape)} {actual.dtype}: " + _describe_mismatch(a, e, atol, rtol))
 

@@ -87,18 +87,22 @@ def _fp8_quantize_kernel(X_ptr, Scale_ptr, Y_ptr, Amax_ptr, N,
     mask = offs < N
     # Load in the input dtype, compute in fp32 at once (the interpreter cannot compute in bf16).
     x = tl.load(X_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    # Partial amax of this block: masked lanes are 0 and cannot win. A NaN must survive the max
-    # (the recipe keeps the old scale when amax is not finite), so flag it explicitly.
+    # Partial amax of this block: masked lanes are 0 and cannot win. A NaN must survive the max (the
+    # recipe keeps the old scale when amax is not finite), but on the GPU tl.max / tl.maximum lower to
+    # maxnum, which DROPS NaN (the interpreter's numpy keeps it): count the NaNs (x != x) in the same
+    # pass and overwrite the partial amax with NaN when there is one.
     part = tl.max(tl.abs(x), axis=0)
-    has_nan = tl.max(tl.where(x != x, 1, 0), axis=0)
-    part = tl.where(has_nan > 0, float("nan"), part)
+    n_nan = tl.sum((x != x).to(tl.int32), axis=0)
+    part = tl.where(n_nan > 0, float("nan"), part)
     tl.store(Amax_ptr + pid, part)
     # Per-tensor scale, read from memory (no host sync to get it here).
     scale = tl.load(Scale_ptr).to(tl.float32)
     y = x * scale
     if HW_CAST:
         # GPU with fp8 hardware: clamp to +-max, then the hardware's round-to-nearest-even cast.
-        y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+        # propagate_nan=ALL: the default maxnum/minnum would clamp a NaN to -FP8_MAX on the GPU.
+        y = tl.minimum(tl.maximum(y, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
+                       propagate_nan=tl.PropagateNan.ALL)
         if EXP_BITS == 4:
             bits = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         else:

@@ -319,7 +319,7 @@ def attention_fwd(q, k, v, causal: bool = True, scale: float | None = None, cu_s
 def attention_bwd(do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, cu_seqlens=None,
                   max_seqlen: int = 0):
     """Launch the backward: Delta, then dK/dV (one program per key block and kv head), then dQ. -> dq, dk, dv."""
-    do, q, k, v = do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous()
+    do, q, k, v, o, lse = (t.contiguous() for t in (do, q, k, v, o, lse))  # kernels assume dense strides
     B, H, KVH, Tq, Tk, Mq, Mk = _dims(q, k, cu_seqlens, max_seqlen)
     D = q.shape[-1]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)

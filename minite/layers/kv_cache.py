@@ -30,7 +30,8 @@ class KVCache(nn.Module):
 
     Args:
         n_layer, batch_size, n_kv_head, max_len (T_max), head_dim: the cache shape, (B, KVH, T_max, D) per layer.
-        dtype, device: of the stored keys and values (the model's activation dtype).
+        dtype, device: of the stored keys and values (the model's activation dtype). A write of k/v in another
+            dtype (autocast) converts that layer's cache to it.
     """
 
     def __init__(self, n_layer: int, batch_size: int, n_kv_head: int, max_len: int, head_dim: int, *,
@@ -77,6 +78,13 @@ class KVCache(nn.Module):
         if (B, KVH, D) != (self.batch_size, self.k[layer].shape[1], self.k[layer].shape[3]):
             raise ValueError(f"KVCache.write: k {tuple(k.shape)} does not fit cache {tuple(self.k[layer].shape)}")
         self.check_room(T)
+        if k.dtype != self.k[layer].dtype or v.dtype != self.v[layer].dtype:
+            # The cache follows the activations' dtype: under autocast the weights (and so `for_model`) are fp32
+            # but k, v come out of the projections in bf16/fp16, and attention needs q, k, v in one dtype.
+            # Held entries are converted once (a bf16 activation stored as fp32 converts back exactly).
+            if k.dtype != v.dtype:
+                raise ValueError(f"KVCache.write: k and v dtypes differ: {k.dtype}, {v.dtype}")
+            self.k[layer], self.v[layer] = self.k[layer].to(k.dtype), self.v[layer].to(k.dtype)
         pos = self.host_lengths
         if all(p == pos[0] for p in pos):  # the common case: one slice for the whole batch
             self.k[layer][:, :, pos[0]:pos[0] + T] = k

@@ -262,3 +262,24 @@ def _record(train_fn, out):
         out.extend(s["losses"][i] for i in sorted(s["losses"]))
         return s
     return wrapped
+
+
+@pytest.mark.triton
+def test_bwd_launcher_accepts_strided_o_and_lse(device):
+    # Context parallelism hands attention_bwd slices of a bigger o / lse. The kernels index with dense
+    # strides, so the launcher must make them contiguous: a strided view gives the same dq, dk, dv.
+    from minite.kernels.attention import attention_bwd, attention_fwd
+    q = _rand(1, 2, 24, 16, seed=1, device=device).detach()
+    k, v = (_rand(1, 2, 24, 16, seed=s, device=device).detach() for s in (2, 3))
+    do = _rand(1, 2, 24, 16, seed=4, device=device).detach()
+    o, lse = attention_fwd(q, k, v, True, None)
+    o_big = torch.zeros(1, 2, 24, 2 * 16, device=device)
+    o_big[..., 1::2] = o                                 # o_big[..., 1::2]: last-dim stride 2
+    lse_big = torch.full((1, 2, 2 * 24), 123.0, device=device)
+    lse_big[..., ::2] = lse                              # lse_big[..., ::2]: stride 2
+    o_nc, lse_nc = o_big[..., 1::2], lse_big[..., ::2]
+    assert not o_nc.is_contiguous() and not lse_nc.is_contiguous()
+    want = attention_bwd(do, q, k, v, o, lse, True)
+    got = attention_bwd(do, q, k, v, o_nc, lse_nc, True)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert torch.equal(g, w), name

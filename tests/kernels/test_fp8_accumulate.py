@@ -6,6 +6,7 @@ import torch
 from minite.formats import quantize
 from minite.kernels import fp8_gemm as G
 from minite.kernels.fp8_gemm import fp8_gemm, fp8_gemm_ref
+from minite.testing import assert_close, fp8_dot_tolerance
 
 
 def _q(shape, seed, device):
@@ -21,7 +22,10 @@ def test_modes_match_the_reference(device, accumulate, b_layout):
     a = _q((37, 70), 0, device)
     b = _q((45, 70), 1, device).t() if b_layout == "k_major" else _q((70, 45), 1, device)
     got = fp8_gemm(a, b, out_dtype=torch.float32, accumulate=accumulate, backend="triton")
-    torch.testing.assert_close(got, fp8_gemm_ref(a, b, torch.float32), atol=1e-3, rtol=1e-4)
+    # CPU: summation order only. CUDA: + the tensor cores' ~14-bit accumulator (promoted every 128 in "split").
+    tol = fp8_dot_tolerance(a, b, device=device, atol=1e-3, rtol=1e-4,
+                            promote_every=128 if accumulate == "split" else None)
+    assert_close(got, fp8_gemm_ref(a, b, torch.float32), name=f"{accumulate} {b_layout}", **tol)
 
 
 @pytest.mark.triton
@@ -60,3 +64,21 @@ def test_split_accumulation_matches_cublas_error():
                                   scale_b=w.scale_inv.reshape(()), out_dtype=torch.float32))
     assert split <= 2 * cublas, (split, cublas)
     assert fast > 5 * split, (fast, split)
+
+
+def test_fp8_dot_tolerance_is_tight_where_it_must_be():
+    # The CUDA bound (computed here without a GPU: it only reads the device type) still rejects a kernel that
+    # drops one K element or one 32-wide K chunk; on the CPU the test's own tolerance comes back unchanged.
+    a, b = _q((37, 200), 0, "cpu"), _q((200, 45), 1, "cpu")
+    assert fp8_dot_tolerance(a, b, device="cpu", atol=1e-3, rtol=1e-4) == {"atol": 1e-3, "rtol": 1e-4}
+    A, B = a.dequantize(torch.float64), b.dequantize(torch.float64)
+    split = fp8_dot_tolerance(a, b, device="cuda", atol=1e-3, rtol=1e-4)
+    fast = fp8_dot_tolerance(a, b, device="cuda", atol=1e-3, rtol=1e-4, promote_every=None)
+    mag = (A.abs() @ B.abs()).float()
+    assert torch.allclose(split["atol"], 1e-3 + 4 * 2.0 ** -13 * mag)   # 128 / 32 = 4 MMA steps per promotion
+    assert torch.allclose(fast["atol"], 1e-3 + 7 * 2.0 ** -13 * mag)    # never promoted: ceil(200 / 32) = 7
+    exact = (A @ B).float()
+    assert_close(exact, exact + 0.9 * (split["atol"] - 1e-3), name="within the bound", **split)
+    for keep in (torch.arange(200) < 199, torch.arange(200) >= 32):       # a dropped element / K chunk
+        with pytest.raises(AssertionError, match="elements differ"):
+            assert_close((A[:, keep] @ B[keep]).float(), exact, name="wrong kernel", **fast)

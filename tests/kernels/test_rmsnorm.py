@@ -168,52 +168,27 @@ def test_too_wide_row_is_refused(device):
 
 
 # ------------------------------------------------------------------------------------------ GPU only
-def _bench_fwd_bwd(fn, x, *params):
-    """ms of forward + backward of fn(x, *params) with a fixed upstream gradient (grads reset each call)."""
-    from minite._triton import triton
-
-    dy = torch.randn_like(x)
-    leaves = [x, *params]
-    return triton.testing.do_bench(lambda: fn(x, *params).backward(dy), grad_to_none=leaves)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(4096, 4096), (8192, 1000)], ids=str)
-def test_gpu_rmsnorm_large_shapes_and_speed_smoke(shape):
-    # Realistic sizes (too slow for the interpreter): output and grads vs the reference, then no gross slowdown
-    # against torch eager. The 3x bound is deliberately loose: a smoke test for a broken launch, not a benchmark.
-    from minite._triton import triton
-
+def test_gpu_rmsnorm_large_shapes(shape):
+    # Realistic sizes (too slow for the interpreter): output and grads vs the reference. Speed is measured by
+    # benchmarks/, never asserted in a test.
     C = shape[-1]
-    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-    w = (1 + 0.5 * torch.randn(C, device="cuda")).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g).to("cuda", torch.bfloat16)
+    w = (1 + 0.5 * torch.randn(C, generator=g)).to("cuda", torch.bfloat16)
     assert check_op("rmsnorm large", lambda x, w: rmsnorm(x, w, eps=1e-6, backend="triton"),
                     lambda x, w: rmsnorm_ref(x, w, 1e-6), x, w)
-    ms_minite = triton.testing.do_bench(lambda: rmsnorm(x, w, eps=1e-6, backend="triton"))
-    ms_torch = triton.testing.do_bench(lambda: F.rms_norm(x, (C,), w, 1e-6))
-    assert ms_minite < 3 * ms_torch, f"forward: minite {ms_minite:.3f} ms vs torch {ms_torch:.3f} ms"
-    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
-    ms_minite = _bench_fwd_bwd(lambda x, w: rmsnorm(x, w, eps=1e-6, backend="triton"), xg, wg)
-    ms_torch = _bench_fwd_bwd(lambda x, w: F.rms_norm(x, (C,), w, 1e-6), xg, wg)
-    assert ms_minite < 3 * ms_torch, f"fwd+bwd: minite {ms_minite:.3f} ms vs torch {ms_torch:.3f} ms"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(4096, 4096), (8192, 1000)], ids=str)
-def test_gpu_layernorm_large_shapes_and_speed_smoke(shape):
-    from minite._triton import triton
-
+def test_gpu_layernorm_large_shapes(shape):
     C = shape[-1]
-    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-    w = (1 + 0.5 * torch.randn(C, device="cuda")).to(torch.bfloat16)
-    b = (0.5 * torch.randn(C, device="cuda")).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g).to("cuda", torch.bfloat16)
+    w = (1 + 0.5 * torch.randn(C, generator=g)).to("cuda", torch.bfloat16)
+    b = (0.5 * torch.randn(C, generator=g)).to("cuda", torch.bfloat16)
     # output, grad x, grad weight, grad bias
     assert check_op("layernorm large", lambda x, w, b: layernorm(x, w, b, eps=1e-5, backend="triton"),
                     lambda x, w, b: layernorm_ref(x, w, b, 1e-5), x, w, b)
-    ms_minite = triton.testing.do_bench(lambda: layernorm(x, w, b, eps=1e-5, backend="triton"))
-    ms_torch = triton.testing.do_bench(lambda: F.layer_norm(x, (C,), w, b, 1e-5))
-    assert ms_minite < 3 * ms_torch, f"forward: minite {ms_minite:.3f} ms vs torch {ms_torch:.3f} ms"
-    xg, wg, bg = (t.clone().requires_grad_() for t in (x, w, b))
-    ms_minite = _bench_fwd_bwd(lambda x, w, b: layernorm(x, w, b, eps=1e-5, backend="triton"), xg, wg, bg)
-    ms_torch = _bench_fwd_bwd(lambda x, w, b: F.layer_norm(x, (C,), w, b, 1e-5), xg, wg, bg)
-    assert ms_minite < 3 * ms_torch, f"fwd+bwd: minite {ms_minite:.3f} ms vs torch {ms_torch:.3f} ms"

@@ -151,17 +151,12 @@ def test_bad_inputs():
 # ------------------------------------------------------------------------------------------ GPU only
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["bhtd", "bthd"])
-def test_gpu_large_shape_both_layouts_and_speed_smoke(layout):
-    # A realistic attention shape (too slow for the interpreter): output and grad x vs the reference, then no
-    # gross slowdown against the eager reference (several elementwise passes). The 3x bound is deliberately loose.
-    from minite._triton import triton
-
+def test_gpu_large_shape_both_layouts(layout):
+    # A realistic attention shape (too slow for the interpreter): output and grad x vs the reference. Speed is
+    # measured by benchmarks/, never asserted in a test.
     B, H, T, D = 4, 16, 1024, 128
     cos, sin = rope_cos_sin(T, D, device="cuda")
     shape = (B, H, T, D) if layout == "bhtd" else (B, T, H, D)
-    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to("cuda", torch.bfloat16)
     assert check_op(f"rope {layout} large", lambda x: rope(x, cos, sin, layout=layout, backend="triton"),
                     lambda x: rope_ref(x, cos, sin, layout=layout), x)
-    ms_minite = triton.testing.do_bench(lambda: rope(x, cos, sin, layout=layout, backend="triton"))
-    ms_torch = triton.testing.do_bench(lambda: rope_ref(x, cos, sin, layout=layout))
-    assert ms_minite < 3 * ms_torch, f"minite {ms_minite:.3f} ms vs torch eager {ms_torch:.3f} ms"

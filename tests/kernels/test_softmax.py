@@ -152,15 +152,11 @@ def test_bad_input_errors(x, dim, err, match):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(4096, 4096), (1024, 32768), (65536, 7)], ids=str)
-def test_gpu_large_shapes_and_speed_smoke(shape):
-    # Realistic sizes (too slow for the interpreter): correctness, and no gross slowdown against torch.softmax.
-    from minite._triton import triton
-
-    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+def test_gpu_large_shapes(shape):
+    # Realistic sizes (too slow for the interpreter): output and grad vs the reference. Speed is measured by
+    # benchmarks/, never asserted in a test.
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to("cuda", torch.bfloat16)
     assert check_op("softmax large", _triton, softmax_ref, x)
-    ms_minite = triton.testing.do_bench(lambda: _triton(x))
-    ms_torch = triton.testing.do_bench(lambda: torch.softmax(x, dim=-1))
-    assert ms_minite < 3 * ms_torch, f"minite {ms_minite:.3f} ms vs torch {ms_torch:.3f} ms"
 
 
 def test_unknown_backend_is_rejected():

@@ -90,6 +90,24 @@ def test_generate_with_cache_equals_without(device, use_triton):
     assert torch.equal(a, b)
 
 
+
+@pytest.mark.parametrize("use_triton", BACKENDS)
+def test_generate_under_bf16_autocast_with_cache_equals_without(device, use_triton):
+    # Training samples under bf16 autocast: the weights (and so the cache KVCache.for_model allocates) are fp32
+    # while q/k/v come out of the projections in bf16. The cache must follow k's dtype, or attention gets
+    # q bf16 with k/v fp32 ("q, k, v dtypes differ"); bf16 -> fp32 -> bf16 is exact, so the tokens are equal.
+    m = _model(use_triton, device, block_size=8, n_layer=1, n_embd=32, n_head=2, n_kv_head=1)
+    idx = torch.randint(0, 40, (2, 4), generator=torch.Generator().manual_seed(3)).to(device)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        a = m.generate(idx, 6, temperature=0, use_cache=True)  # prefill, decode steps, crop + prefill again
+        b = m.generate(idx, 6, temperature=0, use_cache=False)
+    assert torch.equal(a, b)
+    cache = KVCache.for_model(m, 2)
+    assert cache.k[0].dtype == torch.float32
+    k = _randn(2, 1, 3, 16, seed=1, dtype=torch.bfloat16, device=device)
+    cache.write(0, k, k)
+    assert cache.k[0].dtype == cache.v[0].dtype == torch.bfloat16 and torch.equal(cache.k[0][:, :, :3], k)
+
 # ------------------------------------------------------------------------------------------ decode kernel
 @pytest.mark.triton
 @pytest.mark.parametrize("H,KVH,D,dtype,splits", [(4, 4, 16, torch.float32, None), (8, 2, 64, torch.float16, 3),
