@@ -4,7 +4,6 @@ One launch per world size runs every check (minite.parallel.checks) and each ran
 below read those reports. World 2 also saves a ZeRO-1 checkpoint that world 4 loads (a different world size).
 """
 import pytest
-import torch
 
 from minite.parallel.launch import results, torchrun
 
