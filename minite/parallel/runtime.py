@@ -128,11 +128,14 @@ class Parallel:
             return self.dp.full_state_dict()
         return model.dense_state_dict() if hasattr(model, "dense_state_dict") else model.state_dict()
 
-    def optim_state(self, opt, out_dir) -> dict | None:
+    def optim_state(self, opt, out_dir) -> dict:
+        """The checkpoint's "optimizer" entry (a dict, as minite.checkpoint requires; a marker when not saved)."""
         if hasattr(opt, "save_sharded"):  # ZeRO: every rank writes its shard next to the checkpoint
             opt.save_sharded(os.path.join(out_dir, "optim_shards"))
-            return None
-        return opt.state_dict() if self.dims.tp == self.dims.pp == 1 else None
+            return {"not_consolidated": "ZeRO: each rank's optimizer shard is in optim_shards/"}
+        if self.dims.tp == self.dims.pp == 1:
+            return opt.state_dict()
+        return {"not_consolidated": f"tp={self.dims.tp} pp={self.dims.pp}: the optimizer state stays per rank"}
 
 
 def setup_parallel(cfg, resume: bool = False) -> Parallel:
