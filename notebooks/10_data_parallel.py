@@ -30,10 +30,12 @@
 # | 2 | $N$ | $N/W$ | $2N/W$ | $4 + 12/W$ | the same |
 # | 3 (FSDP) | $N/W$ | $N/W$ | $2N/W$ | $16/W$ | $3N\frac{W-1}{W}$ (params gathered twice) |
 #
-# Everything below runs on real `torch.distributed`: gloo on this CPU, NCCL on GPUs, launched by `torchrun`
-# (multi-node is torchrun's `--nnodes/--rdzv-endpoint`). A notebook cannot `mp.spawn` a function defined in a cell,
-# so the workers live in `minite/parallel/` and the cells launch them with `torchrun` as a subprocess and read what
-# the ranks wrote.
+# Everything below runs on real `torch.distributed`, launched by `torchrun` (multi-node is torchrun's
+# `--nnodes/--rdzv-endpoint`). These workers hold CPU tensors over gloo on any machine: NCCL wants one GPU per rank,
+# and one GPU cannot host 2-4 ranks. (`torchrun -m minite.train` takes NCCL + `cuda:LOCAL_RANK` when the node has a
+# GPU per local rank, and stops with an error naming the numbers when `--train.device=cuda` asks for more GPUs than
+# it has.) A notebook cannot `mp.spawn` a function defined in a cell, so the workers live in `minite/parallel/` and
+# the cells launch them with `torchrun` as a subprocess and read what the ranks wrote.
 
 # %%
 import os, torch

@@ -35,8 +35,8 @@
 # * the bubble $(p-1)/(m+p-1)$ derived, then measured from per-rank events; the activation memory per stage of
 #   AFAB vs 1F1B, measured.
 #
-# Everything runs on real `torch.distributed` (gloo on this CPU, NCCL on GPUs) through `torchrun`; the workers live
-# in `minite/parallel/checks_pp.py` and the cells read what each rank wrote.
+# Everything runs on real `torch.distributed` through `torchrun`, with CPU tensors over gloo on any machine (NCCL
+# needs a GPU per rank); the workers live in `minite/parallel/checks_pp.py` and the cells read what each rank wrote.
 
 # %%
 import os, torch

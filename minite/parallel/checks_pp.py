@@ -195,7 +195,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=60.0)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    rank, world = init_distributed(args.timeout)
+    rank, world = init_distributed(args.timeout, device="cpu")  # CPU tensors over gloo, on any machine
     dims = ParallelDims(pp=world).build(rank, world)
     results = {}
     for name in args.checks:

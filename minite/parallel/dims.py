@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from minite.config import ConfigError
 
-__all__ = ["ParallelDims", "ParallelError", "init_distributed"]
+__all__ = ["ParallelDims", "ParallelError", "init_distributed", "select_device"]
 
 AXES = ("pp", "dp", "cp", "tp")  # the grid's axis order, slowest to fastest
 
@@ -29,9 +29,32 @@ class ParallelError(ConfigError):
     """A parallel layout that cannot work (the message names the numbers); minite.train prints it as an error."""
 
 
-def init_distributed(timeout_s: float = 60.0, backend: str | None = None) -> tuple[int, int]:
-    """Initialise torch.distributed from torchrun's environment (gloo on CPU, NCCL on CUDA); (rank, world).
+def select_device(device: str = "auto", local_world: int | None = None) -> str:
+    """The device type of a torchrun rank: "cuda" (NCCL, cuda:LOCAL_RANK) or "cpu" (gloo).
 
+    CUDA only when the run's device is CUDA and this node has a GPU per local rank (torchrun's LOCAL_WORLD_SIZE):
+    ranks sharing one GPU make NCCL fail ("Duplicate GPU detected") or hang. device="auto" falls back to the CPU
+    (gloo) when the GPUs are too few; an explicit "cuda"/"cuda:N" fails fast, naming the numbers."""
+    if local_world is None:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    kind = str(device).split(":")[0]
+    if kind not in ("auto", "cpu", "cuda"):
+        raise ParallelError(f"device {device!r}: expected auto, cpu, cuda or cuda:N")
+    if kind == "cpu":
+        return "cpu"
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n >= local_world:
+        return "cuda"
+    if kind == "auto":
+        return "cpu"
+    raise ParallelError(f"--nproc-per-node {local_world} needs {local_world} GPUs on this node, found {n} (device "
+                        f"{device!r}: NCCL wants a GPU per rank); use --train.device=cpu for gloo, or fewer processes")
+
+
+def init_distributed(timeout_s: float = 60.0, backend: str | None = None, device: str = "auto") -> tuple[int, int]:
+    """Initialise torch.distributed from torchrun's environment; (rank, world).
+
+    NCCL with cuda:LOCAL_RANK when ``select_device(device)`` says "cuda" (a GPU per local rank), gloo otherwise.
     Without torchrun's variables this is a single process: (0, 1), nothing initialised. `timeout_s` bounds every
     collective: a rank that dies or hangs makes the others raise within it (torchrun also tears them down).
     backend: force one ("gloo" for workers whose tensors live on the CPU, even on a GPU machine)."""
@@ -39,7 +62,7 @@ def init_distributed(timeout_s: float = 60.0, backend: str | None = None) -> tup
         return dist.get_rank(), dist.get_world_size()
     if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) == 1 and "MASTER_ADDR" not in os.environ:
         return 0, 1
-    cuda = torch.cuda.is_available() and backend != "gloo"
+    cuda = backend != "gloo" and select_device(device) == "cuda"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend or ("nccl" if cuda else "gloo"), timeout=datetime.timedelta(seconds=timeout_s))

@@ -5,7 +5,8 @@
 
 Notebooks cannot mp.spawn a function defined in a cell (it cannot be pickled from __main__): the workers live in
 ``minite/`` and the cell shows what rank 0 wrote. Child stderr is captured here, never left to leak into the
-cell's output.
+cell's output. The workers hold CPU tensors over gloo on any machine (one GPU cannot host 2-4 NCCL ranks), so
+their Triton kernels run in the interpreter: TRITON_INTERPRET=1 unless the environment or `env` sets it.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def torchrun(nproc: int, args: list[str], *, timeout: float = 180.0, env: dict |
              cwd: str | None = None) -> subprocess.CompletedProcess:
     """``python -m torch.distributed.run --standalone --nproc-per-node nproc *args``; raises TimeoutExpired."""
     root = str(Path(__file__).resolve().parents[2])
-    e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    e = {"TRITON_INTERPRET": "1", **os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     e["PYTHONPATH"] = os.pathsep.join([root] + [p for p in e.get("PYTHONPATH", "").split(os.pathsep) if p])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
     return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,

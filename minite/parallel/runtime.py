@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from minite.parallel import comm
-from minite.parallel.dims import ParallelDims, ParallelError, init_distributed
+from minite.parallel.dims import ParallelDims, ParallelError, init_distributed, select_device
 
 __all__ = ["Parallel", "setup_parallel", "clip_grad_norm_"]
 
@@ -42,13 +42,16 @@ class Parallel:
         self.dims, self.zero, self.sp = dims, zero, sp
         self.world, self.is_main = dims.world, dims.is_main
         self.dp, self.dev = None, torch.device("cpu")  # the DataParallel wrapper, when dp > 1 or zero > 0
+        self.run_device = None  # torchrun: "cuda" (NCCL, a GPU per local rank) or "cpu" (gloo); dims.select_device
 
     @property
     def active(self) -> bool:
         return self.world > 1
 
     def device(self, dev: torch.device) -> torch.device:
-        if dev.type == "cuda" and self.active:
+        if self.active and self.run_device == "cpu":  # gloo: train.device=auto with fewer GPUs than ranks
+            dev = torch.device("cpu")
+        elif dev.type == "cuda" and self.active:
             dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         self.dev = dev
         return dev
@@ -125,11 +128,14 @@ class Parallel:
             return self.dp.full_state_dict()
         return model.dense_state_dict() if hasattr(model, "dense_state_dict") else model.state_dict()
 
-    def optim_state(self, opt, out_dir) -> dict | None:
+    def optim_state(self, opt, out_dir) -> dict:
+        """The checkpoint's "optimizer" entry (a dict, as minite.checkpoint requires; a marker when not saved)."""
         if hasattr(opt, "save_sharded"):  # ZeRO: every rank writes its shard next to the checkpoint
             opt.save_sharded(os.path.join(out_dir, "optim_shards"))
-            return None
-        return opt.state_dict() if self.dims.tp == self.dims.pp == 1 else None
+            return {"not_consolidated": "ZeRO: each rank's optimizer shard is in optim_shards/"}
+        if self.dims.tp == self.dims.pp == 1:
+            return opt.state_dict()
+        return {"not_consolidated": f"tp={self.dims.tp} pp={self.dims.pp}: the optimizer state stays per rank"}
 
 
 def setup_parallel(cfg, resume: bool = False) -> Parallel:
@@ -144,7 +150,7 @@ def setup_parallel(cfg, resume: bool = False) -> Parallel:
         raise ParallelError(f"--parallel.zero must be 0, 1, 2 or 3, got {p.zero}")
     if p.zero == 3 and p.tp > 1:
         raise ParallelError("--parallel.zero=3 with --parallel.tp > 1 is not supported (use zero 0-2 with tp)")
-    rank, world = init_distributed(p.timeout_s)
+    rank, world = init_distributed(p.timeout_s, device=cfg.train.device)  # too few GPUs for cuda: fails fast
     dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp).build(rank, world, p.timeout_s)
     if world > 1:
         if resume:
@@ -155,5 +161,11 @@ def setup_parallel(cfg, resume: bool = False) -> Parallel:
             sys.stdout = open(os.devnull, "w")
             cfg.train.progress = False
     par = Parallel(dims, zero=p.zero, sp=p.sp)
+    if world > 1:
+        par.run_device = select_device(cfg.train.device)
+        if par.run_device == "cpu" and cfg.train.device == "auto" and torch.cuda.is_available() and rank == 0:
+            print(f"minite: train.device=auto, {torch.cuda.device_count()} GPU(s) for "
+                  f"{os.environ.get('LOCAL_WORLD_SIZE', world)} local ranks: running on the CPU (gloo)",
+                  file=sys.stderr, flush=True)
     par.pp_args = (p.microbatches, p.pp_schedule)  # chapter 12: PipelineGPT's micro-batches and schedule
     return par

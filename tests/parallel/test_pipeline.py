@@ -107,7 +107,8 @@ def test_dead_stage_ends_the_run_naming_it(tmp_path):
 FLAGS = {"model.n_layer": 4, "model.n_head": 4, "model.n_kv_head": 2, "model.n_embd": 32, "model.mlp_hidden": 64,
          "model.block_size": 16, "model.backend": "torch", "train.batch_size": 8, "train.max_iters": 20,
          "train.log_interval": 1, "train.eval_interval": 10, "train.eval_iters": 2, "train.warmup_iters": 2,
-         "train.lr": 1e-2, "train.sample_tokens": 0, "train.progress": False, "train.threads": 1}
+         "train.lr": 1e-2, "train.sample_tokens": 0, "train.progress": False, "train.threads": 1,
+         "train.device": "cpu", "train.precision": "fp32", "train.compile": "off"}  # CPU/gloo tests on any machine
 
 
 def _curve(out):
