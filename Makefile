@@ -44,7 +44,7 @@ train: $(STAMP)
 # One OpenMP thread per process: pytest-xdist already runs one worker (and its notebook kernels) per core.
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(PYTEST_JOBS) --dist loadfile -p no:cacheprovider \
-		tests notebooks --nbval-lax --nbval-current-env --nbval-cell-timeout=600 $(ARGS)
+		tests notebooks --nbval-lax --nbval-current-env --nbval-cell-timeout=600 --durations=15 $(ARGS)
 
 test-lib: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_JOBS) --dist loadfile tests $(ARGS)

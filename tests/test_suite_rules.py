@@ -25,6 +25,9 @@ def _triton_tests(tree):
     assigns = {t.id: ast.unparse(n.value) for n in tree.body if isinstance(n, ast.Assign)
                for t in n.targets if isinstance(t, ast.Name)}
     module_mark = "mark.triton" in assigns.get("pytestmark", "")
+    # Distributed tests are exempt: their kernels run inside torchrun workers, which pin the CPU, gloo and the
+    # interpreter on every machine (minite.parallel.launch.torchrun sets TRITON_INTERPRET=1 for them).
+    module_dist = "mark.distributed" in assigns.get("pytestmark", "")
     # module-level parameter lists holding a triton-marked param, e.g. BACKENDS = ["torch", pytest.param(...)]
     lists = {name for name, src in assigns.items() if "marks=pytest.mark.triton" in src}
     for node in ast.walk(tree):
@@ -34,7 +37,8 @@ def _triton_tests(tree):
                 "marks=pytest.mark.triton" in ast.unparse(d)
                 or any(isinstance(x, ast.Name) and x.id in lists for x in ast.walk(d)) for d in decos)
             gpu_only = any("mark.gpu" in ast.unparse(d) for d in decos)
-            if marked and not gpu_only:
+            distributed = module_dist or any("mark.distributed" in ast.unparse(d) for d in decos)
+            if marked and not gpu_only and not distributed:
                 yield node
 
 
