@@ -86,6 +86,8 @@ class TrainConfig:
     batch_size: int = _doc("sequences per micro-batch", 32)
     grad_accum: int = _doc("micro-batches per optimizer step", 1)
     max_iters: int = _doc("optimizer steps in total", 2000)
+    stop_at: int = _doc("stop after this step, with a checkpoint, keeping the schedule of max_iters (split a long run "
+                        "into jobs; continue with --resume); 0 = run to max_iters", 0)
     lr: float = _doc("peak learning rate (AdamW)", 1e-3)
     min_lr: float = _doc("learning rate at the end of the cosine decay", 1e-4)
     warmup_iters: int = _doc("linear warm-up steps from 0 to lr", 100)
@@ -128,6 +130,8 @@ class TrainConfig:
             "compile": (lambda v: v in ("auto", "off", "default", "reduce-overhead", "max-autotune-no-cudagraphs"),
                         "auto, off, default, reduce-overhead or max-autotune-no-cudagraphs"),
             "init_from": (lambda v: not v or Path(v).is_file(), "an existing checkpoint file ('' = from scratch)")})
+        if not 0 <= self.stop_at <= self.max_iters:
+            raise ConfigError(f"--train.stop_at={self.stop_at!r}: must be in [0, --train.max_iters={self.max_iters}]")
         if self.min_lr > self.lr:
             raise ConfigError(f"--train.min_lr={self.min_lr!r}: must be <= --train.lr={self.lr!r}")
 

@@ -177,7 +177,9 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
               f"interrupted", flush=True)
     if resume:
         state = load_checkpoint(ckpt_path)
-        cfg = apply_overrides(state["config"], resume_overrides or {})  # invalid values fail here, named
+        # The saved stop_at ended the previous job; this one runs on unless told where to stop. Invalid values fail
+        # here, named. The parallel layout is whatever this launch says (checkpoints are layout-free).
+        cfg = apply_overrides(state["config"], {"train.stop_at": 0, **(resume_overrides or {})})
         old = state["config"]["model"]
         changed = [f"{k}: {old.get(k)!r} in the checkpoint, {v!r} requested"
                    for k, v in cfg.model.to_dict().items() if old.get(k) != v]
@@ -207,7 +209,12 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
     BatchSampler(val_ids, block, t.batch_size, split="val")  # fail now, not at the first evaluation
     model = GPT(cfg.model).to(dev)
     finetune.prepare_model(model, cfg, base)  # base weights, LoRA adapters (base frozen), trainable vs total
-    model = par.wrap(model)  # TP(+SP) GPT from the dense one, DP / ZeRO gradient hooks
+    if state is not None:  # the dense weights, before the wrappers cut them: any layout resumes any checkpoint
+        if cfg.lora.r > 0:
+            finetune.load_model_state(model, state["model"], cfg)  # under LoRA: the adapters only
+        else:
+            load_model_state(model, state["model"], ckpt_path)  # names a wrong-shaped or missing tensor
+    model = par.wrap(model)  # TP(+SP) GPT from the dense one, pipeline stage, DP / ZeRO gradient hooks
     compiled = compile_model(model, t, dev)  # in place: state_dict keys unchanged
     if dev.type == "cpu":
         torch.set_num_threads(t.threads or (1 if par.active else _pick_threads(model, t, block)))
@@ -215,15 +222,8 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
     ctx, scaler = _precision(cfg, dev)
     step, best_val, el0 = 0, float("inf"), 0.0  # el0: seconds the run had taken before a resume
     if state is not None:
-        if cfg.lora.r > 0:
-            finetune.load_model_state(model, state["model"], cfg)  # under LoRA: the adapters only
-        else:
-            load_model_state(model, state["model"], ckpt_path)  # names a wrong-shaped or missing tensor
-        if state["optimizer"] is None:
-            raise CheckpointError(f"checkpoint {ckpt_path} holds no optimizer state a single process can resume (a "
-                                  "distributed run sharded it); start from its weights with --init_from instead")
-        try:
-            opt.load_state_dict(state["optimizer"])
+        try:  # the dense AdamW state, sliced for this rank's parameters (minite/parallel/reshard.py)
+            par.load_optim(opt, model, state["optimizer"], ckpt_path)
         except (ValueError, KeyError, TypeError, RuntimeError) as e:
             raise CheckpointError(f"checkpoint {ckpt_path}: the optimizer state does not fit the model ({e})") from e
         if scaler is not None and state.get("scaler") is not None:
@@ -232,7 +232,7 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
         step, best_val, el0 = state["step"], state.get("best_val", best_val), state.get("elapsed_s", 0.0)
         # Forget log lines written after this checkpoint (the steps about to be redone), and a line cut short by
         # a kill in the middle of a write.
-        if log_path.exists():
+        if log_path.exists() and par.is_main:
             rows = [r for r in log_path.read_text().splitlines() if (d := _json_or_none(r)) and d["step"] <= step]
             log_path.write_text("".join(r + "\n" for r in rows))
     elif out.exists() and log_path.exists() and par.is_main:
@@ -253,7 +253,7 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
             os.fsync(log.fileno())
         par.save(save_checkpoint, ckpt_path, {
             "model": finetune.model_state(model, cfg) if cfg.lora.r > 0 else par.model_state(model),
-            "optimizer": par.optim_state(opt, out), "step": step, "best_val": best_val,
+            "optimizer": par.optim_state(opt, model), "step": step, "best_val": best_val,
             "config": {"model": cfg.model.to_dict(), "data": vars(cfg.data).copy(), "train": vars(t).copy(),
                        "lora": vars(cfg.lora).copy()},
             "tokenizer": tok.to_json(), "rng": _rng_state(sampler), "elapsed_s": el0 + time.perf_counter() - t0,
@@ -276,9 +276,9 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
                 log.write(json.dumps({"step": step, "val_loss": round(val_loss, 6), "elapsed_s": round(
                     el0 + time.perf_counter() - t0, 2), "train_time_s": round(train_time, 2)}) + "\n")
                 log.flush()
-            if fresh and step > 0 and (step % ckpt_every == 0 or step == t.max_iters):
+            if fresh and step > 0 and (step % ckpt_every == 0 or step in (t.max_iters, t.stop_at)):
                 checkpoint()
-            if step >= t.max_iters:
+            if step >= (t.stop_at or t.max_iters):  # stop_at: end this job; the schedule still runs to max_iters
                 break
             ts, lr = time.perf_counter(), _lr_at(step, t)
             for g in opt.param_groups:

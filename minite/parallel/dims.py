@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from minite.config import ConfigError
 
-__all__ = ["ParallelDims", "ParallelError", "init_distributed", "select_device"]
+__all__ = ["ParallelDims", "ParallelError", "check_layout", "init_distributed", "select_device"]
 
 AXES = ("pp", "dp", "cp", "tp")  # the grid's axis order, slowest to fastest
 
@@ -177,3 +177,40 @@ class ParallelDims:
             errs.append(f"pp={self.pp} stages but only n_layer={cfg.n_layer} layers")
         if errs:
             raise ParallelError("cannot shard this GPT: " + "; ".join(errs))
+
+
+def check_layout(cfg, world: int) -> None:
+    """Reject a run configuration (minite.config.RunConfig) whose parallel layout cannot work, naming every number,
+    before any process group exists: degrees vs the world size, tp vs heads / MLP / vocabulary, pp vs layers,
+    cp and sp vs the sequence, dp and micro-batches vs the global batch, and the combinations not built here."""
+    p, errs = cfg.parallel, []
+    dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp)
+    if world != dims.size:
+        hint = "launch with torchrun --nproc-per-node N" if world == 1 else "launch that many processes"
+        errs.append(f"world size {world} != dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {dims.size} ({hint}, or "
+                    "change the degrees)")
+    try:
+        dims.check_model(cfg.model)
+    except ParallelError as e:
+        errs.append(str(e).removeprefix("cannot shard this GPT: "))
+    T, B = cfg.data.block_size or cfg.model.block_size, cfg.train.batch_size
+    if p.cp > 1 and T % (2 * p.cp):  # context parallelism cuts each sequence into 2*cp load-balanced chunks
+        errs.append(f"sequence length T={T} is not divisible by 2*cp={2 * p.cp}")
+    elif p.sp and p.tp > 1 and (T // p.cp) % p.tp:
+        errs.append(f"sequence parallelism: T/cp = {T}/{p.cp} = {T // p.cp} tokens per rank is not divisible by "
+                    f"tp={p.tp}")
+    if B % p.dp:
+        errs.append(f"train.batch_size={B} (the global batch) is not divisible by dp={p.dp}")
+    elif p.pp > 1 and (B // p.dp) % (p.microbatches or p.pp):
+        errs.append(f"the batch of {B // p.dp} sequences per dp rank does not split into "
+                    f"{p.microbatches or p.pp} micro-batches (--parallel.microbatches)")
+    for bad, why in ((p.pp > 1 and p.cp > 1, f"pp={p.pp} with cp={p.cp} (pipeline with context parallelism)"),
+                     (p.pp > 1 and p.zero > 0, f"pp={p.pp} with zero={p.zero} (use zero=0: the pipeline averages "
+                                               "gradients over dp itself)"),
+                     (p.zero == 3 and p.tp > 1, f"zero=3 with tp={p.tp} (use zero 0-2 with tp)"),
+                     (cfg.lora.r > 0 and dims.size > 1, f"LoRA (lora.r={cfg.lora.r}) under a parallel layout "
+                                                        "(fine-tune in one process)")):
+        if bad:
+            errs.append(f"{why} is not supported")
+    if errs:
+        raise ParallelError("parallel layout rejected: " + "; ".join(errs))

@@ -13,8 +13,6 @@ held (saved tensors, counted by storage, parameters excluded), the measurements 
 """
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -23,31 +21,10 @@ from minite.models.gpt import GPT
 from minite.parallel import comm
 from minite.parallel.dims import ParallelError
 from minite.parallel.pipeline_schedule import SCHEDULES, check_schedule
-from minite.parallel.pipeline_stage import Stage, partition
+from minite.parallel.pipeline_stage import Stage, _now, _PendingGrads, partition
+from minite.parallel.sequence import gather_dense
 
 __all__ = ["partition", "Stage", "PipelineGPT"]
-
-
-def _now(x: torch.Tensor) -> float:
-    """Wall-clock seconds (one clock for every rank of a node); on CUDA after the queued kernels have run."""
-    if x.is_cuda:
-        torch.cuda.synchronize(x.device)
-    return time.time()
-
-
-class _PendingGrads(torch.autograd.Function):
-    """forward: the loss the schedule computed / backward: add upstream * the schedule's gradients to .grad."""
-
-    @staticmethod
-    def forward(ctx, loss, anchor, model):
-        ctx.model = model
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.model._accumulate(ctx.model._pending, float(g))
-        ctx.model._pending = None
-        return None, None, None
 
 
 class PipelineGPT(nn.Module):
@@ -56,10 +33,11 @@ class PipelineGPT(nn.Module):
     same behind minite.train's ``loss.backward()``."""
 
     def __init__(self, dense: GPT, dims, microbatches: int = 0, schedule="1f1b"):
+        """dense: the dense GPT, or the TPGPT built from it for tp > 1 (each stage keeps its layers' shards)."""
         super().__init__()
-        if dims.size != dims.pp:
-            raise ParallelError(f"pipeline parallelism composes with no other degree here: dp={dims.dp} "
-                                f"tp={dims.tp} cp={dims.cp} (use pp alone)")
+        if dims.cp > 1:
+            raise ParallelError(f"pipeline parallelism (pp={dims.pp}) does not compose with context parallelism "
+                                f"(cp={dims.cp}) here; combine pp with dp and tp")
         p, s = dims.pp, dims.pp_rank
         self.config, self.dims, self.p, self.s = dense.config, dims, p, s
         if isinstance(schedule, str) and schedule not in SCHEDULES or microbatches < 0:
@@ -69,7 +47,10 @@ class PipelineGPT(nn.Module):
         self.schedule = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
         self.layers = partition(dense, p)
         self.stage = Stage(dense, self.layers[s], s == 0, s == p - 1)
-        self.group = dims.group("pp")
+        for name, q in self.stage.named_parameters():  # the dense name of every parameter (TP shards have theirs)
+            if not hasattr(q, "dense_name"):
+                q.dense_name, q.dense_index, q.tp_replicas = name, (None, None), 1
+        self.group, self.tp_group, self.dp_group, self.sync = dims.group("pp"), dims.group("tp"), dims.group("dp"), True
         self.ends = (dims.ranks.get("pp", [0])[0], dims.ranks.get("pp", [0])[-1])  # global ranks, first and last
         self.act_dtype = next(dense.parameters()).dtype
         self.events, self.mb_bytes, self.peak_act_bytes, self._pending = [], [], 0, None
@@ -83,7 +64,9 @@ class PipelineGPT(nn.Module):
         return x.chunk(m), (y.chunk(m) if y is not None else [None] * m)
 
     def _recv(self, ref: torch.Tensor, src: int) -> torch.Tensor:
-        buf = torch.empty(*ref.shape, self.config.n_embd, dtype=self.act_dtype, device=ref.device)
+        b, T = ref.shape  # ids (b, T): the activation is (b, T, C), or (b, T/tp, C) with sequence parallelism
+        T = T // comm.size(self.tp_group) if self.stage.sp else T
+        buf = torch.empty(b, T, self.config.n_embd, dtype=self.act_dtype, device=ref.device)
         comm.recv(buf, src, self.group).wait()
         return buf
 
@@ -157,9 +140,16 @@ class PipelineGPT(nn.Module):
         w.grad = mine + other
 
     def _accumulate(self, grads, scale: float = 1.0):
-        for q, g in zip(self.stage.parameters(), grads):
+        params = list(self.stage.parameters())
+        for q, g in zip(params, grads):
             g = g if scale == 1.0 else g * scale
             q.grad = g.clone() if q.grad is None else q.grad + g
+        n = comm.size(self.dp_group)
+        if self.sync and n > 1:  # pp x dp: average the (accumulated) gradients over the dp replicas of my stage
+            flat = torch.cat([q.grad.reshape(-1) for q in params])
+            comm.all_reduce(flat, self.dp_group)
+            for q, g in zip(params, (flat / n).split([q.numel() for q in params])):
+                q.grad = g.view_as(q).clone()
 
     def step(self, x, y, microbatches: int | None = None) -> float:
         """Forward and backward of the global batch (x, y) through the pipeline; returns the global loss."""
@@ -170,12 +160,15 @@ class PipelineGPT(nn.Module):
     @torch.no_grad()
     def _forward_only(self, x, y):
         """Loss (or last-position logits when y is None) of (x, y), micro-batch by micro-batch, on every rank."""
-        st, m = self.stage, min(self.microbatches, x.shape[0])
+        st, m, last = self.stage, min(self.microbatches, x.shape[0]), x.shape[1] - 1
+        pad = (-x.shape[1]) % comm.size(self.tp_group) if st.sp else 0
+        if pad:  # sampling under sequence parallelism: pad on the right (causal: real positions never see it)
+            x = torch.nn.functional.pad(x, (0, pad))
         m = max(d for d in range(1, m + 1) if x.shape[0] % d == 0)
         xs, ys = self._chunks(x, y, m)
         prev, nxt, outs, sends = self.dims.neighbour("pp", -1), self.dims.neighbour("pp", 1), [], []
         for i in range(m):
-            out = st(xs[i] if st.first else self._recv(xs[i], prev), ys[i] if st.last else None)
+            out = st(xs[i] if st.first else self._recv(xs[i], prev), ys[i] if st.last else None, last)
             if st.last:
                 outs.append(out)
             else:
@@ -210,17 +203,21 @@ class PipelineGPT(nn.Module):
     def _shared(self, q) -> bool:  # the last stage's copy of the tied embedding (counted once, on stage 0)
         return self.p > 1 and self.stage.last and q is self.stage.wte.weight
 
+    def _over_stages(self, per_param) -> torch.Tensor:
+        """sum over the whole model of per_param(q) (a tensor shaped like q): tp-replicated elements counted once."""
+        qs = [q for q in self.stage.parameters() if not self._shared(q)]
+        total = sum((per_param(q) / torch.as_tensor(q.tp_replicas, dtype=torch.float64, device=q.device)).sum()
+                    for q in qs).reshape(1)
+        comm.all_reduce(total, self.group)
+        comm.all_reduce(total, self.tp_group)
+        return total
+
     def num_params(self) -> int:
-        n = torch.tensor([sum(q.numel() for q in self.stage.parameters() if not self._shared(q))],
-                         device=next(self.stage.parameters()).device)  # NCCL reduces CUDA tensors only
-        comm.all_reduce(n, self.group)
-        return int(n)
+        return round(float(self._over_stages(lambda q: torch.ones_like(q, dtype=torch.float64))))
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         qs = [q for q in self.stage.parameters() if q.grad is not None]
-        sq = sum((q.grad.double() ** 2).sum() for q in qs if not self._shared(q)).reshape(1)
-        comm.all_reduce(sq, self.group)
-        norm = sq.sqrt()
+        norm = self._over_stages(lambda q: q.grad.double() ** 2 if q.grad is not None else 0 * q.double()).sqrt()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for q in qs:
             q.grad.mul_(coef.to(q.grad.dtype))
@@ -228,7 +225,7 @@ class PipelineGPT(nn.Module):
 
     def dense_state_dict(self) -> dict:
         """The dense GPT's state dict, every stage's tensors gathered on every rank (collective)."""
-        mine = {k: v.detach().cpu() for k, v in self.stage.state_dict().items()}
+        mine = {q.dense_name: gather_dense(q.detach(), q, self.tp_group).cpu() for q in self.stage.parameters()}
         if self.p == 1:
             return mine
         parts = [None] * self.p

@@ -7,6 +7,7 @@ gradients by name and the stages' state dicts together are the dense state dict.
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 from torch import nn
@@ -48,28 +49,58 @@ def partition(model: GPT, p: int) -> list[range]:
 
 
 class Stage(nn.Module):
-    """Blocks ``layers`` of the dense GPT (deep copies, the dense parameter names), plus the embedding on the first
-    stage and norm_f + tied head + loss on the last. forward: ids or activations -> activations, or the loss."""
+    """Blocks ``layers`` of the model, plus the embedding on the first stage and norm_f + tied head + loss on the
+    last. forward: ids or activations -> activations, or the loss. The model is the dense GPT (its modules are
+    deep-copied: the caller keeps an untouched reference) or a tensor-parallel ``TPGPT`` built for this stage (its
+    modules are taken as they are: their gradient hooks belong to them), so pp composes with tp (and sp)."""
 
-    def __init__(self, dense: GPT, layers: range, first: bool, last: bool):
+    def __init__(self, model: nn.Module, layers: range, first: bool, last: bool):
         super().__init__()
-        self.first, self.last, self.layers, self.backend = first, last, layers, dense.backend
+        own = copy.deepcopy if isinstance(model, GPT) else (lambda m: m)
+        self.first, self.last, self.layers, self.backend = first, last, layers, model.backend
+        self.tp_head = None if isinstance(model, GPT) else type(model).head  # TPGPT.head, run on this stage
+        self.group, self.sp = getattr(model, "group", None), getattr(model, "sp", False)  # what that head reads
         if first or last:
-            self.wte = copy.deepcopy(dense.wte)
-        self.drop = copy.deepcopy(dense.drop)
-        self.blocks = nn.ModuleDict({str(i): copy.deepcopy(dense.blocks[i]) for i in layers})
+            self.wte = own(model.wte)
+        self.drop = own(model.drop)
+        self.blocks = nn.ModuleDict({str(i): own(model.blocks[i]) for i in layers})
         if last:
-            self.norm_f = copy.deepcopy(dense.norm_f)
+            self.norm_f = own(model.norm_f)
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, last: int = -1) -> torch.Tensor:
         if self.first:
-            x = self.drop(self.wte(x))  # (b, T) ids -> (b, T, C)
+            x = self.drop(self.wte(x))  # (b, T) ids -> (b, T, C), or (b, T/tp, C) with sequence parallelism
         for block in self.blocks.values():
             x = block(x)
         if not self.last:
             return x  # (b, T, C): sent to the next stage
         x = self.norm_f(x)
+        if self.tp_head is not None:  # vocab-parallel head and loss (chapter 11), on this stage's wte shard
+            logits, loss = self.tp_head(self, x, targets, last)
+            return logits if targets is None else loss
         if targets is None:
-            return F.linear(x[:, [-1], :], self.wte.weight)  # (b, 1, V_pad): generation needs the last position
+            return F.linear(x[:, [last], :], self.wte.weight)  # (b, 1, V_pad): generation needs the last position
         logits = F.linear(x, self.wte.weight)  # (b, T, V_pad)
         return cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1), backend=self.backend)
+
+
+def _now(x: torch.Tensor) -> float:
+    """Wall-clock seconds (one clock for every rank of a node); on CUDA after the queued kernels have run."""
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+    return time.time()
+
+
+class _PendingGrads(torch.autograd.Function):
+    """forward: the loss the schedule computed / backward: add upstream * the schedule's gradients to .grad."""
+
+    @staticmethod
+    def forward(ctx, loss, anchor, model):
+        ctx.model = model
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.model._accumulate(ctx.model._pending, float(g))
+        ctx.model._pending = None
+        return None, None, None

@@ -18,8 +18,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from minite.parallel import comm
-from minite.parallel.dims import ParallelDims, ParallelError, init_distributed, select_device
+from minite.parallel import comm, reshard
+from minite.parallel.dims import ParallelDims, ParallelError, check_layout, init_distributed, select_device
 
 __all__ = ["Parallel", "setup_parallel", "clip_grad_norm_"]
 
@@ -42,6 +42,7 @@ class Parallel:
         self.dims, self.zero, self.sp = dims, zero, sp
         self.world, self.is_main = dims.world, dims.is_main
         self.dp, self.dev = None, torch.device("cpu")  # the DataParallel wrapper, when dp > 1 or zero > 0
+        self.pipe = None  # the PipelineGPT, when pp > 1
         self.run_device = None  # torchrun: "cuda" (NCCL, a GPU per local rank) or "cpu" (gloo); dims.select_device
 
     @property
@@ -72,12 +73,13 @@ class Parallel:
     def wrap(self, model):
         d = self.dims
         d.check_model(model.config)
-        if d.pp > 1:  # chapter 12: this rank's stage (pp composes with no other degree here)
-            from minite.parallel.pipeline import PipelineGPT
-            return PipelineGPT(model, d, *getattr(self, "pp_args", (0, "1f1b")))
         if d.tp > 1:
             from minite.parallel.sequence import TPGPT
             model = TPGPT.from_dense(model, d.group("tp"), sequence_parallel=self.sp)
+        if d.pp > 1:  # chapter 12: this rank's stage (of the TP model with tp > 1); dp averages in the pipeline
+            from minite.parallel.pipeline import PipelineGPT
+            self.pipe = PipelineGPT(model, d, *getattr(self, "pp_args", (0, "1f1b")))
+            return self.pipe
         if d.cp > 1:  # chapter 13: my tokens of each sequence, attention by the ring; grads averaged over dp x cp
             from minite.parallel.context_gpt import CPGPT
             model = CPGPT.from_dense(model, d.group("cp"))
@@ -98,6 +100,8 @@ class Parallel:
         """My dp slice of the global batch; sync=False: the gradients of this micro-batch are not reduced yet."""
         if self.dp is not None:
             self.dp.sync = sync
+        if self.pipe is not None:
+            self.pipe.sync = sync
         d = self.dims
         if d.dp == 1:
             return x, y
@@ -128,34 +132,22 @@ class Parallel:
             return self.dp.full_state_dict()
         return model.dense_state_dict() if hasattr(model, "dense_state_dict") else model.state_dict()
 
-    def optim_state(self, opt, out_dir) -> dict:
-        """The checkpoint's "optimizer" entry (a dict, as minite.checkpoint requires; a marker when not saved)."""
-        if hasattr(opt, "save_sharded"):  # ZeRO: every rank writes its shard next to the checkpoint
-            opt.save_sharded(os.path.join(out_dir, "optim_shards"))
-            return {"not_consolidated": "ZeRO: each rank's optimizer shard is in optim_shards/"}
-        if self.dims.tp == self.dims.pp == 1:
-            return opt.state_dict()
-        return {"not_consolidated": f"tp={self.dims.tp} pp={self.dims.pp}: the optimizer state stays per rank"}
+    def optim_state(self, opt, model) -> dict:
+        """The checkpoint's "optimizer" entry: the dense AdamW state, whatever the layout (collective; reshard.py)."""
+        return reshard.dense_optim_state(model, opt, self.dims)
+
+    def load_optim(self, opt, model, state: dict, path) -> None:
+        """Resume: this rank's slice of a dense AdamW state written under any layout (reshard.py)."""
+        reshard.load_dense_optim_state(model, opt, state, path)
 
 
 def setup_parallel(cfg, resume: bool = False) -> Parallel:
+    """Check the layout (before any process group exists), initialise torch.distributed, build the groups."""
     p = cfg.parallel
-    if p.cp > 1:  # chapter 13
-        from minite.parallel.context import check_length
-        if p.tp > 1 or p.pp > 1:
-            raise ParallelError(f"--parallel.cp={p.cp} with --parallel.tp={p.tp} / --parallel.pp={p.pp} is not "
-                                "supported (cp combines with dp only)")
-        check_length(cfg.data.block_size or cfg.model.block_size, p.cp)  # 2*cp load-balanced chunks per sequence
-    if p.zero not in (0, 1, 2, 3):
-        raise ParallelError(f"--parallel.zero must be 0, 1, 2 or 3, got {p.zero}")
-    if p.zero == 3 and p.tp > 1:
-        raise ParallelError("--parallel.zero=3 with --parallel.tp > 1 is not supported (use zero 0-2 with tp)")
+    check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1)
     rank, world = init_distributed(p.timeout_s, device=cfg.train.device)  # too few GPUs for cuda: fails fast
     dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp).build(rank, world, p.timeout_s)
     if world > 1:
-        if resume:
-            raise ParallelError("--resume is single-process only for now; the distributed checkpoint holds the "
-                                "consolidated model (ckpt.pt) and, with ZeRO, optim_shards/")
         atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
         if rank != 0:  # one voice: rank 0 prints and logs; errors still reach stderr from every rank
             sys.stdout = open(os.devnull, "w")

@@ -24,7 +24,7 @@ from minite.models.gpt import GPT
 from minite.parallel import comm
 from minite.parallel.tensor import TPMLP, TPAttention, VocabParallelEmbedding, tag, vocab_parallel_cross_entropy
 
-__all__ = ["TPBlock", "TPGPT", "activation_bytes", "sp_column_linear"]
+__all__ = ["TPBlock", "TPGPT", "activation_bytes", "sp_column_linear", "gather_dense"]
 
 
 class _SPColumnLinear(torch.autograd.Function):
@@ -118,11 +118,16 @@ class TPGPT(nn.Module):
         x = self.drop(self.wte(idx))  # (B, T, C), or (B, T/tp, C) with SP
         for block in self.blocks:
             x = block(x)
-        x = self.norm_f(x)
+        return self.head(self.norm_f(x), targets, T - 1)
+
+    def head(self, x: torch.Tensor, targets: torch.Tensor | None = None, last: int = -1):
+        """The tied LM head and loss on the final norm's output x: (my vocabulary slice of the logits, the loss),
+        or without targets (the full logits at position `last`, None). Also the last pipeline stage's tail."""
         x = comm.gather_from_sequence(x, self.group, 1) if self.sp else comm.copy_to_parallel(x, self.group)
         if targets is None:
-            logits = F.linear(x[:, [T - 1], :], self.wte.weight)  # (B, 1, V/tp)
+            logits = F.linear(x[:, [last], :], self.wte.weight)  # (B, 1, V/tp)
             return comm.gather_split(logits, self.group, 2), None  # (B, 1, V_pad)
+        B, T, _ = x.shape
         logits = F.linear(x, self.wte.weight)  # (B, T, V/tp): my vocabulary slice, never gathered
         loss = vocab_parallel_cross_entropy(logits.view(B * T, -1), targets.reshape(B * T), self.group,
                                             self.wte.start, backend=self.backend)
@@ -130,18 +135,20 @@ class TPGPT(nn.Module):
 
     def dense_state_dict(self) -> dict:
         """The dense GPT's state dict, gathered from the shards (a collective over the tp group)."""
-        out = {}
-        for p in self.parameters():
-            dim, index = p.dense_index
-            if dim is None:
-                out[p.dense_name] = p.detach().clone()
-                continue
-            full = comm.all_gather(p.detach().contiguous(), self.group, dim)
-            idx = comm.all_gather(index.to(p.device), self.group, 0)
-            shape = list(full.shape)
-            shape[dim] = int(idx.max()) + 1  # replicated kv heads arrive more than once (identical copies)
-            out[p.dense_name] = full.new_empty(shape).index_copy_(dim, idx, full)
-        return out
+        return {p.dense_name: gather_dense(p.detach(), p, self.group) for p in self.parameters()}
+
+
+def gather_dense(t: torch.Tensor, p: nn.Parameter, group) -> torch.Tensor:
+    """The dense tensor of which `t` holds p's slice (p's tag: dim and index): p itself, or a same-shaped state
+    such as its AdamW moments. A collective over the tp group when p is sharded."""
+    dim, index = getattr(p, "dense_index", (None, None))
+    if dim is None:
+        return t.detach().clone()
+    full = comm.all_gather(t.detach().contiguous(), group, dim)
+    idx = comm.all_gather(index.to(t.device), group, 0)
+    shape = list(full.shape)
+    shape[dim] = int(idx.max()) + 1  # replicated kv heads arrive more than once (identical copies)
+    return full.new_empty(shape).index_copy_(dim, idx, full)
 
 
 def activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False) -> float:

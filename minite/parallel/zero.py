@@ -62,6 +62,36 @@ class ShardedAdamW:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.dp.zero_grad()
 
+    # ------------------------------------------------------------------ layout-free checkpoint (chapter 14)
+    def full_moments(self) -> tuple[dict, float]:
+        """{parameter: (exp_avg, exp_avg_sq)} whole, all-gathered unit by unit from the shards (a collective)."""
+        st = self.inner.state.get(self.dp.shard_param)
+        if not st:
+            return {}, 0.0
+        out = {}
+        for u, so in zip(self.dp.units, self.dp.shard_off):
+            fulls = []
+            for k in ("exp_avg", "exp_avg_sq"):
+                fulls.append(st[k].new_empty(u.numel))
+                comm.all_gather_into(fulls[-1], st[k][so:so + u.shard_numel], self.dp.group)
+            for (_, p), o in zip(u.params, u.offsets):
+                out[p] = tuple(f[o:o + p.numel()].view(p.shape) for f in fulls)
+        return out, float(st["step"])
+
+    @torch.no_grad()
+    def load_moments(self, moments: dict, step: float) -> None:
+        """The inverse: my shard's pieces of each parameter's whole moments."""
+        if not moments:
+            return
+        p = self.dp.shard_param
+        bufs = (torch.zeros_like(p), torch.zeros_like(p))
+        for u, so in zip(self.dp.units, self.dp.shard_off):
+            params = dict(u.params)
+            for name, lo, hi, slo, shi in u.pieces(self.dp.r):
+                for b, m in zip(bufs, moments[params[name]]):
+                    b[so + slo:so + shi] = m.reshape(-1)[lo:hi]
+        self.inner.state[p] = {"step": torch.tensor(float(step)), "exp_avg": bufs[0], "exp_avg_sq": bufs[1]}
+
     # ------------------------------------------------------------------ sharded checkpoint
     def _pieces(self):
         for u, so in zip(self.dp.units, self.dp.shard_off):

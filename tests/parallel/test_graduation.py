@@ -1,0 +1,125 @@
+"""Chapter 14: the layouts compose, and a checkpoint written under one layout resumes under any other.
+
+Every run trains the same 20 steps (same seed, same global batches) as one process, so each curve must lie on the
+single-process curve within float-reduction noise:
+  * world 4: tp2 x pp2 (sp), dp2 x tp2 with ZeRO-1, dp2 x pp2 (AFAB);
+  * stop at step 10 under one layout (``--train.stop_at=10``, the schedule still that of 20 steps), then
+    ``--resume`` under another: tp2 x pp2 -> one process, dp2 ZeRO-1 -> tp2, one process -> dp2 ZeRO-2.
+"""
+import json
+
+import pytest
+import torch
+
+from minite.config import ConfigError, make_config
+from minite.parallel.dims import ParallelError
+from minite.parallel.launch import torchrun
+from minite.train import load_checkpoint, train
+
+pytestmark = pytest.mark.distributed
+
+FLAGS = {"model.n_layer": 4, "model.n_head": 4, "model.n_kv_head": 2, "model.n_embd": 32, "model.mlp_hidden": 64,
+         "model.block_size": 16, "model.backend": "torch", "train.batch_size": 8, "train.max_iters": 20,
+         "train.log_interval": 1, "train.eval_interval": 10, "train.eval_iters": 2, "train.warmup_iters": 2,
+         "train.lr": 1e-2, "train.sample_tokens": 0, "train.progress": False, "train.threads": 1,
+         "train.device": "cpu", "train.precision": "fp32", "train.compile": "off"}
+WORLD4 = {"tp2_pp2_sp": ["--parallel.tp=2", "--parallel.pp=2", "--parallel.sp=True"],
+          "dp2_tp2_zero1": ["--parallel.dp=2", "--parallel.tp=2", "--parallel.zero=1"],
+          "dp2_pp2_afab": ["--parallel.dp=2", "--parallel.pp=2", "--parallel.pp_schedule=afab"]}
+TOL = 1e-4
+
+
+def _curve(out) -> dict[int, float]:
+    rows = [json.loads(r) for r in (out / "log.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def _args(out, data, **over) -> list[str]:
+    return [f"--{k}={v}" for k, v in {**FLAGS, **data, "train.out_dir": str(out), **over}.items()]
+
+
+def _close(curve, ref, steps):
+    assert sorted(curve) == list(steps), sorted(curve)
+    err = max(abs(curve[s] - ref[s]) for s in steps)
+    assert err < TOL, (err, curve, ref)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("grad")
+    words = "the king and queen of night shall speak to thee my lord what art thou sweet love".split()
+    g = torch.Generator().manual_seed(0)
+    text = "".join(" ".join(words[i] for i in torch.randint(0, len(words), (6,), generator=g)) + ".\n"
+                   for _ in range(200))
+    (d / "corpus.txt").write_text(text)
+    data = {"data.path": str(d / "corpus.txt"), "data.data_dir": str(d / "data")}
+    torch.set_num_threads(1)
+    train(make_config("cpu", {**FLAGS, **data, "train.out_dir": str(d / "single")}))
+    return d, data, _curve(d / "single")
+
+
+@pytest.mark.parametrize("layout", list(WORLD4))
+def test_world4_layout_matches_single_process(setup, layout):
+    d, data, ref = setup
+    out = d / layout
+    res = torchrun(4, ["-m", "minite.train", *_args(out, data), *WORLD4[layout]], timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:]
+    _close(_curve(out), ref, range(1, 21))
+    state = load_checkpoint(out / "ckpt.pt")
+    assert state["optimizer"]["format"] == "minite.dense_adamw/1" and state["step"] == 20
+
+
+def _stop_then_resume(setup, name, first, second):
+    """Steps 1-10 under layout `first` (None: one process), steps 11-20 resumed under `second`."""
+    d, data, ref = setup
+    out = d / name
+    if first is None:
+        train(make_config("cpu", {**FLAGS, **data, "train.out_dir": str(out), "train.stop_at": 10}))
+    else:
+        res = torchrun(first[0], ["-m", "minite.train", *_args(out, data, **{"train.stop_at": 10}), *first[1]],
+                       timeout=300)
+        assert res.returncode == 0, res.stdout[-3000:]
+    assert load_checkpoint(out / "ckpt.pt")["step"] == 10 and max(_curve(out)) == 10
+    if second is None:
+        train(make_config("cpu", {**FLAGS, **data, "train.out_dir": str(out)}), resume=True,
+              resume_overrides={"train.threads": 1})
+    else:
+        res = torchrun(second[0], ["-m", "minite.train", "--resume", f"--out_dir={out}", *second[1]], timeout=300)
+        assert res.returncode == 0, res.stdout[-3000:]
+    _close(_curve(out), ref, range(1, 21))  # steps 1-10 kept from the first job, 11-20 from the second
+
+
+def test_resume_tp2_pp2_checkpoint_in_one_process(setup):
+    _stop_then_resume(setup, "tp2pp2_to_single", (4, ["--parallel.tp=2", "--parallel.pp=2"]), None)
+
+
+def test_resume_dp2_zero1_checkpoint_under_tp2(setup):
+    _stop_then_resume(setup, "dp2zero1_to_tp2", (2, ["--parallel.dp=2", "--parallel.zero=1"]),
+                      (2, ["--parallel.tp=2", "--train.threads=1"]))
+
+
+def test_resume_single_process_checkpoint_under_dp2_zero2(setup):
+    _stop_then_resume(setup, "single_to_dp2zero2", None, (2, ["--parallel.dp=2", "--parallel.zero=2"]))
+
+
+# ------------------------------------------------------------------ rejected before any process group
+@pytest.mark.parametrize("over,words", [
+    ({"parallel.tp": 3}, ["world size 1", "1*3*1*1 = 3", "n_head=4 is not divisible by tp=3"]),
+    ({"parallel.pp": 8, "parallel.tp": 1}, ["pp=8 stages but only n_layer=4"]),
+    ({"parallel.cp": 3}, ["T=16 is not divisible by 2*cp=6"]),
+    ({"parallel.dp": 3}, ["batch_size=8 (the global batch) is not divisible by dp=3"]),
+    ({"parallel.pp": 2, "parallel.zero": 1}, ["pp=2 with zero=1"]),
+    ({"parallel.pp": 2, "parallel.microbatches": 3}, ["8 sequences per dp rank does not split into 3"]),
+])
+def test_bad_layout_is_rejected_with_its_numbers(tmp_path, over, words):
+    cfg = make_config("cpu", {**FLAGS, **over, "train.out_dir": str(tmp_path)})
+    with pytest.raises(ParallelError) as e:
+        train(cfg)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+    assert not torch.distributed.is_initialized()
+
+
+def test_stop_at_is_checked():
+    with pytest.raises(ConfigError, match=r"stop_at=30.*max_iters=20"):
+        make_config("cpu", {**FLAGS, "train.stop_at": 30})
