@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -63,8 +64,9 @@ def main() -> None:
               f"{r['fwd_bwd_ms']:11.1f} {r['fwd_bwd_ms'] / base['fwd_bwd_ms']:7.2f}")
     out = Path(__file__).resolve().parent / "results" / f"recompute_{common.slug(common.device_name(a.device))}.json"
     out.write_text(json.dumps({"device": common.device_name(a.device), "torch": torch.__version__,
-                               "config": vars(a), "rows": rows}, indent=1))
-    print(f"saved {out}")
+                               "config": vars(a), "rows": rows,
+                               "loadavg_1min": os.getloadavg()[0]}, indent=1))
+    print(f"1-minute load average {os.getloadavg()[0]:.1f} (times on a busy machine are inflated); saved {out}")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,10 @@ freshly allocated buffer, so values stay exact; with the Triton attention that i
 recomputed), with the PyTorch reference (SDPA) it is saved. No launcher writes into a tensor it did not allocate,
 so no cached tensor is ever mutated (SAC would raise if one were).
 
+Cost in eager mode: SAC sends every op of the block through a Python dispatch mode, in the forward and again in the
+recompute. On a small model on the CPU that per-op overhead outweighs the skipped GEMMs, and selective measured
+slower than full (benchmarks/bench_recompute.py); it pays where GEMMs dominate (large C) or under torch.compile.
+
 What the recompute does *not* restore: torch.autocast is restored by ``checkpoint`` itself, but minite's
 ``fp8_autocast`` is a thread-local flag and its delayed-scaling state (amax history, scale) advances at every
 quantize; a recompute outside the context would run in high precision and one inside would advance the history
@@ -164,6 +168,9 @@ def measure(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> dict[
     held   bytes of the tensors the forward leaves alive for the backward (saved activations, SAC's cache, the
            logits and loss), i.e. what recompute shrinks; parameters, buffers and inputs are not counted
     peak   the most bytes alive at once during forward + backward (recompute buffers and gradients included)
+
+    Not ``minite.bytecount.saved_bytes``: a saved-tensor-hook counter sees only what the checkpoint itself saves
+    (each block's input), not SAC's cache (kept by a dispatch mode), so it would report selective as full.
     """
     from minite.bytecount import PeakBytes
     pb = PeakBytes()
