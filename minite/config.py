@@ -110,6 +110,9 @@ class TrainConfig:
     compile: str = _doc("torch.compile: auto | off | default | reduce-overhead | max-autotune-no-cudagraphs "
                         "(auto = reduce-overhead on CUDA for bf16/fp32 runs of >= 500 steps; minite/compile.py)",
                         "auto")
+    recompute: str = _doc("activation recompute per block: none | selective (keep GEMM and attention outputs, "
+                          "recompute norms, RoPE, SwiGLU, dropout) | full (keep each block's input only); "
+                          "minite/recompute.py", "none")
 
     def __post_init__(self):
         _check("train", self, {
@@ -129,7 +132,11 @@ class TrainConfig:
             "precision": (lambda v: v in ("auto", "fp32", "bf16", "fp16", "fp8"), "auto, fp32, bf16, fp16 or fp8"),
             "compile": (lambda v: v in ("auto", "off", "default", "reduce-overhead", "max-autotune-no-cudagraphs"),
                         "auto, off, default, reduce-overhead or max-autotune-no-cudagraphs"),
-            "init_from": (lambda v: not v or Path(v).is_file(), "an existing checkpoint file ('' = from scratch)")})
+            "init_from": (lambda v: not v or Path(v).is_file(), "an existing checkpoint file ('' = from scratch)"),
+            "recompute": (lambda v: v in ("none", "selective", "full"), "none, selective or full")})
+        if self.recompute != "none" and self.precision == "fp8":  # minite/recompute.py: FP8 state is not replayed
+            raise ConfigError(f"--train.recompute={self.recompute!r} does not work with --precision fp8 yet; "
+                              "use --train.recompute=none")
         if not 0 <= self.stop_at <= self.max_iters:
             raise ConfigError(f"--train.stop_at={self.stop_at!r}: must be in [0, --train.max_iters={self.max_iters}]")
         if self.min_lr > self.lr:

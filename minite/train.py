@@ -32,6 +32,7 @@ from minite.config import ConfigError, RunConfig, apply_overrides, config_help, 
 from minite.data import BatchSampler, DataError, prepare
 from minite.models.gpt import GPT
 from minite.parallel.runtime import setup_parallel
+from minite.recompute import apply_recompute
 
 __all__ = ["train", "main", "save_checkpoint", "load_checkpoint", "CheckpointError", "parse_cli"]
 
@@ -215,6 +216,7 @@ def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrid
         else:
             load_model_state(model, state["model"], ckpt_path)  # names a wrong-shaped or missing tensor
     model = par.wrap(model)  # TP(+SP) GPT from the dense one, pipeline stage, DP / ZeRO gradient hooks
+    apply_recompute(model, t.recompute)  # activation recompute per block (chapter 14), after the wrappers
     compiled = compile_model(model, t, dev)  # in place: state_dict keys unchanged
     if dev.type == "cpu":
         torch.set_num_threads(t.threads or (1 if par.active else _pick_threads(model, t, block)))
