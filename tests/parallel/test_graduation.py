@@ -2,7 +2,7 @@
 
 Every run trains the same 20 steps (same seed, same global batches) as one process, so each curve must lie on the
 single-process curve within float-reduction noise:
-  * world 4: tp2 x pp2 (sp), dp2 x tp2 with ZeRO-1, dp2 x pp2 (AFAB);
+  * world 4: tp2 x pp2 (sp, full recompute), dp2 x tp2 with ZeRO-1 (selective recompute), dp2 x pp2 (AFAB);
   * stop at step 10 under one layout (``--train.stop_at=10``, the schedule still that of 20 steps), then
     ``--resume`` under another: tp2 x pp2 -> one process, dp2 ZeRO-1 -> tp2, one process -> dp2 ZeRO-2.
 """
@@ -23,8 +23,10 @@ FLAGS = {"model.n_layer": 4, "model.n_head": 4, "model.n_kv_head": 2, "model.n_e
          "train.log_interval": 1, "train.eval_interval": 10, "train.eval_iters": 2, "train.warmup_iters": 2,
          "train.lr": 1e-2, "train.sample_tokens": 0, "train.progress": False, "train.threads": 1,
          "train.device": "cpu", "train.precision": "fp32", "train.compile": "off"}
-WORLD4 = {"tp2_pp2_sp": ["--parallel.tp=2", "--parallel.pp=2", "--parallel.sp=True"],
-          "dp2_tp2_zero1": ["--parallel.dp=2", "--parallel.tp=2", "--parallel.zero=1"],
+WORLD4 = {"tp2_pp2_sp_recompute_full": ["--parallel.tp=2", "--parallel.pp=2", "--parallel.sp=True",
+                                         "--train.recompute=full"],
+          "dp2_tp2_zero1_recompute_selective": ["--parallel.dp=2", "--parallel.tp=2", "--parallel.zero=1",
+                                                "--train.recompute=selective"],
           "dp2_pp2_afab": ["--parallel.dp=2", "--parallel.pp=2", "--parallel.pp_schedule=afab"]}
 TOL = 1e-4
 
