@@ -7,7 +7,8 @@ forward ops get ``register_autograd`` with the matching backward op. The concept
 ``torch.ops.minite.<name>`` while torch.compile traces (``_common.op``) and the launcher directly otherwise (eager
 calls skip the dispatcher). Nothing is registered under ``TRITON_INTERPRET=1``: ``wrap_triton`` refuses
 interpreted kernels (pytorch#152868), and there the eager path is all there is. The file lives apart from the
-concept files to keep them within their line budget; tests: tests/kernels/test_compile.py (opcheck + fullgraph).
+concept files to keep them within their line budget; tests: tests/kernels/test_compile.py (opcheck + fullgraph),
+tests/kernels/test_compile_fused.py (linear_cross_entropy, FP8 Linear; CPU reference ops via register_reference_ops).
 """
 from __future__ import annotations
 
