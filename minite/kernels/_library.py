@@ -7,7 +7,8 @@ forward ops get ``register_autograd`` with the matching backward op. The concept
 ``torch.ops.minite.<name>`` while torch.compile traces (``_common.op``) and the launcher directly otherwise (eager
 calls skip the dispatcher). Nothing is registered under ``TRITON_INTERPRET=1``: ``wrap_triton`` refuses
 interpreted kernels (pytorch#152868), and there the eager path is all there is. The file lives apart from the
-concept files to keep them within their line budget; tests: tests/kernels/test_compile.py (opcheck + fullgraph).
+concept files to keep them within their line budget; tests: tests/kernels/test_compile.py (opcheck + fullgraph),
+tests/kernels/test_compile_fused.py (linear_cross_entropy, FP8 Linear; CPU reference ops via register_reference_ops).
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import torch
 from torch import Tensor
 
 from minite._triton import HAS_TRITON, interpreting
+from minite.formats import fp8 as F8
+from minite.formats.recipe import compute_scale, fp8_max
 from minite.kernels import cross_entropy as CE
 from minite.kernels import fp8_gemm as G
 from minite.kernels import rmsnorm as N
@@ -25,12 +28,12 @@ from minite.kernels import softmax as S
 from minite.kernels import swiglu as W
 from minite.kernels._common import REGISTERED, traceable
 
-__all__ = ["ENABLED", "REGISTERED"]
+__all__ = ["ENABLED", "REGISTERED", "register_reference_ops"]
 
 ENABLED = HAS_TRITON and not interpreting() and hasattr(torch.library, "triton_op")
 
 
-def _register(fn, bwd=None, setup=None):
+def _register(fn, bwd=None, setup=None, mutates_args=()):
     """triton_op("minite::<fn name>") of `fn` (its launchers go through wrap_triton while it runs); with
     `bwd`/`setup`, also its autograd formula."""
     name = fn.__name__
@@ -40,7 +43,7 @@ def _register(fn, bwd=None, setup=None):
         with traceable():
             return fn(*args, **kwargs)
 
-    torch.library.triton_op(f"minite::{name}", body, mutates_args=())
+    torch.library.triton_op(f"minite::{name}", body, mutates_args=mutates_args)
     if bwd is not None:
         torch.library.register_autograd(f"minite::{name}", bwd, setup_context=setup)
     REGISTERED.add(name)
@@ -96,6 +99,46 @@ def cross_entropy_bwd(dl: Tensor, logits: Tensor, target: Tensor, lse: Tensor, i
 def fp8_gemm(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor, out_dtype: torch.dtype,
              split_acc: bool) -> Tensor:
     return G.fp8_gemm_raw(a, b, a_scale_inv, b_scale_inv, out_dtype, split_acc)
+
+
+def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: str,
+                         label_smoothing: float, chunk_size: int, need_dx: bool,
+                         need_dw: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, dx, dW) of the chunked Triton path; a gradient not asked for is a (0,) tensor (an op returns no None)."""
+    loss, dx, dw = CE.linear_cross_entropy_fwd(x, weight, target, ignore_index, reduction, label_smoothing,
+                                               chunk_size, True, need_dx, need_dw)
+    return loss, x.new_empty(0) if dx is None else dx, x.new_empty(0) if dw is None else dw
+
+
+_ALGOS = ("max", "most_recent", "current")  # DelayedScaling.amax_compute_algo, or CurrentScaling
+
+
+def fp8_quantize_update(x: Tensor, amax_history: Tensor, scale: Tensor, fp8_dtype: torch.dtype, margin: int,
+                        algo: str) -> tuple[Tensor, Tensor]:
+    """Quantize `x` (kernel) and update its scaling state IN PLACE, as the recipes do (formats/recipe.py), but as
+    tensor mutations the compiler keeps in the graph (declared in mutates_args) instead of Python attribute
+    rebinding. Returns (fp8 data, the scale_inv it was quantized with: a new tensor, taken before the update)."""
+    m = fp8_max(fp8_dtype)
+    if algo == "current":  # CurrentScaling: the scale from this tensor's amax, before quantizing
+        scale.copy_(compute_scale(x.detach().abs().amax().float(), m, margin, scale))
+    data, amax = F8.fp8_quantize_fwd(x, scale, fp8_dtype)
+    scale_inv = 1.0 / scale
+    if algo == "current":
+        amax_history[0] = amax
+    else:  # DelayedScaling.update: roll the history, this amax first, next scale from max / most recent
+        amax_history.copy_(torch.roll(amax_history, 1))
+        amax_history[0] = amax
+        new = amax_history.max() if algo == "max" else amax_history[0]
+        scale.copy_(compute_scale(new, m, margin, scale))
+    return data, scale_inv
+
+
+def fp8_linear_mm(x: Tensor, weight: Tensor, qx: Tensor, sx: Tensor, qw: Tensor, sw: Tensor, g_history: Tensor,
+                  g_scale: Tensor, g_dtype: torch.dtype, margin: int, algo: str, fprop_split: bool, dgrad_split: bool,
+                  wgrad_split: bool) -> Tensor:
+    """y = x @ W^T from the fp8 operands (qx, sx) (N, K) and (qw, sw) (O, K). x and weight are there for autograd
+    only (their gradients); the backward quantizes dy with the grad_output state (g_history, g_scale), in place."""
+    return G.fp8_gemm_raw(qx, qw.t(), sx, sw, x.dtype, fprop_split)
 
 
 # ------------------------------------------------------------------------------------------------ autograd
@@ -158,6 +201,64 @@ def _ce_grad(ctx, dloss, _dlse):
     return torch.ops.minite.cross_entropy_bwd(dloss, logits, target, lse, *ctx.args), None, None, None
 
 
+def _lce_setup(ctx, inputs, output):
+    ctx.w_dtype, ctx.need = inputs[1].dtype, inputs[7:9]
+    ctx.save_for_backward(output[1], output[2])
+
+
+def _lce_grad(ctx, dloss, _ddx, _ddw):
+    dx, dw = ctx.saved_tensors  # computed in the forward for an upstream gradient of 1: scale by dloss
+    dx = dx * dloss.to(dx.dtype) if ctx.need[0] else None
+    dw = (dw * dloss).to(ctx.w_dtype) if ctx.need[1] else None
+    return (dx, dw) + (None,) * 7
+
+
+def _fp8_mm_setup(ctx, inputs, output):
+    x, w, qx, sx, qw, sw, gh, gs, gdt, margin, algo, _, dsplit, wsplit = inputs
+    ctx.save_for_backward(qx, sx, qw, sw)  # fp8: 1 byte per element
+    ctx.state = (gh, gs)  # mutated in the backward (a forward input the compiler lets the backward mutate)
+    ctx.args = (gdt, margin, algo, dsplit, wsplit, x.dtype, w.dtype)
+
+
+def _fp8_mm_grad(ns, ctx, dy):
+    ops = getattr(torch.ops, ns)
+    qx, sx, qw, sw = ctx.saved_tensors
+    gdt, margin, algo, dsplit, wsplit, x_dtype, w_dtype = ctx.args
+    qg, sg = ops.fp8_quantize_update(dy.detach().contiguous(), *ctx.state, gdt, margin, algo)  # (N, O)
+    dx = ops.fp8_gemm(qg, qw, sg, sw, x_dtype, dsplit) if ctx.needs_input_grad[0] else None  # (N,O)@(O,K)
+    dw = ops.fp8_gemm(qg.t(), qx, sg, sx, w_dtype, wsplit) if ctx.needs_input_grad[1] else None  # (O,N)@(N,K)
+    return (dx, dw) + (None,) * 12
+
+
+def register_reference_ops(ns: str = "minite_ref") -> str:
+    """The new ops (linear_cross_entropy, fp8_quantize_update, fp8_linear_mm, fp8_gemm) as CPU custom ops in
+    namespace `ns`: the same wrappers and autograd formulas as the triton_ops above, run eagerly (the interpreter
+    runs their kernels), with explicit fake impls. Where ENABLED is False (CPU) they let opcheck and
+    torch.compile(fullgraph=True, backend="aot_eager") check the schemas, the in-place state updates and the
+    autograd wiring. Nothing here touches torch.ops.minite. Idempotent; returns `ns`."""
+    if hasattr(torch.ops, ns) and hasattr(getattr(torch.ops, ns), "fp8_linear_mm"):
+        return ns
+    fakes = {
+        "linear_cross_entropy": lambda x, w, t, ii, red, ls, cs, ndx, ndw: (
+            x.new_empty((), dtype=torch.float64 if x.dtype == torch.float64 else torch.float32),
+            torch.empty_like(x) if ndx else x.new_empty(0),
+            w.new_empty(w.shape, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32) if ndw
+            else x.new_empty(0)),
+        "fp8_quantize_update": lambda x, h, s, dt, m, a: (x.new_empty(x.shape, dtype=dt), s.new_empty(s.shape)),
+        "fp8_linear_mm": lambda x, w, qx, sx, qw, *_: x.new_empty((qx.shape[0], qw.shape[0])),
+        "fp8_gemm": lambda a, b, sa, sb, dt, split: a.new_empty((a.shape[0], b.shape[1]), dtype=dt),
+    }
+    mutates = {"fp8_quantize_update": ("amax_history", "scale")}
+    for fn in (linear_cross_entropy, fp8_quantize_update, fp8_linear_mm, fp8_gemm):
+        o = torch.library.custom_op(f"{ns}::{fn.__name__}", fn, mutates_args=mutates.get(fn.__name__, ()),
+                                    device_types="cpu")
+        o.register_fake(fakes[fn.__name__])
+    torch.library.register_autograd(f"{ns}::linear_cross_entropy", _lce_grad, setup_context=_lce_setup)
+    torch.library.register_autograd(f"{ns}::fp8_linear_mm", functools.partial(_fp8_mm_grad, ns),
+                                    setup_context=_fp8_mm_setup)
+    return ns
+
+
 if ENABLED:
     _register(softmax_bwd)
     _register(softmax_fwd, _softmax_grad, _softmax_setup)
@@ -171,3 +272,6 @@ if ENABLED:
     _register(cross_entropy_bwd)
     _register(cross_entropy_fwd, _ce_grad, _ce_setup)
     _register(fp8_gemm)
+    _register(linear_cross_entropy, _lce_grad, _lce_setup)
+    _register(fp8_quantize_update, mutates_args=("amax_history", "scale"))
+    _register(fp8_linear_mm, functools.partial(_fp8_mm_grad, "minite"), _fp8_mm_setup)

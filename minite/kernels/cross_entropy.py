@@ -16,7 +16,7 @@ from torch import nn
 from minite import _validate as _v
 from minite._triton import interpreting, tl, triton
 from minite.backend import resolve_backend
-from minite.kernels._common import _acc, compute_dtype, launchable, op, row_launch
+from minite.kernels._common import _acc, compute_dtype, launchable, op, row_launch, use_op
 
 __all__ = ["cross_entropy_ref", "cross_entropy", "CrossEntropyFunction", "linear_cross_entropy_ref",
            "linear_cross_entropy", "LinearCrossEntropyFunction", "LinearCrossEntropy"]
@@ -195,8 +195,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, target, ignore_index, reduction, label_smoothing, chunk_size, use_triton, needs):
         # needs = (dx, dW) wanted, from the caller: ctx.needs_input_grad ignores torch.no_grad() (grad mode)
-        loss, dx, dw = linear_cross_entropy_fwd(x, weight, target, ignore_index, reduction, label_smoothing,
-                                                chunk_size, use_triton, *needs)
+        if use_triton and use_op("linear_cross_entropy"):  # torch.compile: one custom op, kernels in the graph
+            loss, dx, dw = torch.ops.minite.linear_cross_entropy(x, weight, target, ignore_index, reduction,
+                                                                 label_smoothing, chunk_size, *needs)
+            dx, dw = dx if needs[0] else None, dw if needs[1] else None  # the op returns (0,) tensors for None
+        else:
+            loss, dx, dw = linear_cross_entropy_fwd(x, weight, target, ignore_index, reduction, label_smoothing,
+                                                    chunk_size, use_triton, *needs)
         ctx.save_for_backward(dx, dw)  # the gradients, computed in the forward while each chunk was at hand
         ctx.weight_dtype = weight.dtype
         return loss

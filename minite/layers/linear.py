@@ -29,6 +29,7 @@ from minite.backend import resolve_backend
 from minite.formats.autocast import get_fp8_recipe, is_fp8_enabled
 from minite.formats.fp8 import Float8Tensor, quantize
 from minite.formats.recipe import CurrentScaling, DelayedScaling, ScalingState
+from minite.kernels._common import use_op
 from minite.kernels.fp8_gemm import fp8_gemm
 
 __all__ = ["Linear", "fp8_linear", "fp8_linear_states"]
@@ -124,7 +125,35 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if states is not None:
         _check_states(states)
     states = states if states is not None else fp8_linear_states(recipe, x.device)
-    return FP8LinearFunction.apply(x, weight, bias, recipe, states, resolve_backend(x, backend))
+    backend = resolve_backend(x, backend)
+    ops = _graph_ops(backend)
+    if ops is not None:
+        return _fp8_linear_in_graph(ops, x, weight, bias, recipe, states)
+    return FP8LinearFunction.apply(x, weight, bias, recipe, states, backend)
+
+
+def _graph_ops(backend: str):
+    """``torch.ops.minite`` while torch.compile traces with the ops registered (Triton on CUDA), else None (eager:
+    FP8LinearFunction). Tests point this at ``_library.register_reference_ops()`` to trace the same code on the CPU."""
+    return torch.ops.minite if backend == "triton" and use_op("fp8_linear_mm") else None
+
+
+def _fp8_linear_in_graph(ops, x, weight, bias, recipe, states):
+    """FP8LinearFunction as custom ops torch.compile keeps in one graph: each quantize (kernel) updates its state
+    in place (``fp8_quantize_update``, mutates_args = history and scale; no Python attribute rebinding), and
+    ``fp8_linear_mm`` (fprop GEMM; its registered backward quantizes dy, updating the grad_output state in place,
+    then runs dgrad and wgrad). Same kernels, same fp8 bits and same state values as the eager Function."""
+    O, K = weight.shape
+    algo = recipe.amax_compute_algo if recipe.delayed else "current"
+    x2 = x.reshape(-1, K)                                              # (N, K)
+    qx, qw = (ops.fp8_quantize_update(t.detach(), states[r].amax_history, states[r].scale, states[r].fp8_dtype,
+                                      recipe.margin, algo) for r, t in (("input", x2), ("weight", weight)))
+    g = states["grad_output"]
+    y = ops.fp8_linear_mm(x2, weight, *qx, *qw, g.amax_history, g.scale, g.fp8_dtype, recipe.margin, algo,
+                          *(FP8_ACCUMULATE[k] == "split" for k in ("fprop", "dgrad", "wgrad")))
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.reshape(*x.shape[:-1], O)
 
 
 class Linear(nn.Linear):
@@ -147,6 +176,9 @@ class Linear(nn.Linear):
         """This module's states for `recipe`, made on first use (again if the format or history length change)."""
         key = (type(recipe).__name__, recipe.fp8_format, recipe.amax_history_len)
         if self.fp8_states is None or self._fp8_key != key:
+            if torch.compiler.is_compiling():  # tensors made inside the graph cannot be mutated by its backward
+                raise RuntimeError("Linear: FP8 scaling states must exist before torch.compile traces the layer: "
+                                   "run one step eagerly under fp8_autocast, or call fp8_states_for(recipe, device)")
             self.fp8_states, self._fp8_key = fp8_linear_states(recipe, device), key
         elif self.fp8_states["input"].scale.device != torch.device(device):
             self.fp8_states = {k: s.to(device) for k, s in self.fp8_states.items()}
