@@ -195,7 +195,7 @@ def check_layout(cfg, world: int) -> None:
         errs.append(str(e).removeprefix("cannot shard this GPT: "))
     T, B = cfg.data.block_size or cfg.model.block_size, cfg.train.batch_size
     if p.cp > 1 and T % (2 * p.cp):  # context parallelism cuts each sequence into 2*cp load-balanced chunks
-        errs.append(f"sequence length T={T} is not divisible by 2*cp={2 * p.cp}")
+        errs.append(f"context parallelism: sequence length T={T} must be divisible by 2*cp={2 * p.cp}")
     elif p.sp and p.tp > 1 and (T // p.cp) % p.tp:
         errs.append(f"sequence parallelism: T/cp = {T}/{p.cp} = {T // p.cp} tokens per rank is not divisible by "
                     f"tp={p.tp}")

@@ -109,7 +109,7 @@ def test_resume_single_process_checkpoint_under_dp2_zero2(setup):
 @pytest.mark.parametrize("over,words", [
     ({"parallel.tp": 3}, ["world size 1", "1*3*1*1 = 3", "n_head=4 is not divisible by tp=3"]),
     ({"parallel.pp": 8, "parallel.tp": 1}, ["pp=8 stages but only n_layer=4"]),
-    ({"parallel.cp": 3}, ["T=16 is not divisible by 2*cp=6"]),
+    ({"parallel.cp": 3}, ["T=16 must be divisible by 2*cp=6"]),
     ({"parallel.dp": 3}, ["batch_size=8 (the global batch) is not divisible by dp=3"]),
     ({"parallel.pp": 2, "parallel.zero": 1}, ["pp=2 with zero=1"]),
     ({"parallel.pp": 2, "parallel.microbatches": 3}, ["8 sequences per dp rank does not split into 3"]),
