@@ -142,10 +142,14 @@ def setup_parallel(cfg, resume: bool = False) -> Parallel:
     p = cfg.parallel
     if p.cp > 1:  # chapter 13
         from minite.parallel.context import check_length
-        if p.tp > 1 or p.pp > 1:
-            raise ParallelError(f"--parallel.cp={p.cp} with --parallel.tp={p.tp} / --parallel.pp={p.pp} is not "
-                                "supported (cp combines with dp only)")
-        check_length(cfg.data.block_size or cfg.model.block_size, p.cp)  # 2*cp load-balanced chunks per sequence
+        if p.pp > 1:
+            raise ParallelError(f"--parallel.cp={p.cp} with --parallel.pp={p.pp} is not supported (cp combines with "
+                                "dp and tp, not with pp)")
+        T = cfg.data.block_size or cfg.model.block_size
+        check_length(T, p.cp)  # 2*cp load-balanced chunks per sequence
+        if p.sp and p.tp > 1 and (T // p.cp) % p.tp:  # SP splits each cp rank's T/cp tokens over its tp ranks
+            raise ParallelError(f"--parallel.sp with cp={p.cp}, tp={p.tp}: T/cp = {T}/{p.cp} = {T // p.cp} tokens "
+                                f"per cp rank must be divisible by tp={p.tp}")
     if p.zero not in (0, 1, 2, 3):
         raise ParallelError(f"--parallel.zero must be 0, 1, 2 or 3, got {p.zero}")
     if p.zero == 3 and p.tp > 1:
