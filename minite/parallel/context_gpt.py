@@ -1,21 +1,32 @@
-"""Chapter 13: the GPT under context parallelism (``torchrun -m minite.train --parallel.cp=N``).
+"""Chapter 13: the GPT under context parallelism (``torchrun -m minite.train --parallel.cp=N [--parallel.tp=M]``).
 
-Only attention mixes tokens, so ``CPGPT`` is the dense GPT, its own modules, with each attention layer's core
+Only attention mixes tokens, so ``CPGPT`` is the model it wraps, its own modules, with each attention layer's core
 swapped for ``context.ring_attention`` (or the all-gather variant): every other op runs on my T/cp tokens. RoPE
 rotates each token by its GLOBAL position (the load-balanced shard is two non-contiguous chunks).
+
+It wraps the dense GPT, or the tensor-parallel ``sequence.TPGPT`` (CP x TP): then each cp rank's T/cp tokens are
+shared by its tp group, each tp rank rings ITS heads (K/V travel between the ranks with the same tp rank), and with
+sequence parallelism the regions outside attention and the MLP hold T/(cp tp) tokens.
 """
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import nn
 
 from minite.layers.attention import CausalSelfAttention
 from minite.models.gpt import GPT
-from minite.ops import cross_entropy, rope
+from minite.ops import rope
 from minite.parallel import comm
 from minite.parallel.context import allgather_attention, check_length, positions, ring_attention
+from minite.parallel.sequence import TPGPT
 
-__all__ = ["CPAttention", "CPGPT"]
+__all__ = ["CPAttention", "CPGPT", "ring_core"]
+
+
+def ring_core(group, variant: str = "ring", balanced: bool = True, backend: str | None = None):
+    """The attention core over the cp ranks: (q, k, v) of my tokens, (B, heads, T/cp, D) -> o, causal."""
+    fn = {"ring": ring_attention, "allgather": allgather_attention}[variant]
+    return lambda q, k, v: fn(q.contiguous(), k.contiguous(), v.contiguous(), group, causal=True,
+                              balanced=balanced, backend=backend)
 
 
 # ----------------------------------------------------------------------------------- the GPT under CP
@@ -29,8 +40,7 @@ class CPAttention(CausalSelfAttention):
             setattr(self, a, getattr(dense, a))
         self.qkv, self.proj, self.resid_dropout = dense.qkv, dense.proj, dense.resid_dropout
         self.rotary = dense.rotary  # minite.nn.RotaryEmbedding: its cos/sin tables (T_max, D/2)
-        self.group, self.balanced, self.pos = group, balanced, None
-        self.fn = {"ring": ring_attention, "allgather": allgather_attention}[variant]
+        self.pos, self.core = None, ring_core(group, variant, balanced, self.backend)
 
     def forward(self, x, kv_cache=None, layer: int = 0):
         if self.pos is None or kv_cache is not None:
@@ -40,52 +50,70 @@ class CPAttention(CausalSelfAttention):
         q, k, v = self.qkv(x).split([H * D, KVH * D, KVH * D], dim=-1)
         q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T/cp, D)
         k = k.view(B, T, KVH, D).transpose(1, 2)  # (B, KVH, T/cp, D)
-        v = v.view(B, T, KVH, D).transpose(1, 2).contiguous()
+        v = v.view(B, T, KVH, D).transpose(1, 2)
         cos, sin = self.rotary.cos[self.pos], self.rotary.sin[self.pos]  # (T/cp, D/2): my GLOBAL positions
         q, k = rope(q, cos, sin, backend=self.backend), rope(k, cos, sin, backend=self.backend)
-        y = self.fn(q.contiguous(), k.contiguous(), v, self.group, causal=True, balanced=self.balanced,
-                    backend=self.backend)  # (B, H, T/cp, D)
+        y = self.core(q, k, v)  # (B, H, T/cp, D)
         return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(B, T, H * D)))
 
 
 class CPGPT(nn.Module):
-    """The dense GPT (its own modules, so its state_dict) with attention over the cp ranks. forward(idx, targets)
-    keeps my tokens of the sequence; the loss VALUE is the global-batch loss (all-reduced), its gradient that of
-    my tokens' mean: averaging the parameter gradients over the cp (dp x cp) ranks gives the global gradient
-    (exact when every rank holds as many counted targets: true for LM batches without ignore_index)."""
+    """A GPT (dense, or TPGPT) with attention over the cp ranks: the same modules, so the same state_dict names.
+    forward(idx, targets) keeps my tokens of the sequence and runs the wrapped model's forward on them; the loss
+    VALUE is the global-batch loss (all-reduced), its gradient that of my tokens' mean: averaging the parameter
+    gradients over the cp (dp x cp) ranks gives the global gradient (exact when every rank holds as many counted
+    targets: true for LM batches without ignore_index)."""
 
-    generate = GPT.generate
-    num_params = GPT.num_params
-
-    def __init__(self, dense: GPT, group, *, variant: str = "ring", balanced: bool = True):
+    def __init__(self, model: GPT | TPGPT, group, *, variant: str = "ring", balanced: bool = True):
         super().__init__()
-        self.config, self.backend, self.group, self.balanced = dense.config, dense.backend, group, balanced
-        self.wte, self.drop, self.blocks, self.norm_f = dense.wte, dense.drop, dense.blocks, dense.norm_f
-        for b in self.blocks:
-            b.attn = CPAttention(b.attn, group, variant, balanced)
+        self.inner = type(model)  # GPT or TPGPT: its forward, generate, num_params run on these same modules
+        self.config, self.backend, self.cp_group, self.balanced = model.config, model.backend, group, balanced
+        self.wte, self.drop, self.blocks, self.norm_f = model.wte, model.drop, model.blocks, model.norm_f
+        if isinstance(model, TPGPT):  # TP x CP: TPAttention keeps its heads, takes my positions and the ring
+            self.group, self.sp = model.group, model.sp  # the tp group, as TPGPT's methods expect
+            for b in self.blocks:
+                b.attn.core = ring_core(group, variant, balanced, b.attn.backend)
+        else:
+            for b in self.blocks:
+                b.attn = CPAttention(b.attn, group, variant, balanced)
 
     @classmethod
-    def from_dense(cls, dense: GPT, group, **kw) -> "CPGPT":
-        return cls(dense, group, **kw)
+    def from_dense(cls, model: GPT | TPGPT, group, **kw) -> "CPGPT":
+        return cls(model, group, **kw)
+
+    def num_params(self) -> int:
+        return self.inner.num_params(self)
+
+    def generate(self, idx, max_new_tokens, **kw):  # every rank holds its (tp) weights: the prompt runs unsharded
+        return self.inner.generate(self, idx, max_new_tokens, **kw)
+
+    def head(self, x, targets=None, last: int = -1):  # TPGPT.forward ends in its vocab-parallel head: the same here
+        return TPGPT.head(self, x, targets, last)
+
+    def dense_state_dict(self) -> dict:
+        """The dense GPT's state dict on every rank (with TP: gathered over the tp group, a collective)."""
+        return TPGPT.dense_state_dict(self) if self.inner is TPGPT else {k: v.detach().clone()
+                                                                         for k, v in self.state_dict().items()}
 
     def forward(self, idx, targets=None, **kw):
-        if targets is None:  # sampling: every rank holds the weights, the short prompt runs dense
-            return GPT.forward(self, idx, **kw)
+        if targets is None:  # sampling: the short prompt runs unsharded over cp
+            return self.inner.forward(self, idx, **kw)
         B, T = idx.shape
-        n, r = comm.size(self.group), comm.rank(self.group)
+        n, r = comm.size(self.cp_group), comm.rank(self.cp_group)
         check_length(T, n, self.balanced)
         if T > self.config.block_size:
             raise ValueError(f"cannot forward a sequence of length {T}: block_size is {self.config.block_size}")
+        if self.inner is TPGPT and self.sp and (T // n) % comm.size(self.group):
+            raise ValueError(f"sequence parallelism under cp={n}: each cp rank's T/cp = {T}/{n} = {T // n} tokens "
+                             f"must be divisible by tp={comm.size(self.group)}")
         pos = positions(T, n, r, self.balanced).to(idx.device)
-        for b in self.blocks:
-            b.attn.pos = pos
-        x = self.drop(self.wte(idx[:, pos]))  # (B, T/cp, C)
-        for b in self.blocks:
-            x = b(x)
-        logits = F.linear(self.norm_f(x), self.wte.weight)  # (B, T/cp, V_pad)
-        loss = cross_entropy(logits.reshape(B * pos.numel(), -1), targets[:, pos].reshape(-1), backend=self.backend)
+        try:
+            for b in self.blocks:
+                b.attn.pos = pos
+            logits, loss = self.inner.forward(self, idx[:, pos], targets[:, pos])  # (B, T/cp, V or V/tp), my mean
+        finally:
+            for b in self.blocks:
+                b.attn.pos = None
         total = loss.detach().clone().reshape(1)
-        comm.all_reduce(total, self.group)
-        for b in self.blocks:
-            b.attn.pos = None
+        comm.all_reduce(total, self.cp_group)
         return logits, loss + (total[0] / n - loss.detach())  # value: global loss; gradient: my tokens' loss

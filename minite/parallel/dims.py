@@ -197,8 +197,8 @@ def check_layout(cfg, world: int) -> None:
     if p.cp > 1 and T % (2 * p.cp):  # context parallelism cuts each sequence into 2*cp load-balanced chunks
         errs.append(f"context parallelism: sequence length T={T} must be divisible by 2*cp={2 * p.cp}")
     elif p.sp and p.tp > 1 and (T // p.cp) % p.tp:
-        errs.append(f"sequence parallelism: T/cp = {T}/{p.cp} = {T // p.cp} tokens per rank is not divisible by "
-                    f"tp={p.tp}")
+        errs.append(f"sequence parallelism with cp={p.cp}, tp={p.tp}: T/cp = {T}/{p.cp} = {T // p.cp} tokens per cp "
+                    f"rank must be divisible by tp={p.tp}")
     if B % p.dp:
         errs.append(f"train.batch_size={B} (the global batch) is not divisible by dp={p.dp}")
     elif p.pp > 1 and (B // p.dp) % (p.microbatches or p.pp):

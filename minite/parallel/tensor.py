@@ -15,8 +15,8 @@ sums those copies' gradients over the tp group (the other ranks add zeros) befor
 The vocabulary splits too: rank r owns token rows [r V/tp, (r+1) V/tp) of the (tied) embedding; it looks up the
 tokens it owns, zeros the rest, and sums (g). The LM head gives each rank the logits of its vocabulary slice.
 
-Every sharded parameter records where it came from: ``p.dense_name`` and ``p.dense_index = (dim, index)``, and
-``p.tp_replicas``: how many tp ranks hold an identical copy (for the global gradient norm).
+Every sharded parameter records its source, ``p.dense_name``, ``p.dense_index = (dim, index)``, and ``p.tp_replicas``
+(how many tp ranks hold an identical copy: for the global gradient norm).
 """
 from __future__ import annotations
 
@@ -198,6 +198,7 @@ class TPAttention(nn.Module):
         self.resid_dropout = nn.Dropout(dense.resid_dropout.p)
         self.register_buffer("rope_cos", dense.rotary.cos.clone(), persistent=False)
         self.register_buffer("rope_sin", dense.rotary.sin.clone(), persistent=False)
+        self.pos = self.core = None  # set by context_gpt.CPGPT: my tokens' global positions, the ring over cp
         if not split:  # replicated kv head: sum its copies' gradients over the ranks that share it
             nq, per = self.H * D, self.KVH * D
             reps = torch.ones(len(rows), 1)
@@ -219,12 +220,12 @@ class TPAttention(nn.Module):
         H, KVH, D = self.H, self.KVH, self.D
         q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
         q = q.view(B, T, H, D).transpose(1, 2)  # (B, H_local, T, D)
-        k = k.view(B, T, KVH, D).transpose(1, 2)
-        v = v.view(B, T, KVH, D).transpose(1, 2)
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        k, v = (t.view(B, T, KVH, D).transpose(1, 2) for t in (k, v))  # (B, KVH_local, T, D)
+        at = slice(0, T) if self.pos is None else self.pos  # RoPE by global position (CP: two chunks of T)
+        cos, sin = self.rope_cos[at], self.rope_sin[at]
         q, k = rope(q, cos, sin, backend=self.backend), rope(k, cos, sin, backend=self.backend)
-        y = attention(q, k, v, causal=True, backend=self.backend).transpose(1, 2).reshape(B, T, H * D)
-        return self.resid_dropout(self.proj(y))  # (B, T, C) or (B, T/tp, C) with SP
+        y = attention(q, k, v, causal=True, backend=self.backend) if self.pos is None else self.core(q, k, v)
+        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(B, T, H * D)))  # (B, T or T/tp with SP, C)
 
 
 class TPMLP(nn.Module):

@@ -1,4 +1,4 @@
-"""``torchrun --nproc-per-node 2 -m minite.train --parallel.*`` trains the curve of one process (DESIGN §6).
+"""``torchrun --nproc-per-node N -m minite.train --parallel.*`` trains the curve of one process (DESIGN §6).
 
 train.batch_size is the global batch and rank 0 logs the global-batch loss, so the same flags give the same
 20-step loss curve in any layout, within float-reduction noise.
@@ -20,8 +20,14 @@ FLAGS = {"model.n_layer": 2, "model.n_head": 4, "model.n_kv_head": 2, "model.n_e
          "train.log_interval": 1, "train.eval_interval": 10, "train.eval_iters": 2, "train.warmup_iters": 2,
          "train.lr": 1e-2, "train.sample_tokens": 0, "train.progress": False, "train.threads": 1,
          "train.device": "cpu", "train.precision": "fp32", "train.compile": "off"}  # CPU/gloo tests on any machine
-LAYOUTS = {"dp2": ["--parallel.dp=2"], "dp2_zero3": ["--parallel.dp=2", "--parallel.zero=3"],
-           "tp2": ["--parallel.tp=2"], "tp2_sp": ["--parallel.tp=2", "--parallel.sp=True"]}
+LAYOUTS = {  # name: (processes, flags)
+    "dp2": (2, ["--parallel.dp=2"]),
+    "dp2_zero3": (2, ["--parallel.dp=2", "--parallel.zero=3"]),
+    "tp2": (2, ["--parallel.tp=2"]),
+    "tp2_sp": (2, ["--parallel.tp=2", "--parallel.sp=True"]),
+    "tp2_cp2": (4, ["--parallel.tp=2", "--parallel.cp=2"]),
+    "tp2_cp2_sp": (4, ["--parallel.tp=2", "--parallel.cp=2", "--parallel.sp=True"]),
+}
 
 
 def _curve(out):
@@ -47,8 +53,9 @@ def setup(tmp_path_factory):
 def test_cli_matches_single_process(setup, layout):
     d, data, (loss1, val1) = setup
     out = d / layout
-    args = [f"--{k}={v}" for k, v in {**FLAGS, **data, "train.out_dir": str(out)}.items()] + LAYOUTS[layout]
-    res = torchrun(2, ["-m", "minite.train", *args], timeout=180)
+    nproc, flags = LAYOUTS[layout]
+    args = [f"--{k}={v}" for k, v in {**FLAGS, **data, "train.out_dir": str(out)}.items()] + flags
+    res = torchrun(nproc, ["-m", "minite.train", *args], timeout=180)
     assert res.returncode == 0, res.stdout[-3000:]
     loss, val = _curve(out)
     assert len(loss) == 20 and len(val) == 3
