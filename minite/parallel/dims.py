@@ -204,8 +204,7 @@ def check_layout(cfg, world: int) -> None:
     elif p.pp > 1 and (B // p.dp) % (p.microbatches or p.pp):
         errs.append(f"the batch of {B // p.dp} sequences per dp rank does not split into "
                     f"{p.microbatches or p.pp} micro-batches (--parallel.microbatches)")
-    for bad, why in ((p.pp > 1 and p.cp > 1, f"pp={p.pp} with cp={p.cp} (pipeline with context parallelism)"),
-                     (p.pp > 1 and p.zero > 0, f"pp={p.pp} with zero={p.zero} (use zero=0: the pipeline averages "
+    for bad, why in ((p.pp > 1 and p.zero > 0, f"pp={p.pp} with zero={p.zero} (use zero=0: the pipeline averages "
                                                "gradients over dp itself)"),
                      (p.zero == 3 and p.tp > 1, f"zero=3 with tp={p.tp} (use zero 0-2 with tp)"),
                      (cfg.lora.r > 0 and dims.size > 1, f"LoRA (lora.r={cfg.lora.r}) under a parallel layout "

@@ -21,7 +21,7 @@ from minite.models.gpt import GPT
 from minite.parallel import comm
 from minite.parallel.dims import ParallelError
 from minite.parallel.pipeline_schedule import SCHEDULES, check_schedule
-from minite.parallel.pipeline_stage import Stage, _now, _PendingGrads, partition
+from minite.parallel.pipeline_stage import Stage, _now, _PendingGrads, my_tokens, partition
 from minite.parallel.sequence import gather_dense
 
 __all__ = ["partition", "Stage", "PipelineGPT"]
@@ -33,11 +33,8 @@ class PipelineGPT(nn.Module):
     same behind minite.train's ``loss.backward()``."""
 
     def __init__(self, dense: GPT, dims, microbatches: int = 0, schedule="1f1b"):
-        """dense: the dense GPT, or the TPGPT built from it for tp > 1 (each stage keeps its layers' shards)."""
+        """dense: the dense GPT, or the TPGPT / CPGPT built from it (each stage keeps its layers' shards)."""
         super().__init__()
-        if dims.cp > 1:
-            raise ParallelError(f"pipeline parallelism (pp={dims.pp}) does not compose with context parallelism "
-                                f"(cp={dims.cp}) here; combine pp with dp and tp")
         p, s = dims.pp, dims.pp_rank
         self.config, self.dims, self.p, self.s = dense.config, dims, p, s
         if isinstance(schedule, str) and schedule not in SCHEDULES or microbatches < 0:
@@ -50,7 +47,8 @@ class PipelineGPT(nn.Module):
         for name, q in self.stage.named_parameters():  # the dense name of every parameter (TP shards have theirs)
             if not hasattr(q, "dense_name"):
                 q.dense_name, q.dense_index, q.tp_replicas = name, (None, None), 1
-        self.group, self.tp_group, self.dp_group, self.sync = dims.group("pp"), dims.group("tp"), dims.group("dp"), True
+        self.group, self.tp_group, self.cp_group, self.sync = dims.group("pp"), dims.group("tp"), dims.group("cp"), True
+        self.dp_group = dims.group("dp_cp" if dims.cp > 1 else "dp")  # the replicas of my stage's weights
         self.ends = (dims.ranks.get("pp", [0])[0], dims.ranks.get("pp", [0])[-1])  # global ranks, first and last
         self.act_dtype = next(dense.parameters()).dtype
         self.events, self.mb_bytes, self.peak_act_bytes, self._pending = [], [], 0, None
@@ -71,6 +69,13 @@ class PipelineGPT(nn.Module):
         return buf
 
     def _run(self, x, y, m: int):
+        """One schedule: (global loss, this stage's fresh gradients). Under cp: my tokens only, loss averaged."""
+        with my_tokens(self.stage, self.cp_group, x) as pos:
+            loss, grads = self._schedule(x if pos is None else x[:, pos], y if pos is None else y[:, pos], m)
+        comm.all_reduce(loss, self.cp_group)
+        return loss / comm.size(self.cp_group), grads
+
+    def _schedule(self, x, y, m: int):
         """One schedule: (global loss, this stage's fresh gradients); .grad is left as it was."""
         st, first, last = self.stage, self.stage.first, self.stage.last
         params = list(st.parameters())

@@ -6,6 +6,7 @@ gradients by name and the stages' state dicts together are the dense state dict.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 
@@ -15,7 +16,9 @@ from torch.nn import functional as F
 
 from minite.models.gpt import GPT
 from minite.ops import cross_entropy
+from minite.parallel import comm
 from minite.parallel.dims import ParallelError
+from minite.parallel.sequence import TPGPT
 
 __all__ = ["partition", "Stage"]
 
@@ -58,7 +61,8 @@ class Stage(nn.Module):
         super().__init__()
         own = copy.deepcopy if isinstance(model, GPT) else (lambda m: m)
         self.first, self.last, self.layers, self.backend = first, last, layers, model.backend
-        self.tp_head = None if isinstance(model, GPT) else type(model).head  # TPGPT.head, run on this stage
+        tp = isinstance(model, TPGPT) or getattr(model, "inner", None) is TPGPT  # TPGPT, or CPGPT over one
+        self.tp_head = TPGPT.head if tp else None  # the vocab-parallel head, run on this stage's modules
         self.group, self.sp = getattr(model, "group", None), getattr(model, "sp", False)  # what that head reads
         if first or last:
             self.wte = own(model.wte)
@@ -104,3 +108,23 @@ class _PendingGrads(torch.autograd.Function):
         ctx.model._accumulate(ctx.model._pending, float(g))
         ctx.model._pending = None
         return None, None, None
+
+
+@contextlib.contextmanager
+def my_tokens(stage: Stage, cp_group, x: torch.Tensor):
+    """pp x cp: yields my tokens' global positions (None without cp) and sets them on every attention of the stage
+    (CPGPT's layers: RoPE by global position, attention by the ring, chapter 13) for the schedule's duration."""
+    n = comm.size(cp_group)
+    if n == 1:
+        yield None
+        return
+    from minite.parallel.context import positions
+    pos = positions(x.shape[1], n, comm.rank(cp_group)).to(x.device)
+    attns = [b.attn for b in stage.blocks.values()]
+    try:
+        for a in attns:
+            a.pos = pos
+        yield pos
+    finally:
+        for a in attns:
+            a.pos = None

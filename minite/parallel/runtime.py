@@ -76,13 +76,13 @@ class Parallel:
         if d.tp > 1:
             from minite.parallel.sequence import TPGPT
             model = TPGPT.from_dense(model, d.group("tp"), sequence_parallel=self.sp)
-        if d.pp > 1:  # chapter 12: this rank's stage (of the TP model with tp > 1); dp averages in the pipeline
-            from minite.parallel.pipeline import PipelineGPT
-            self.pipe = PipelineGPT(model, d, *getattr(self, "pp_args", (0, "1f1b")))
-            return self.pipe
         if d.cp > 1:  # chapter 13: my tokens of each sequence, attention by the ring; grads averaged over dp x cp
             from minite.parallel.context_gpt import CPGPT
             model = CPGPT.from_dense(model, d.group("cp"))
+        if d.pp > 1:  # chapter 12: this rank's stage of that model; the pipeline averages grads over dp (x cp)
+            from minite.parallel.pipeline import PipelineGPT
+            self.pipe = PipelineGPT(model, d, *getattr(self, "pp_args", (0, "1f1b")))
+            return self.pipe
         if d.dp > 1 or self.zero > 0 or d.cp > 1:
             from minite.parallel.data import DataParallel
             self.dp = DataParallel(model, d.group("dp_cp" if d.cp > 1 else "dp"), stage=self.zero)

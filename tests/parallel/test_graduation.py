@@ -2,7 +2,7 @@
 
 Every run trains the same 20 steps (same seed, same global batches) as one process, so each curve must lie on the
 single-process curve within float-reduction noise:
-  * world 4: tp2 x pp2 (sp, full recompute), dp2 x tp2 with ZeRO-1 (selective recompute), dp2 x pp2 (AFAB), dp2 x cp2;
+  * world 4: tp2 x pp2 (sp, full recompute), dp2 x tp2 with ZeRO-1 (selective recompute), dp2 x pp2 (AFAB), dp2 x cp2, pp2 x cp2;
   * stop at step 10 under one layout (``--train.stop_at=10``, the schedule still that of 20 steps), then
     ``--resume`` under another: tp2 x pp2 -> one process, dp2 ZeRO-1 -> tp2, one process -> dp2 ZeRO-2.
 """
@@ -28,7 +28,8 @@ WORLD4 = {"tp2_pp2_sp_recompute_full": ["--parallel.tp=2", "--parallel.pp=2", "-
           "dp2_tp2_zero1_recompute_selective": ["--parallel.dp=2", "--parallel.tp=2", "--parallel.zero=1",
                                                 "--train.recompute=selective"],
           "dp2_pp2_afab": ["--parallel.dp=2", "--parallel.pp=2", "--parallel.pp_schedule=afab"],
-          "dp2_cp2": ["--parallel.dp=2", "--parallel.cp=2"]}
+          "dp2_cp2": ["--parallel.dp=2", "--parallel.cp=2"],
+          "pp2_cp2": ["--parallel.pp=2", "--parallel.cp=2"]}
 TOL = 1e-4
 
 
