@@ -2,7 +2,8 @@
 
 Every run trains the same 20 steps (same seed, same global batches) as one process, so each curve must lie on the
 single-process curve within float-reduction noise:
-  * world 4: tp2 x pp2 (sp, full recompute), dp2 x tp2 with ZeRO-1 (selective recompute), dp2 x pp2 (AFAB), dp2 x cp2, pp2 x cp2;
+  * world 4: tp2 x pp2 (sp, full recompute), dp2 x tp2 with ZeRO-1 (selective recompute), dp2 x pp2 (AFAB),
+    dp2 x cp2, pp2 x cp2; world 8: tp2 x pp2 x cp2 with sp (three dimensions at once);
   * stop at step 10 under one layout (``--train.stop_at=10``, the schedule still that of 20 steps), then
     ``--resume`` under another: tp2 x pp2 -> one process, dp2 ZeRO-1 -> tp2, one process -> dp2 ZeRO-2.
 """
@@ -29,7 +30,8 @@ WORLD4 = {"tp2_pp2_sp_recompute_full": ["--parallel.tp=2", "--parallel.pp=2", "-
                                                 "--train.recompute=selective"],
           "dp2_pp2_afab": ["--parallel.dp=2", "--parallel.pp=2", "--parallel.pp_schedule=afab"],
           "dp2_cp2": ["--parallel.dp=2", "--parallel.cp=2"],
-          "pp2_cp2": ["--parallel.pp=2", "--parallel.cp=2"]}
+          "pp2_cp2": ["--parallel.pp=2", "--parallel.cp=2"],
+          "world8_tp2_pp2_cp2_sp": ["--parallel.tp=2", "--parallel.pp=2", "--parallel.cp=2", "--parallel.sp=True"]}
 TOL = 1e-4
 
 
@@ -66,7 +68,8 @@ def setup(tmp_path_factory):
 def test_world4_layout_matches_single_process(setup, layout):
     d, data, ref = setup
     out = d / layout
-    res = torchrun(4, ["-m", "minite.train", *_args(out, data), *WORLD4[layout]], timeout=300)
+    world = 8 if layout.startswith("world8") else 4
+    res = torchrun(world, ["-m", "minite.train", *_args(out, data), *WORLD4[layout]], timeout=300)
     assert res.returncode == 0, res.stdout[-3000:]
     _close(_curve(out), ref, range(1, 21))
     state = load_checkpoint(out / "ckpt.pt")
