@@ -1,6 +1,6 @@
 """Chapter 14: what each technique buys, measured per rank on the CPU (gloo): memory, bytes sent, step time, curve.
 
-    python benchmarks/bench_scale.py [--steps 20] [--only NAME,...]        (make scale ARGS="--steps 30")
+    python benchmarks/bench_scale.py [--steps 20] [--only NAME,...] [--plot-only]   (make scale ARGS="--steps 30")
 
 One small GPT (the `cpu` preset: n_layer=4, n_embd=128, 4 heads / 2 kv heads, block 128, global batch 16; fp32,
 the PyTorch reference ops: the Triton interpreter is for correctness, not speed) is trained for --steps steps by
@@ -137,8 +137,8 @@ def plot(results: dict, device: str) -> None:
     def draw(fig):
         ax = fig.add_subplot(1, 3, 1)
         for n, r in ok.items():
-            s = sorted(r["losses"])
-            ax.plot(s, [r["losses"][i] for i in s], label=n, lw=1, alpha=0.8)
+            pts = sorted((int(k), v) for k, v in r["losses"].items())  # JSON keys are strings
+            ax.plot(*zip(*pts), label=n, lw=1, alpha=0.8)
         ax.set(xlabel="step", ylabel="train loss (global batch)", title="loss curves (they overlap)")
         ax.legend(fontsize=6), ax.grid(alpha=0.3)
         names = list(ok)
@@ -148,10 +148,10 @@ def plot(results: dict, device: str) -> None:
         ax.barh(names, res, label="resident (params, AdamW state, buffers)")
         ax.barh(names, tr, left=res, label="transient (activations, grads, temporaries)")
         ax.set(xlabel="MiB per rank (max over ranks)", title="peak tensor memory per rank")
-        ax.invert_yaxis(), ax.legend(fontsize=6), ax.grid(alpha=0.3, axis="x")
+        ax.invert_yaxis(), ax.legend(fontsize=6, loc="lower right"), ax.grid(alpha=0.3, axis="x")
         ax = fig.add_subplot(1, 3, 3)
         ax.barh(names, [ok[n]["step_ms"] for n in names], color=["C0" if ok[n]["world"] < 4 else "C3" for n in names])
-        ax.set(xlabel="median step time, ms (red: world 4 on 2 cores)", title="step time")
+        ax.set(xlabel="median step ms (red: 4 ranks on 2 cores)", title="step time (wall clock)")
         ax.invert_yaxis(), ax.grid(alpha=0.3, axis="x")
     common.save_plot("scale", device, draw)
 
@@ -161,7 +161,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--only", default="", help="comma-separated config names (default: all)")
     ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--plot-only", action="store_true", help="redraw the PNG from the saved JSON")
     a = ap.parse_args()
+    common.TIMER = "wall clock, median"  # named in the plot's title
+    if a.plot_only:
+        saved = json.loads(sorted(common.RESULTS.glob("scale_*.json"))[0].read_text())
+        return plot(saved["results"], saved["device"])
     names = [n for n in CONFIGS if not a.only or n in a.only.split(",")]
     device = f"{common.device_name('cpu').split(' (')[0]} ({os.cpu_count()} cores, 1 thread per rank)"
     tmp = Path(tempfile.mkdtemp(prefix="minite_scale_"))
