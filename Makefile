@@ -10,6 +10,7 @@
 #   make grade NB=exercises/00_triton_from_zero.ipynb [TIMEOUT=300]    score a student's notebook
 #   make bundle      dist/minite-course.zip: the course for learners, without solutions/ (and tests/)
 #   make bench       every benchmark: kernel ones need CUDA (they say so and exit on CPU); bench_train also runs on CPU
+#   make scale       chapter 14: each parallel/recompute technique vs its baseline on the CPU (memory, bytes, time)
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -24,7 +25,7 @@ NPROC := $(shell nproc 2>/dev/null || echo 2)
 # Library tests + notebooks, spread over the cores; notebooks stay whole per worker (--dist loadfile).
 PYTEST_JOBS ?= $(NPROC)
 
-.PHONY: notebooks setup train test test-lib test-notebooks check-fast lab exercises grade bundle bench clean-venv
+.PHONY: notebooks setup train test test-lib test-notebooks check-fast lab exercises grade bundle bench scale clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	@echo "== setting up $(VENV) (once; re-run when pyproject.toml or the Makefile change) =="
@@ -81,6 +82,10 @@ bundle:
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(PY) $$b $(ARGS) || exit 1; done
+
+# Chapter 14: memory per rank, bytes sent, step time and loss curve of every layout on the CPU (~4 min on 2 cores)
+scale: $(STAMP)
+	$(PY) benchmarks/bench_scale.py $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)
