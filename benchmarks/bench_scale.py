@@ -62,6 +62,7 @@ CONFIGS = {
     "dp2_tp2_zero1": (4, ["--parallel.dp=2", "--parallel.tp=2", "--parallel.zero=1"], None, "composed"),
     "dp2_cp2": (4, ["--parallel.dp=2", "--parallel.cp=2"], None, "composed"),
     "tp2_cp2_sp": (4, ["--parallel.tp=2", "--parallel.cp=2", "--parallel.sp=True"], None, "composed"),
+    "pp2_cp2": (4, ["--parallel.pp=2", "--parallel.cp=2", "--parallel.microbatches=4"], None, "composed"),
 }
 
 
