@@ -100,7 +100,7 @@ for key, chapter in ROWS:
 # Because `batch_size` is global and the data order is the seed's, **any layout trains the same tokens in the same
 # order**: its loss curve must equal the single-process one up to the order of float additions. That is what
 # `tests/parallel/test_graduation.py` checks at world 4 (tp2×pp2+SP+full recompute, dp2×tp2 ZeRO-1+selective
-# recompute, dp2×pp2 AFAB) and what section 5 shows.
+# recompute, dp2×pp2 AFAB, dp2×cp2, pp2×cp2) and world 8 (tp2×pp2×cp2+SP), and what section 5 shows.
 #
 # ## 2. Layouts that cannot work are rejected before any process group exists
 #
@@ -326,9 +326,9 @@ if rec:
 # * **1F1B vs AFAB**: the same bubble and bytes, fewer micro-batches of activations alive at once on the first stage.
 # * **Step times on 2 cores** say little about a GPU cluster: 4 ranks share 2 cores, gloo moves bytes through
 #   shared memory, and the model is tiny. They were also taken on a shared machine (the load average is printed
-#   above): differences below about 1.5x between two runs are within its noise (ZeRO-1 "faster" than DP, full
-#   recompute costing 2.2x instead of the ~1.33x one extra forward predicts). The memory and byte counts do not
-#   depend on the load: they are the transferable part.
+#   above): differences below about 1.5x between two runs are within its noise (a run on a busier machine had full
+#   recompute at 2.2x the time of none, where one extra forward predicts ~1.33x, and ZeRO-1 "faster" than DP). The
+#   memory and byte counts do not depend on the load: they are the transferable part.
 #
 # ## 6. MFU: how much of the hardware the model uses
 #
