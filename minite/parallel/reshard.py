@@ -83,6 +83,8 @@ def load_dense_optim_state(model, opt, state: dict, path="the checkpoint") -> No
     for name, p in _named(model):
         if trainable is not None and p not in trainable or state["step"] == 0:
             continue
+        if name not in state["exp_avg"] and not p.requires_grad:  # frozen (LoRA's base): AdamW never stepped it
+            continue
         if name not in state["exp_avg"]:
             raise CheckpointError(f"{path}: no optimizer state for parameter {name!r} (a different model?)")
         moments[p] = tuple(local_slice(state[k][name], p).to(p.device) for k in MOMENTS)
