@@ -51,15 +51,8 @@ def _close(curve, ref, steps):
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    d = tmp_path_factory.mktemp("grad")
-    words = "the king and queen of night shall speak to thee my lord what art thou sweet love".split()
-    g = torch.Generator().manual_seed(0)
-    text = "".join(" ".join(words[i] for i in torch.randint(0, len(words), (6,), generator=g)) + ".\n"
-                   for _ in range(200))
-    (d / "corpus.txt").write_text(text)
-    data = {"data.path": str(d / "corpus.txt"), "data.data_dir": str(d / "data")}
-    torch.set_num_threads(1)
+def setup(corpus):
+    d, data = corpus
     train(make_config("cpu", {**FLAGS, **data, "train.out_dir": str(d / "single")}))
     return d, data, _curve(d / "single")
 
