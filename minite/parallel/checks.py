@@ -7,7 +7,6 @@ Each check compares a parallel run with the dense single-process one from the sa
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -15,12 +14,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from minite.models.gpt import GPT, GPTConfig
 from minite.parallel import comm
 from minite.parallel.data import DataParallel, allreduce_grads
 from minite.parallel.dims import ParallelDims, init_distributed
+from minite.parallel.launch import report
 from minite.parallel.zero import ShardedAdamW
 
 TINY = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=64,
@@ -203,12 +202,7 @@ def main(argv=None, keep_group: bool = False) -> int:
         for v in res.values():
             v["rank"], v["seconds"] = rank, round(time.perf_counter() - t0, 2)
         results.update(res)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
-    if dist.is_initialized() and not keep_group:
-        dist.barrier()
-        dist.destroy_process_group()
-    return 0 if all(v.get("ok") for v in results.values()) else 1
+    return report(args.out, rank, results, keep_group)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ Every rank runs every named check (they are collective) and writes DIR/rank<r>.j
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -29,6 +28,7 @@ from minite.kernels.attention import attention
 from minite.parallel import comm
 from minite.parallel.context import allgather_attention, ring_attention, shard
 from minite.parallel.dims import init_distributed
+from minite.parallel.launch import report
 
 VARIANTS = {"ring": ring_attention, "allgather": allgather_attention}
 
@@ -204,12 +204,7 @@ def main(argv=None) -> int:
         for v in res.values():
             v["rank"], v["seconds_check"] = rank, round(time.perf_counter() - t0, 2)
         results.update(res)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    return 0 if all(v.get("ok") for v in results.values()) else 1
+    return report(args.out, rank, results)
 
 
 if __name__ == "__main__":

@@ -12,19 +12,17 @@ kernels, loss and gradients only). Each rank writes DIR/rank<r>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from minite.parallel.checks import CLIP, STEPS, TOL, _result, adamw, batches, dense_run, maxerr, tiny_gpt
 from minite.parallel.context_gpt import CPGPT
 from minite.parallel.data import DataParallel
 from minite.parallel.dims import ParallelDims, init_distributed
+from minite.parallel.launch import report
 from minite.parallel.runtime import clip_grad_norm_
 from minite.parallel.sequence import TPGPT
 
@@ -101,12 +99,7 @@ def main(argv=None) -> int:
         for v in res.values():
             v["rank"], v["seconds"] = rank, round(time.perf_counter() - t0, 2)
         results.update(res)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    return 0 if all(v.get("ok") for v in results.values()) else 1
+    return report(args.out, rank, results)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 import tempfile
 import time
@@ -22,6 +21,7 @@ import torch.distributed as dist
 
 from minite.models.gpt import GPT, GPTConfig
 from minite.parallel.dims import ParallelDims, ParallelError, init_distributed
+from minite.parallel.launch import report
 from minite.parallel.pipeline import PipelineGPT
 from minite.parallel.pipeline_schedule import SCHEDULES, bubble_fraction
 
@@ -209,12 +209,7 @@ def main(argv=None) -> int:
         for v in res.values():
             v["rank"], v["seconds"] = rank, round(time.perf_counter() - t0, 2)
         results.update(res)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(results))
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    return 0 if all(v.get("ok") for v in results.values()) else 1
+    return report(args.out, rank, results)
 
 
 if __name__ == "__main__":

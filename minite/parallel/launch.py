@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["torchrun", "results"]
+__all__ = ["torchrun", "results", "report"]
 
 
 def torchrun(nproc: int, args: list[str], *, timeout: float = 180.0, env: dict | None = None,
@@ -33,3 +33,17 @@ def results(out_dir: str | os.PathLike) -> dict[int, dict]:
     """{rank: {check: result}} from the rank<r>.json files minite.parallel.checks wrote."""
     import json
     return {int(p.stem[4:]): json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("rank*.json"))}
+
+
+def report(out_dir: str | os.PathLike, rank: int, res: dict, keep_group: bool = False) -> int:
+    """A check worker's end: write rank<r>.json (what ``results`` reads), leave the process group together
+    (unless keep_group), and return the exit code (0 when every check is ok)."""
+    import json
+
+    import torch.distributed as dist
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(res, indent=1))
+    if dist.is_initialized() and not keep_group:
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0 if all(v.get("ok") for v in res.values()) else 1
