@@ -12,7 +12,7 @@
     context.py   chapter 13: ring attention and all-gather CP attention (LSE merge, load-balanced layout)
     context_gpt.py  chapter 13: the CP GPT built from the dense one (my tokens of each sequence)
     runtime.py   what ``torchrun -m minite.train --parallel.*`` uses (setup_parallel)
-    launch.py    torchrun as a subprocess for tests and notebook cells (CPU workers over gloo on any machine)
+    launch.py    torchrun as a subprocess for tests and notebook cells; worker_env: the interpreter only without a GPU
     checks.py, checks_tp.py, checks_pp.py, checks_cp.py, measure.py, grade.py   the torchrun workers of the tests,
                  lessons and exercise graders (CPU tensors, gloo)
 """

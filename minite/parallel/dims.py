@@ -29,12 +29,13 @@ class ParallelError(ConfigError):
     """A parallel layout that cannot work (the message names the numbers); minite.train prints it as an error."""
 
 
-def select_device(device: str = "auto", local_world: int | None = None) -> str:
+def select_device(device: str = "auto", local_world: int | None = None, gpus: int | None = None) -> str:
     """The device type of a torchrun rank: "cuda" (NCCL, cuda:LOCAL_RANK) or "cpu" (gloo).
 
     CUDA only when the run's device is CUDA and this node has a GPU per local rank (torchrun's LOCAL_WORLD_SIZE):
     ranks sharing one GPU make NCCL fail ("Duplicate GPU detected") or hang. device="auto" falls back to the CPU
-    (gloo) when the GPUs are too few; an explicit "cuda"/"cuda:N" fails fast, naming the numbers."""
+    (gloo) when the GPUs are too few; an explicit "cuda"/"cuda:N" fails fast, naming the numbers.
+    gpus: this node's GPU count (default: torch.cuda's); launch.worker_device asks the same rule before a launch."""
     if local_world is None:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     kind = str(device).split(":")[0]
@@ -42,7 +43,7 @@ def select_device(device: str = "auto", local_world: int | None = None) -> str:
         raise ParallelError(f"device {device!r}: expected auto, cpu, cuda or cuda:N")
     if kind == "cpu":
         return "cpu"
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    n = gpus if gpus is not None else torch.cuda.device_count() if torch.cuda.is_available() else 0
     if n >= local_world:
         return "cuda"
     if kind == "auto":

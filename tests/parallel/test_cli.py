@@ -1,15 +1,16 @@
 """``torchrun --nproc-per-node N -m minite.train --parallel.*`` trains the curve of one process (DESIGN §6).
 
 train.batch_size is the global batch and rank 0 logs the global-batch loss, so the same flags give the same
-20-step loss curve in any layout, within float-reduction noise.
+20-step loss curve in any layout, within float-reduction noise. The reference runs in this process on the workers'
+device with the same preset (conftest.train_cli): on an H100 the command line took the "gpu" preset (dropout 0.1)
+while the reference took "cpu", and the curves were 0.158 apart.
 """
 import json
 
 import pytest
 
-from minite.config import make_config
 from minite.models.gpt import GPT, GPTConfig
-from minite.parallel.launch import torchrun
+from minite.parallel.launch import torchrun, worker_device
 from minite.train import load_checkpoint, train
 
 pytestmark = pytest.mark.distributed
@@ -18,7 +19,7 @@ FLAGS = {"model.n_layer": 2, "model.n_head": 4, "model.n_kv_head": 2, "model.n_e
          "model.block_size": 16, "model.backend": "torch", "train.batch_size": 8, "train.max_iters": 20,
          "train.log_interval": 1, "train.eval_interval": 10, "train.eval_iters": 2, "train.warmup_iters": 2,
          "train.lr": 1e-2, "train.sample_tokens": 0, "train.progress": False, "train.threads": 1,
-         "train.device": "cpu", "train.precision": "fp32", "train.compile": "off"}  # CPU/gloo tests on any machine
+         "train.precision": "fp32", "train.compile": "off"}  # train.device: launch.worker_device (conftest.train_cli)
 LAYOUTS = {  # name: (processes, flags)
     "dp2": (2, ["--parallel.dp=2"]),
     "dp2_zero3": (2, ["--parallel.dp=2", "--parallel.zero=3"]),
@@ -35,19 +36,27 @@ def _curve(out):
 
 
 @pytest.fixture(scope="module")
-def setup(corpus):
+def setup(corpus, cli):
+    """(directory, data flags, reference(nproc)): the one-process curve on the device of `nproc` workers."""
     d, data = corpus
-    train(make_config("cpu", {**FLAGS, **data, "train.out_dir": str(d / "single")}))
-    return d, data, _curve(d / "single")
+    curves = {}
+
+    def reference(nproc):
+        dev = worker_device(nproc)
+        if dev not in curves:
+            train(cli({**FLAGS, **data, "train.out_dir": str(d / f"single_{dev}")}, nproc)[0])
+            curves[dev] = _curve(d / f"single_{dev}")
+        return curves[dev]
+    return d, data, reference
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_cli_matches_single_process(setup, layout):
-    d, data, (loss1, val1) = setup
+def test_cli_matches_single_process(setup, cli, layout):
+    d, data, reference = setup
     out = d / layout
     nproc, flags = LAYOUTS[layout]
-    args = [f"--{k}={v}" for k, v in {**FLAGS, **data, "train.out_dir": str(out)}.items()] + flags
-    res = torchrun(nproc, ["-m", "minite.train", *args], timeout=180)
+    loss1, val1 = reference(nproc)
+    res = torchrun(nproc, [*cli({**FLAGS, **data, "train.out_dir": str(out)}, nproc)[1], *flags], timeout=180)
     assert res.returncode == 0, res.stdout[-3000:]
     loss, val = _curve(out)
     assert len(loss) == 20 and len(val) == 3

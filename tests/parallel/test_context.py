@@ -10,8 +10,6 @@ from minite.ops import attention
 from minite.parallel import context as cx
 from minite.parallel.launch import results, torchrun
 
-ENV = {"TRITON_INTERPRET": "1"}  # the workers hold CPU tensors over gloo, on any machine
-
 
 def _randn(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
@@ -113,7 +111,7 @@ GPT_CHECKS = ["gpt_ring_5_steps", "gpt_allgather_5_steps"]
 def _launch(world, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"cp_world{world}")
     res = torchrun(world, ["-m", "minite.parallel.checks_cp", "attn", "triton", "gpt", "--timeout", "60",
-                           "--out", str(out)], timeout=300, env=ENV)
+                           "--out", str(out)], timeout=300)  # Triton checks: skipped on a GPU machine
     got = results(out)
     assert sorted(got) == list(range(world)), f"missing rank reports (rc {res.returncode}):\n{res.stdout[-3000:]}"
     return got
@@ -132,10 +130,8 @@ def world4(tmp_path_factory):
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", ATTN + [pytest.param(n, marks=pytest.mark.triton) for n in TRITON] + GPT_CHECKS)
-def test_cp_equals_one_process(request, world, name):
-    reports = request.getfixturevalue(f"world{world}")
-    for rank, rep in reports.items():
-        assert rep[name]["ok"], f"{name} on rank {rank} of {world}: {rep[name]}"
+def test_cp_equals_one_process(request, check, world, name):
+    check(request.getfixturevalue(f"world{world}"), name)
 
 
 # ----------------------------------------------------------------------------------- the CLI
@@ -143,7 +139,7 @@ FLAGS = {"model.n_layer": 2, "model.n_head": 4, "model.n_kv_head": 2, "model.n_e
          "model.block_size": 16, "model.backend": "torch", "train.batch_size": 4, "train.max_iters": 20,
          "train.log_interval": 1, "train.eval_interval": 10, "train.eval_iters": 2, "train.warmup_iters": 2,
          "train.lr": 1e-2, "train.sample_tokens": 0, "train.progress": False, "train.threads": 1,
-         "train.device": "cpu", "train.precision": "fp32", "train.compile": "off"}  # CPU/gloo tests on any machine
+         "train.precision": "fp32", "train.compile": "off"}  # train.device: launch.worker_device (conftest.train_cli)
 
 
 def _curve(out):
@@ -151,29 +147,18 @@ def _curve(out):
     return [r["loss"] for r in rows if "loss" in r], [r["val_loss"] for r in rows if "val_loss" in r]
 
 
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    from minite.config import make_config
-    from minite.train import train
-    d = tmp_path_factory.mktemp("cp_cli")
-    words = "the king and queen of night shall speak to thee my lord what art thou sweet love".split()
-    g = torch.Generator().manual_seed(0)
-    (d / "corpus.txt").write_text("".join(" ".join(words[i] for i in torch.randint(0, len(words), (6,), generator=g))
-                                          + ".\n" for _ in range(200)))
-    flags = {**FLAGS, "data.path": str(d / "corpus.txt"), "data.data_dir": str(d / "data")}
-    torch.set_num_threads(1)
-    train(make_config("cpu", {**flags, "train.out_dir": str(d / "single")}))
-    return d, flags, _curve(d / "single")
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", ["cp2", "dp2_cp2"])
-def test_cli_cp_matches_single_process(single, layout):
-    """torchrun -m minite.train --parallel.cp=2 (and dp=2 x cp=2 on 4 ranks): the one-process curve, 20 steps."""
-    d, flags, (loss1, val1) = single
+def test_cli_cp_matches_single_process(corpus, cli, layout):
+    """torchrun -m minite.train --parallel.cp=2 (and dp=2 x cp=2 on 4 ranks): the one-process curve, 20 steps, on
+    the workers' device with the same preset (conftest.train_cli)."""
+    from minite.train import train
+    d, data = corpus
     extra, world = (["--parallel.cp=2"], 2) if layout == "cp2" else (["--parallel.dp=2", "--parallel.cp=2"], 4)
-    args = [f"--{k}={v}" for k, v in {**flags, "train.out_dir": str(d / layout)}.items()] + extra
-    res = torchrun(world, ["-m", "minite.train", *args], timeout=180)
+    ref, _ = cli({**FLAGS, **data, "train.out_dir": str(d / f"single_{layout}")}, world)
+    train(ref)
+    loss1, val1 = _curve(d / f"single_{layout}")
+    res = torchrun(world, [*cli({**FLAGS, **data, "train.out_dir": str(d / layout)}, world)[1], *extra], timeout=180)
     assert res.returncode == 0, res.stdout[-3000:]
     loss, val = _curve(d / layout)
     assert len(loss) == 20 and len(val) == 3

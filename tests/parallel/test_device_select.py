@@ -1,16 +1,19 @@
 """Which backend and device a torchrun rank gets (dims.select_device): NCCL + cuda:LOCAL_RANK only with a GPU per
 local rank; an explicit CUDA run with too few GPUs fails fast naming the numbers; gloo on the CPU otherwise.
 The CUDA machines are emulated here by patching torch.cuda.is_available / device_count."""
+import os
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from minite.config import make_config
-from minite.parallel import ParallelError
+from minite.parallel import ParallelError, launch
 from minite.parallel.dims import ParallelDims, init_distributed, select_device
-from minite.parallel.launch import torchrun
+from minite.parallel.launch import torchrun, worker_device, worker_env, workers_note
 from minite.parallel.runtime import Parallel, setup_parallel
 
 
@@ -103,3 +106,90 @@ def test_cli_cuda_without_enough_gpus_fails_fast(tmp_path):
                        f"--train.out_dir={tmp_path}"], timeout=120)
     assert res.returncode != 0
     assert f"needs 2 GPUs on this node, found {torch.cuda.device_count()}" in res.stdout, res.stdout[-2000:]
+
+
+# ------------------------------------------------------------------ the launcher's decision (launch.worker_env)
+# The H100 run (1 GPU, torch 2.11, triton 3.6, numpy 2.5): every torchrun worker ran the Triton interpreter, which
+# fails there ("only 0-dimensional arrays can be converted to Python scalars"), and test_cli's command line took the
+# "gpu" preset while its reference took "cpu" (curves 0.158 apart). Each test below models one of those failures.
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_one_gpu_workers_run_the_torch_ops_without_the_interpreter(nproc):
+    env = worker_env(nproc, cuda_devices=1, env={"TRITON_INTERPRET": "1"}, base={"TRITON_INTERPRET": "1"})
+    assert "TRITON_INTERPRET" not in env  # whoever set it: a GPU machine never interprets
+    assert env["MINITE_BACKEND"] == "torch" and worker_device(nproc, 1) == "cpu"
+    assert "torch reference ops" in workers_note(nproc, 1) and "covered by the CPU-only run" in workers_note(nproc, 1)
+
+
+def test_a_gpu_per_rank_is_nccl(monkeypatch):
+    assert worker_device(2, 2) == "cuda" and worker_device(4, 4) == "cuda" and worker_device(4, 2) == "cpu"
+    env = worker_env(2, cuda_devices=2, base={"TRITON_INTERPRET": "1"})
+    assert "TRITON_INTERPRET" not in env and "MINITE_BACKEND" not in env  # train workers on CUDA: no forced backend
+    assert "NCCL" in workers_note(2, 2)
+    _gpus(monkeypatch, 2)  # the same answers from torch.cuda's count, and the workers' own rule agrees
+    assert worker_device(2) == select_device("auto", 2) == "cuda" and worker_device(4) == select_device("auto", 4)
+
+
+def test_cpu_only_machine_keeps_the_interpreter(monkeypatch):
+    env = worker_env(2, cuda_devices=0, base={"PYTHONPATH": "/x"})
+    assert env["TRITON_INTERPRET"] == "1" and "MINITE_BACKEND" not in env and env["OMP_NUM_THREADS"] == "1"
+    assert env["PYTHONPATH"].split(os.pathsep)[1:] == ["/x"]
+    assert worker_env(2, cuda_devices=0, base={"TRITON_INTERPRET": "0"})["TRITON_INTERPRET"] == "0"  # asked for
+    assert worker_device(2, 0) == "cpu" and "interpreter" in workers_note(2, 0)
+
+
+@pytest.mark.parametrize("gpus", [0, 1, 2])
+def test_torchrun_launches_with_the_decision(monkeypatch, gpus):
+    _gpus(monkeypatch, gpus)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the test process of a CPU run; a GPU run's workers must drop it
+    seen = {}
+    monkeypatch.setattr(launch.subprocess, "run", lambda cmd, **kw: seen.update(cmd=cmd, env=kw["env"]))
+    launch.torchrun(2, ["-m", "x"], env={"TRITON_INTERPRET": "1"})  # as notebooks 11 and 13 still pass it
+    assert seen["env"].get("TRITON_INTERPRET") == ("1" if gpus == 0 else None)
+    assert seen["env"].get("MINITE_BACKEND") == ("torch" if gpus == 1 else None)
+    assert "--nproc-per-node=2" in seen["cmd"]
+
+
+@pytest.mark.parametrize("gpus,nproc,want", [(0, 2, "cpu"), (1, 2, "cpu"), (1, 4, "cpu"), (2, 2, "cuda"),
+                                             (2, 4, "cpu"), (4, 4, "cuda")])
+def test_cli_reference_is_the_workers_run(monkeypatch, cli, gpus, nproc, want):
+    """The config the test process trains as the reference == the one minite.train builds from the workers'
+    command line on that machine (preset included), on the device the workers get."""
+    import minite.train as mt
+    _gpus(monkeypatch, gpus)
+    ref, args = cli({"model.n_layer": 2, "train.max_iters": 3, "model.backend": "torch"}, nproc)
+    seen = []
+    summary = dict(val_loss=0.0, best_val_loss=0.0, steps=0, wall_time_s=0.0, train_time_s=0.0, tokens_per_s=0.0,
+                   out_dir="", sample="")
+    monkeypatch.setattr(mt, "train", lambda cfg, **kw: seen.append(cfg) or summary)
+    assert args[:2] == ["-m", "minite.train"] and mt.main(args[2:]) == 0
+    assert seen == [ref]  # the H100: the workers' "gpu" preset (dropout 0.1) vs the reference's "cpu"
+    assert ref.train.device == want and select_device(ref.train.device, nproc) == want  # NCCL iff a GPU per rank
+
+
+# ------------------------------------------------------------------ workers never force Triton without a kernel
+def _no_interpreter(monkeypatch):
+    import minite.backend
+    monkeypatch.setattr(minite.backend, "interpreting", lambda: False)  # a GPU machine's CPU worker
+
+
+def test_check_workers_skip_triton_without_the_interpreter(monkeypatch, check):
+    from types import SimpleNamespace
+
+    from minite.parallel import checks_cp, checks_cptp, checks_tp
+    _no_interpreter(monkeypatch)
+    dims = ParallelDims().build(0, 1)
+    res = checks_tp.check_vce(dims, SimpleNamespace(device="cpu"))  # forced backend="triton" raised here before
+    assert "skipped" in res["vce_triton"] and res["vce_torch"]["ok"]
+    res.update(checks_cp.check_triton(None, 1, 0, SimpleNamespace(device="cpu")))
+    res.update(checks_cptp.check_case(dims, "sp_triton", *checks_cptp.CASES["sp_triton"]))
+    for name in ["triton_ring_causal_balanced", "triton_allgather_causal_balanced",
+                 *[f"sp_triton_{k}" for k in ("state", "loss", "grads")]]:  # what test_context / test_cptp read
+        assert "covered by the CPU-only run" in res[name]["skipped"], name
+    assert launch.report(tmp := Path(tempfile.mkdtemp()), 0, res) == 0  # a skip is no failure
+    assert launch.report(tmp, 0, {**res, "bad": {"ok": False}}) == 1
+    _gpus(monkeypatch, 1)  # a GPU machine: the test reads the skip as a skip
+    with pytest.raises(pytest.skip.Exception, match="torch reference ops"):
+        check({0: res}, "vce_triton")
+    _gpus(monkeypatch, 0)  # a CPU-only machine runs the interpreter: a skipped Triton check there is a failure
+    with pytest.raises(AssertionError, match="vce_triton on rank 0"):
+        check({0: res}, "vce_triton")

@@ -1,4 +1,5 @@
-"""Chapters 10-11 on real torch.distributed (gloo on CPU), world 2 and 4, as torchrun launches.
+"""Chapters 10-11 on real torch.distributed (gloo on CPU), world 2 and 4, as torchrun launches. The workers run the
+CE kernel in the interpreter on a CPU-only machine; on a GPU machine (no interpreter) they skip it (launch.worker_env).
 
 One launch per world size runs every check (minite.parallel.checks) and each rank reports per check; the tests
 below read those reports. World 2 also saves a ZeRO-1 checkpoint that world 4 loads (a different world size).
@@ -22,8 +23,7 @@ def ckpt_dir(tmp_path_factory):
 def _launch(world, tmp_path_factory, ckpt_dir, *extra):
     out = tmp_path_factory.mktemp(f"world{world}")
     res = torchrun(world, ["-m", "minite.parallel.checks", "dp", "fsdp2", "tp", "sp", "vce", "zero_ckpt",
-                           "--ckpt", str(ckpt_dir), "--out", str(out), *extra], timeout=240,
-                   env={"TRITON_INTERPRET": "1"})  # the CE kernel on a CPU
+                           "--ckpt", str(ckpt_dir), "--out", str(out), *extra], timeout=240)
     got = results(out)
     assert sorted(got) == list(range(world)), f"missing rank reports (rc {res.returncode}):\n{res.stdout[-3000:]}"
     return got
@@ -39,20 +39,14 @@ def world4(tmp_path_factory, ckpt_dir, world2):  # loads the checkpoint world 2 
     return _launch(4, tmp_path_factory, ckpt_dir, "--ckpt_load")
 
 
-def _check(reports, name):
-    for rank, rep in reports.items():
-        r = rep[name]
-        assert r["ok"], f"{name} on rank {rank}: {r}"
-
-
 @pytest.mark.parametrize("name", DP + TP)
-def test_world2(world2, name):
-    _check(world2, name)
+def test_world2(world2, check, name):
+    check(world2, name)
 
 
 @pytest.mark.parametrize("name", DP + TP + ["ckpt_load"])
-def test_world4(world4, name):
-    _check(world4, name)
+def test_world4(world4, check, name):
+    check(world4, name)
 
 
 def test_bytes_per_step_match_formula(world2, world4):

@@ -6,6 +6,7 @@ single-process curve within float-reduction noise:
     dp2 x cp2, pp2 x cp2; world 8: tp2 x pp2 x cp2 with sp (three dimensions at once);
   * stop at step 10 under one layout (``--train.stop_at=10``, the schedule still that of 20 steps), then
     ``--resume`` under another: tp2 x pp2 -> one process, dp2 ZeRO-1 -> tp2, one process -> dp2 ZeRO-2.
+Every run, the reference included, takes the preset and the device of its workers (conftest.train_cli).
 """
 import json
 
@@ -14,7 +15,7 @@ import torch
 
 from minite.config import ConfigError, make_config
 from minite.parallel.dims import ParallelError
-from minite.parallel.launch import torchrun
+from minite.parallel.launch import torchrun, worker_device
 from minite.train import load_checkpoint, train
 
 pytestmark = pytest.mark.distributed
@@ -23,7 +24,7 @@ FLAGS = {"model.n_layer": 4, "model.n_head": 4, "model.n_kv_head": 2, "model.n_e
          "model.block_size": 16, "model.backend": "torch", "train.batch_size": 8, "train.max_iters": 20,
          "train.log_interval": 1, "train.eval_interval": 10, "train.eval_iters": 2, "train.warmup_iters": 2,
          "train.lr": 1e-2, "train.sample_tokens": 0, "train.progress": False, "train.threads": 1,
-         "train.device": "cpu", "train.precision": "fp32", "train.compile": "off"}
+         "train.precision": "fp32", "train.compile": "off"}  # train.device: launch.worker_device (conftest.train_cli)
 WORLD4 = {"tp2_pp2_sp_recompute_full": ["--parallel.tp=2", "--parallel.pp=2", "--parallel.sp=True",
                                          "--train.recompute=full"],
           "dp2_tp2_zero1_recompute_selective": ["--parallel.dp=2", "--parallel.tp=2", "--parallel.zero=1",
@@ -40,10 +41,6 @@ def _curve(out) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def _args(out, data, **over) -> list[str]:
-    return [f"--{k}={v}" for k, v in {**FLAGS, **data, "train.out_dir": str(out), **over}.items()]
-
-
 def _close(curve, ref, steps):
     assert sorted(curve) == list(steps), sorted(curve)
     err = max(abs(curve[s] - ref[s]) for s in steps)
@@ -51,42 +48,54 @@ def _close(curve, ref, steps):
 
 
 @pytest.fixture(scope="module")
-def setup(corpus):
+def setup(corpus, cli):
+    """(directory, run(nproc, out, **over) -> (config, torchrun args), reference(nproc) -> the one-process curve
+    on the device of `nproc` workers)."""
     d, data = corpus
-    train(make_config("cpu", {**FLAGS, **data, "train.out_dir": str(d / "single")}))
-    return d, data, _curve(d / "single")
+    curves = {}
+
+    def run(nproc, out, **over):
+        return cli({**FLAGS, **data, "train.out_dir": str(out), **over}, nproc)
+
+    def reference(nproc):
+        dev = worker_device(nproc)
+        if dev not in curves:
+            train(run(nproc, d / f"single_{dev}")[0])
+            curves[dev] = _curve(d / f"single_{dev}")
+        return curves[dev]
+    return d, run, reference
 
 
 @pytest.mark.parametrize("layout", list(WORLD4))
 def test_world4_layout_matches_single_process(setup, layout):
-    d, data, ref = setup
+    d, run, reference = setup
     out = d / layout
     world = 8 if layout.startswith("world8") else 4
-    res = torchrun(world, ["-m", "minite.train", *_args(out, data), *WORLD4[layout]], timeout=300)
+    res = torchrun(world, [*run(world, out)[1], *WORLD4[layout]], timeout=300)
     assert res.returncode == 0, res.stdout[-3000:]
-    _close(_curve(out), ref, range(1, 21))
+    _close(_curve(out), reference(world), range(1, 21))
     state = load_checkpoint(out / "ckpt.pt")
     assert state["optimizer"]["format"] == "minite.dense_adamw/1" and state["step"] == 20
 
 
 def _stop_then_resume(setup, name, first, second):
-    """Steps 1-10 under layout `first` (None: one process), steps 11-20 resumed under `second`."""
-    d, data, ref = setup
-    out = d / name
+    """Steps 1-10 under layout `first` (None: one process), steps 11-20 resumed under `second`; every leg on the
+    device of the larger world (a resumed run keeps its checkpoint's train.device)."""
+    d, run, reference = setup
+    out, world = d / name, max(leg[0] if leg else 1 for leg in (first, second))
+    cfg, args = run(world, out, **{"train.stop_at": 10})
     if first is None:
-        train(make_config("cpu", {**FLAGS, **data, "train.out_dir": str(out), "train.stop_at": 10}))
+        train(cfg)
     else:
-        res = torchrun(first[0], ["-m", "minite.train", *_args(out, data, **{"train.stop_at": 10}), *first[1]],
-                       timeout=300)
+        res = torchrun(first[0], [*args, *first[1]], timeout=300)
         assert res.returncode == 0, res.stdout[-3000:]
     assert load_checkpoint(out / "ckpt.pt")["step"] == 10 and max(_curve(out)) == 10
     if second is None:
-        train(make_config("cpu", {**FLAGS, **data, "train.out_dir": str(out)}), resume=True,
-              resume_overrides={"train.threads": 1})
+        train(run(world, out)[0], resume=True, resume_overrides={"train.threads": 1})
     else:
         res = torchrun(second[0], ["-m", "minite.train", "--resume", f"--out_dir={out}", *second[1]], timeout=300)
         assert res.returncode == 0, res.stdout[-3000:]
-    _close(_curve(out), ref, range(1, 21))  # steps 1-10 kept from the first job, 11-20 from the second
+    _close(_curve(out), reference(world), range(1, 21))  # steps 1-10 kept from the first job, 11-20 from the second
 
 
 def test_resume_tp2_pp2_checkpoint_in_one_process(setup):

@@ -108,7 +108,7 @@ FLAGS = {"model.n_layer": 4, "model.n_head": 4, "model.n_kv_head": 2, "model.n_e
          "model.block_size": 16, "model.backend": "torch", "train.batch_size": 8, "train.max_iters": 20,
          "train.log_interval": 1, "train.eval_interval": 10, "train.eval_iters": 2, "train.warmup_iters": 2,
          "train.lr": 1e-2, "train.sample_tokens": 0, "train.progress": False, "train.threads": 1,
-         "train.device": "cpu", "train.precision": "fp32", "train.compile": "off"}  # CPU/gloo tests on any machine
+         "train.precision": "fp32", "train.compile": "off"}  # train.device: launch.worker_device (conftest.train_cli)
 
 
 def _curve(out):
@@ -117,20 +117,15 @@ def _curve(out):
 
 
 @pytest.mark.distributed
-def test_cli_pp2_matches_single_process(tmp_path):
-    from minite.config import make_config
+def test_cli_pp2_matches_single_process(corpus, cli):
+    """The one-process curve, on the workers' device with the same preset (conftest.train_cli)."""
     from minite.train import load_checkpoint, train
-    words = "the king and queen of night shall speak to thee my lord what art thou sweet love".split()
-    g = torch.Generator().manual_seed(0)
-    (tmp_path / "corpus.txt").write_text("".join(" ".join(words[i] for i in torch.randint(
-        0, len(words), (6,), generator=g)) + ".\n" for _ in range(200)))
-    data = {"data.path": str(tmp_path / "corpus.txt"), "data.data_dir": str(tmp_path / "data")}
-    torch.set_num_threads(1)
-    train(make_config("cpu", {**FLAGS, **data, "train.out_dir": str(tmp_path / "single")}))
-    loss1, val1 = _curve(tmp_path / "single")
-    out = tmp_path / "pp2"
-    args = [f"--{k}={v}" for k, v in {**FLAGS, **data, "train.out_dir": str(out), "train.sample_tokens": 8}.items()]
-    res = torchrun(2, ["-m", "minite.train", *args, "--parallel.pp=2", "--parallel.microbatches=4"], timeout=180)
+    d, data = corpus
+    train(cli({**FLAGS, **data, "train.out_dir": str(d / "single_pp")}, 2)[0])
+    loss1, val1 = _curve(d / "single_pp")
+    out = d / "pp2"
+    args = cli({**FLAGS, **data, "train.out_dir": str(out), "train.sample_tokens": 8}, 2)[1]
+    res = torchrun(2, [*args, "--parallel.pp=2", "--parallel.microbatches=4"], timeout=180)
     assert res.returncode == 0, res.stdout[-3000:]
     loss, val = _curve(out)
     assert len(loss) == 20 and len(val) == 3
