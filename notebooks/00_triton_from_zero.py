@@ -577,7 +577,9 @@ for C in (3, 100, 128):
 #   broadcasting a column of offsets against a row: `A_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak`
 #   is `(BLOCK_M, BLOCK_K)`. With strides as arguments, `B = W.t()` works without a copy.
 # * **The K loop** advances both pointer blocks by `BLOCK_K` along K; `tl.dot(a, b, acc)` multiplies the two tiles
-#   on the tensor cores and adds into `acc`.
+#   on the tensor cores and adds into `acc`. For fp32 tiles, `input_precision` says how: `"tf32"` (a GPU's default)
+#   rounds the inputs to TF32's 10 mantissa bits for the tensor cores' speed, `"ieee"` keeps exact fp32 products
+#   (slower, on the ordinary cores). The interpreter computes exact products either way. We pass it explicitly.
 # * **The accumulator is fp32** (`tl.zeros(..., tl.float32)`), whatever the input type: chapter 01 shows why a
 #   low-precision running sum stalls. The output is rounded once, in the store.
 # * **Masks**: M, N and K need not be multiples of the blocks. Out-of-range A and B elements load as 0 and add
@@ -604,7 +606,7 @@ def matmul_kernel(A_ptr, B_ptr, C_ptr, M, N, K,
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (k0 + offs_k[None, :] < K), other=0.0)
         b = tl.load(b_ptrs, mask=(k0 + offs_k[:, None] < K) & (offs_n[None, :] < N), other=0.0)
-        acc = tl.dot(a, b, acc)                     # (BLOCK_M, BLOCK_N) += (BLOCK_M, BLOCK_K) @ (BLOCK_K, BLOCK_N)
+        acc = tl.dot(a, b, acc, input_precision="tf32")   # (BLOCK_M, BLOCK_N) += (BLOCK_M, BLOCK_K) @ (BLOCK_K, BLOCK_N)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     c_ptrs = C_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn

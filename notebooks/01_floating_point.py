@@ -266,12 +266,15 @@ def to_bits(x, spec, block=16384):
 
 # %% tags=["nbval-check-output"]
 g = torch.Generator().manual_seed(0)
-x = torch.randn(100_000, generator=g) * torch.exp2(torch.randint(-20, 20, (100_000,), generator=g).float())
-specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e30, -1e-30, 65520.0, 464.0])
+# the inputs and torch's casts stay on the CPU; to_bits and minite's encode run on DEVICE and return to the CPU
+x = torch.randn(100_000, generator=g, device="cpu") * torch.exp2(
+    torch.randint(-20, 20, (100_000,), generator=g, device="cpu").float())
+specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e30, -1e-30, 65520.0, 464.0],
+                        device="cpu")
 for s, view in [(FP16, torch.int16), (BF16, torch.int16), (E4M3, torch.uint8), (E5M2, torch.uint8)]:
     xs = x.clamp(-s.max, s.max)                       # in range: no overflow rule involved
     want = xs.to(s.torch_dtype).view(view).to(torch.int32) & ((1 << s.bits) - 1)
-    ties = decode(torch.arange(1 << (s.bits - 1), dtype=torch.int32), s)        # halfway between neighbours
+    ties = decode(torch.arange(1 << (s.bits - 1), dtype=torch.int32, device="cpu"), s)  # halfway between neighbours
     ties = ((ties[:-1] + ties[1:]) / 2)[torch.isfinite(ties[:-1] + ties[1:])].clamp(-s.max, s.max)
     want_t = ties.to(s.torch_dtype).view(view).to(torch.int32) & ((1 << s.bits) - 1)
     ok_torch = torch.equal(to_bits(xs, s), want) and torch.equal(to_bits(ties, s), want_t)

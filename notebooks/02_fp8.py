@@ -168,8 +168,8 @@ for f8 in (torch.float8_e4m3fn, torch.float8_e5m2):
 g = torch.Generator().manual_seed(1)
 for dtype in (torch.float32, torch.bfloat16):
     for f8 in (torch.float8_e4m3fn, torch.float8_e5m2):
-        x = (torch.randn(37, 129, generator=g) * torch.logspace(-5, 3, 129)).to(dtype)
-        x[0, :3] = torch.tensor([float("inf"), -1e9, 0.0]).to(dtype)     # saturation and zero
+        x = (torch.randn(37, 129, generator=g) * torch.logspace(-5, 3, 129)).to(DEVICE, dtype)
+        x[0, :3] = torch.tensor([float("inf"), -1e9, 0.0]).to(DEVICE, dtype)     # saturation and zero
         a = quantize(x, 7.5, fp8_dtype=f8, backend="triton")
         b = quantize(x, 7.5, fp8_dtype=f8, backend="torch")
         assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and torch.equal(a.amax, b.amax)
@@ -291,7 +291,7 @@ def fp8_matmul_kernel(A_ptr, B_ptr, C_ptr, A_scale_inv_ptr, B_scale_inv_ptr, M, 
             k = chunk + kk + offs_k
             a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)
             b = tl.load(b_ptrs, mask=(k[:, None] < K) & (offs_n[None, :] < N), other=0.0)
-            part = tl.dot(a, b, part)                                 # fast accumulation, fp8 x fp8
+            part = tl.dot(a, b, part, input_precision="ieee")  # fast accumulation, fp8 x fp8 (precision: fp32 tiles)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
         acc += part                                                   # promotion: an exact fp32 add
@@ -318,6 +318,7 @@ def fp8_matmul(qa, qb, out_dtype=torch.float32, BLOCK_M=16, BLOCK_N=16, BLOCK_K=
 # a multiple of the promotion interval.
 
 # %% tags=["nbval-check-output"]
+from minite.testing import fp8_dot_tolerance
 g = torch.Generator().manual_seed(3)
 for (M, K, N), promote in (((33, 65, 17), 32), ((64, 128, 48), 64), ((20, 200, 40), 128)):
     for out_dtype in (torch.float32, torch.bfloat16):
@@ -325,8 +326,13 @@ for (M, K, N), promote in (((33, 65, 17), 32), ((64, 128, 48), 64), ((20, 200, 4
         w = quantize(torch.randn(N, K, generator=g).to(DEVICE), fp8_dtype=torch.float8_e5m2, backend="torch")
         out = fp8_matmul(a, w.t(), out_dtype, promote_every=promote)                               # (M, N)
         atol = 1e-4 if out_dtype == torch.float32 else 0.1       # bf16 output: one rounding of values ~10
-        assert_close(out, fp8_gemm_ref(a, w.t(), out_dtype), name="fp8_matmul vs reference", atol=atol)
-        assert_close(out, fp8_gemm(a, w.t(), out_dtype=out_dtype, backend="triton"), name="vs minite", atol=atol)
+        # + on a GPU, the fp8 tensor cores' ~14-bit accumulator (see below): <= 2^-13 * sum_k |a_k b_k| per MMA step
+        # of 32 products between promotions (0 on the CPU, where tl.dot is exact); minite's GEMM promotes every 128
+        ours, mine = (fp8_dot_tolerance(a, w.t(), device=DEVICE, atol=0.0, rtol=0.0, promote_every=pe)["atol"]
+                      for pe in (promote, 128))
+        assert_close(out, fp8_gemm_ref(a, w.t(), out_dtype), name="fp8_matmul vs reference", atol=atol + ours)
+        assert_close(out, fp8_gemm(a, w.t(), out_dtype=out_dtype, backend="triton"), name="vs minite",
+                     atol=atol + ours + mine)
         print(f"PASS: fp8_matmul (promote every {promote}) vs dequantize+fp32 matmul and vs minite "
               f"[{M}x{K}x{N} -> {str(out_dtype)[6:]}]")
 
@@ -447,12 +453,16 @@ for n in names:
 # %% tags=["nbval-check-output"]
 from minite.layers.linear import fp8_linear
 g = torch.Generator().manual_seed(4)
+# On a GPU the Triton path's three GEMMs (y, dx, dW) run on the fp8 tensor cores, whose ~14-bit accumulator errs by
+# up to 2^-13 * sum_k |a_k b_k| per 32 products (section 5): at most 3.6e-3 for these inputs and gradients (K <= 64).
+# On the CPU tl.dot is exact and the default fp32 tolerance holds.
+tol = {} if DEVICE == "cpu" else dict(atol=5e-3, rtol=1e-5)
 for shape in ((3, 7, 33), (16, 64)):
-    x = torch.randn(*shape, generator=g)
-    w = torch.randn(24, shape[-1], generator=g) * 0.1
+    x = torch.randn(*shape, generator=g).to(DEVICE)
+    w = (torch.randn(24, shape[-1], generator=g) * 0.1).to(DEVICE)
     assert check_op("fp8_linear triton vs torch (same quantization math)",
                     lambda x, w: fp8_linear(x, w, recipe=CurrentScaling(), backend="triton"),
-                    lambda x, w: fp8_linear(x, w, recipe=CurrentScaling(), backend="torch"), x, w)
+                    lambda x, w: fp8_linear(x, w, recipe=CurrentScaling(), backend="torch"), x, w, **tol)
 
 # %%
 lin = minite.nn.Linear(64, 32)
@@ -536,10 +546,12 @@ plt.xlabel("step"); plt.ylabel("train loss (10-step mean)"); plt.title("tiny GPT
 plt.show()
 for p, (losses, val) in runs.items():
     print(f"{p}: final train loss {sum(losses[-10:]) / 10:.4f}, val loss {val:.4f}")
-gap = runs["FP8"][1] - runs["BF16"][1]
-print(f"FP8 - BF16 val-loss gap: {gap:+.3f} (margin 0.05)")
-assert abs(gap) < 0.05, f"FP8 val loss is {gap:+.3f} away from BF16's: more than precision noise"
-print("PASS: FP8 trains like BF16 (val-loss gap within 0.05)")
+val = {p: v for p, (_, v) in runs.items()}
+lo, hi = min(val["FP32"], val["BF16"]), max(val["FP32"], val["BF16"])
+print(f"BF16 - FP32 val-loss gap: {val['BF16'] - val['FP32']:+.3f} (rounding alone); "
+      f"FP8 - BF16: {val['FP8'] - val['BF16']:+.3f}, FP8 - FP32: {val['FP8'] - val['FP32']:+.3f} (margin 0.05)")
+assert lo - 0.05 < val["FP8"] < hi + 0.05, f"FP8 val loss {val['FP8']:.3f} is outside [{lo:.3f}, {hi:.3f}] +- 0.05"
+print("PASS: FP8 trains like FP32 and BF16 (val loss within 0.05 of theirs)")
 
 # %% [markdown]
 # **Real tensors against the two FP8 ranges.** Section 1 argued from synthetic tensors. Here are real ones: after
@@ -590,9 +602,11 @@ plt.show()
 # training. Activations in E4M3 and gradients in E5M2 (`Format.HYBRID`) is the safe default.
 
 # %% [markdown]
-# The three curves lie on top of each other: at this scale FP8 with delayed scaling trains like BF16. The assert
-# states what "like" means: a val-loss gap under **0.05** (about 3 % of the loss). The FP32 and BF16 runs, which
-# differ only by rounding, already end ~0.02 apart, so 0.05 leaves room for that run-to-run noise; a broken FP8
+# The three curves lie close together: at this scale FP8 with delayed scaling trains like FP32 and BF16. The assert
+# states what "like" means: FP8's val loss within **0.05** (about 3 % of the loss) of the band the FP32 and BF16
+# runs span. Those two differ only by rounding, yet end 0.02–0.06 apart, and which one ends lower depends on the
+# CPU's matmul kernels (an AVX-512 Xeon and an AMD EPYC round differently: 120 steps amplify last-bit differences),
+# so a gap to BF16 alone would test the machine; a broken FP8
 # path (a wrong scale, a lost gradient, clamped activations) lands far outside it — an untrained model is at
 # $\ln(\text{vocab}) \approx 2.6$, a diverging one higher. (At scale the
 # known failure modes are the ones of section 4: amax spikes, and outlier features in a few channels, which is why

@@ -153,6 +153,9 @@ print("PASS: online softmax over 5 key blocks equals the softmax over the whole 
 #   $m_0 + \text{BLOCK\_M}$ on are entirely masked: the loop stops there. Half the work of a causal layer vanishes.
 # * **GPU-legal tiles**: every `tl.dot` dimension must be $\ge 16$ on the GPU (the interpreter accepts less).
 #   Here `BLOCK_M`, `BLOCK_N` $\ge 16$ and `D` is a power of two $\ge 16$.
+# * **fp32 means fp32**: on a GPU, `tl.dot` of fp32 tiles defaults to TF32 (inputs rounded to 10 mantissa bits,
+#   errors ~1e-3), which no fp32 check at 1e-5 survives; `input_precision="ieee"` keeps the products exact (fp16
+#   and bf16 tiles are unaffected). The interpreter never rounds to TF32, so only a GPU would show the difference.
 
 # %%
 @triton.jit
@@ -173,7 +176,7 @@ def flash_fwd_kernel(Q, K, V, O, LSE, T, qk_scale, CAUSAL: tl.constexpr, D: tl.c
         cols = n0 + offs_n
         k = tl.load(K + base + cols[:, None] * D + offs_d[None, :], mask=cols[:, None] < T, other=0.0)
         v = tl.load(V + base + cols[:, None] * D + offs_d[None, :], mask=cols[:, None] < T, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         keep = cols[None, :] < T
         if CAUSAL:
             keep = keep & (cols[None, :] <= offs_m[:, None])
@@ -182,7 +185,7 @@ def flash_fwd_kernel(Q, K, V, O, LSE, T, qk_scale, CAUSAL: tl.constexpr, D: tl.c
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
     o = acc / l_i[:, None]
     tl.store(O + base + offs_m[:, None] * D + offs_d[None, :], o.to(O.dtype.element_ty), mask=offs_m[:, None] < T)

@@ -193,12 +193,13 @@ def decode_partial_kernel(Q, K, V, LEN, O_PART, L_PART, H, KVH, T_MAX, CHUNK, qk
         cols = n0 + tl.arange(0, BLOCK_N)
         k = tl.load(K + base + cols[:, None] * D + offs_d[None, :], mask=cols[:, None] < hi, other=0.0)
         v = tl.load(V + base + cols[:, None] * D + offs_d[None, :], mask=cols[:, None] < hi, other=0.0)
-        sc = tl.where(cols[None, :] < hi, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))  # (BLOCK_G, BLOCK_N)
+        sc = tl.where(cols[None, :] < hi, tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale,
+                      float("-inf"))  # (BLOCK_G, BLOCK_N); "ieee": exact fp32 products, not the GPU's default TF32
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(sc - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
     empty = l_i == 0.0  # a chunk past this sequence's length: no key, LSE -inf (its weight in the merge is 0)
     out = acc / tl.where(empty, 1.0, l_i)[:, None]

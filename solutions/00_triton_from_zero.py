@@ -270,7 +270,7 @@ def matmul_bias_relu_kernel(A_ptr, B_ptr, Bias_ptr, C_ptr, Order_ptr, M, N, K,
                          mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b_tile = tl.load(B_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
                          mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc += tl.dot(a_tile, b_tile)
+        acc += tl.dot(a_tile, b_tile, input_precision="tf32")   # fp32 tiles: TF32 on a GPU (see the check)
     # epilogue, still in registers: bias broadcast over rows, then ReLU, then one store
     bias = tl.load(Bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     out = tl.maximum(acc + bias[None, :], 0.0)

@@ -203,7 +203,7 @@ def block_scaled_matmul_kernel(A_ptr, B_ptr, C_ptr, SA_ptr, SB_ptr, M, N, K,
         ks = grp * G + tl.arange(0, G)                                          # this scale group's K range
         qa = tl.load(A_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak, mask=row_ok[:, None], other=0.0)
         qb = tl.load(B_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn, mask=col_ok[None, :], other=0.0)
-        raw = tl.dot(qa, qb)                                                    # fp8 x fp8, one group of K
+        raw = tl.dot(qa, qb, input_precision="ieee")             # fp8 x fp8, one group of K (precision: fp32 tiles)
         sa = tl.load(SA_ptr + rows * n_groups + grp, mask=row_ok, other=0.0)     # (BLOCK_M,) one per row slice
         sb = tl.load(SB_ptr + grp * n_col_blocks + cols // G, mask=col_ok, other=0.0)   # (BLOCK_N,) per block
         out += raw * (sa[:, None] * sb[None, :])                                # promote, with the group's scales
@@ -225,6 +225,7 @@ def block_scaled_matmul(a_data, sa, b_data, sb, G=32, BLOCK_M=16, BLOCK_N=16):
 
 # %% minite={"check": "block_scaled_matmul_kernel"} tags=["nbval-check-output"]
 # CHECK: block_scaled_matmul_kernel
+from minite.testing import fp8_dot_tolerance
 G = 32
 g = torch.Generator().manual_seed(6)
 for M, K, N in ((16, 32, 48), (33, 96, 40), (20, 64, 70)):
@@ -233,8 +234,11 @@ for M, K, N in ((16, 32, 48), (33, 96, 40), (20, 64, 70)):
     a_data, sa = quantize_tiles(x, 1, G)                                   # (M, K), (M, K // G)
     b_data, sb = quantize_tiles(w, G, G)                                   # (K, N), (K // G, cdiv(N, G))
     got = block_scaled_matmul(a_data.to(DEVICE), sa.to(DEVICE), b_data.to(DEVICE), sb.to(DEVICE), G=G).cpu()
-    want = dequantize_tiles(a_data, sa, 1, G) @ dequantize_tiles(b_data, sb, G, G)
-    assert_close(got, want, name=f"block-scaled GEMM {M}x{K}x{N}", atol=1e-3, rtol=1e-4)
+    a_hat, b_hat = dequantize_tiles(a_data, sa, 1, G), dequantize_tiles(b_data, sb, G, G)
+    want = a_hat @ b_hat
+    # on a GPU, + the fp8 tensor cores' ~14-bit accumulator within each group of G (lesson section 5); 0 on the CPU
+    tol = fp8_dot_tolerance(a_hat, b_hat, device=DEVICE, atol=1e-3, rtol=1e-4, promote_every=G)
+    assert_close(got, want, name=f"block-scaled GEMM {M}x{K}x{N}", **tol)
     exact = x.double() @ w.double()
     per_tensor = (quantize(x, backend="torch").dequantize(torch.float32) @
                   quantize(w, backend="torch").dequantize(torch.float32)).double()

@@ -91,7 +91,8 @@ print("PASS: lora_grads")
 #   `p*BLOCK_N ...` of `DA`; program `p` beyond that owns rows `(p - cdiv(K, BLOCK_N))*BLOCK_N ...` of `DB`. Each
 #   loops over the `N` rows in steps of `BLOCK_M`.
 # * All tensors contiguous. `R` may be 1: `BLOCK_R >= 16` is the padded rank, and every `tl.dot` dimension must be
-#   ≥ 16 (a GPU's rule). Use masks with `other=0.0` on every load; upcast every tile to fp32 before `tl.dot`.
+#   ≥ 16 (a GPU's rule). Use masks with `other=0.0` on every load; upcast every tile to fp32 before `tl.dot`, and
+#   pass `input_precision="ieee"` (exact fp32 products: a GPU's default for fp32 tiles is TF32, ~1e-3 relative error).
 
 # %% minite={"task": "lora_dadb_kernel"}
 @triton.jit
@@ -110,7 +111,7 @@ def lora_dadb_kernel(X, DY, G, DG, DA, DB, N, K, O, R, s,
                            other=0.0)
             x = tl.load(X + rows[:, None] * K + cols[None, :], mask=(rows[:, None] < N) & (cols[None, :] < K),
                         other=0.0).to(tl.float32)
-            da = tl.dot(dg_t, x, da)
+            da = tl.dot(dg_t, x, da, input_precision="ieee")
         tl.store(DA + rr[:, None] * K + cols[None, :], da.to(DA.dtype.element_ty),
                  mask=(rr[:, None] < R) & (cols[None, :] < K))
     else:
@@ -122,7 +123,7 @@ def lora_dadb_kernel(X, DY, G, DG, DA, DB, N, K, O, R, s,
                            other=0.0).to(tl.float32)
             gg = tl.load(G + rows[:, None] * R + rr[None, :], mask=(rows[:, None] < N) & (rr[None, :] < R),
                          other=0.0)
-            db = tl.dot(dy_t, gg, db)
+            db = tl.dot(dy_t, gg, db, input_precision="ieee")
         tl.store(DB + outs[:, None] * R + rr[None, :], (s * db).to(DB.dtype.element_ty),
                  mask=(outs[:, None] < O) & (rr[None, :] < R))
     ### END SOLUTION
@@ -163,7 +164,8 @@ print("PASS: lora_dadb_kernel")
 # Write `lora_merge_kernel` computing `OUT = W + s · B @ A` for `W (O, K)`, `A (R, K)`, `B (O, R)`, `OUT (O, K)`, all
 # contiguous and of one dtype (fp32 or fp16): the merge `merge_lora` does, as one tiled kernel.
 # * Grid `(cdiv(O, BLOCK_O), cdiv(K, BLOCK_K))`, one `(BLOCK_O, BLOCK_K)` tile of `OUT` per program.
-# * Compute in fp32, round once to `OUT`'s dtype (adding in fp16 first would round twice).
+# * Compute in fp32, round once to `OUT`'s dtype (adding in fp16 first would round twice). Exact fp32 products:
+#   `tl.dot(..., input_precision="ieee")` (a GPU's default for fp32 tiles, TF32, fails the fp32 check).
 # * `BLOCK_R >= 16` is the padded rank: every `tl.dot` dimension ≥ 16, masks with `other=0.0`.
 
 # %% minite={"task": "lora_merge_kernel"}
@@ -178,7 +180,7 @@ def lora_merge_kernel(W, A, B, OUT, O, K, R, s,
     rr = tl.arange(0, BLOCK_R)
     b = tl.load(B + ro[:, None] * R + rr[None, :], mask=(ro[:, None] < O) & (rr[None, :] < R), other=0.0)
     a = tl.load(A + rr[:, None] * K + rk[None, :], mask=(rr[:, None] < R) & (rk[None, :] < K), other=0.0)
-    ba = tl.dot(b.to(tl.float32), a.to(tl.float32))                     # (BLOCK_O, BLOCK_K)
+    ba = tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")  # (BLOCK_O, BLOCK_K)
     mask = (ro[:, None] < O) & (rk[None, :] < K)
     w = tl.load(W + ro[:, None] * K + rk[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(OUT + ro[:, None] * K + rk[None, :], (w + s * ba).to(OUT.dtype.element_ty), mask=mask)

@@ -97,6 +97,8 @@ print("PASS: ring_step_merge")
 # Grid: `(cdiv(T_q, BLOCK_M), BH)`; one program owns `BLOCK_M` query rows of one head and loops over the block's
 # keys `BLOCK_N` at a time; `BLOCK_D` is a power of two ≥ D and ≥ 16. Do not merge two finished results: restart the
 # online softmax's running state from `(O, LSE)`. A row with no key anywhere must stay `-inf` / 0, never NaN.
+# Multiply with `tl.dot(..., input_precision="ieee")`: exact fp32 products (a GPU's default for fp32 tiles is TF32,
+# whose ~1e-3 error the check's 1e-5 rejects).
 
 # %% minite={"task": "ring_block_update_kernel"}
 @triton.jit

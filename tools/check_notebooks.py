@@ -10,12 +10,17 @@
 * **exercises without outputs**: no code cell of exercises/ has outputs or an execution count, and no
   exercise holds a solution marker.
 * **exercises in sync**: exercises/ is what `make exercises` would write from solutions/.
+* **runs on a GPU too** (`gpu_portability`, static, on the .py of notebooks/ and solutions/): every `tl.dot` states
+  `input_precision=`; a cell that forces `backend="triton"` makes no CPU tensor (torch.randn/zeros/... without
+  `device=` or `.to(DEVICE)`); TRITON_INTERPRET is set only by the first code cell, only when no CUDA device is
+  present.
 
-    python tools/check_notebooks.py [--root DIR] [--only copies,pairs,outputs,exercises]
+    python tools/check_notebooks.py [--root DIR] [--only copies,pairs,outputs,exercises,gpu]
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 import sys
 from pathlib import Path
@@ -141,8 +146,185 @@ def exercises_stale(root: Path) -> list[str]:
             for n in generate_all(root / "solutions", root / "exercises", check=True)]
 
 
+# ------------------------------------------------------------------------ runs on the CPU and on a GPU
+# Three static rules, each a bug that passed on the CPU (interpreter) and failed on an H100 (2026-11-25):
+# fp32 checks of a TF32 tl.dot; backend="triton" forced on CPU tensors; the interpreter forced on a GPU machine.
+_CELL = re.compile(r"^# %%(.*)$")
+_CREATE = {"randn", "rand", "randint", "randperm", "zeros", "ones", "full", "empty", "tensor", "as_tensor",
+           "arange", "linspace", "logspace", "eye"}
+_DEVICE_NAMES = {"DEVICE", "device"}
+
+
+def code_cells(py: Path) -> list[tuple[int, int, str]]:
+    """(k, first line, source) of each code cell of a jupytext percent .py: k counts code cells only, as nbval's
+    'Cell k' does; the first line is the .py's line number of the cell's first source line."""
+    cells, cur, kind = [], None, None
+    for n, line in enumerate(py.read_text().splitlines(), 1):
+        m = _CELL.match(line)
+        if m:
+            if cur is not None and kind == "code":
+                cells.append(cur)
+            kind = "markdown" if "[markdown]" in m.group(1) else "raw" if "[raw]" in m.group(1) else "code"
+            cur = (n + 1, [])
+        elif cur is not None:
+            cur[1].append(line)
+    if cur is not None and kind == "code":
+        cells.append(cur)
+    return [(k, first, "\n".join(lines)) for k, (first, lines) in enumerate(cells)]
+
+
+def _parse(src: str):
+    """A cell's AST (IPython magics and shell lines blanked), or None when it does not parse."""
+    try:
+        return ast.parse("\n".join("" if ln.lstrip().startswith(("%", "!")) else ln for ln in src.splitlines()))
+    except SyntaxError:
+        return None
+
+
+def _is_device(node) -> bool:
+    """An expression naming a device that is not the CPU: DEVICE / device, x.device, torch.device(...), 'cuda'."""
+    if isinstance(node, ast.Name):
+        return node.id in _DEVICE_NAMES
+    if isinstance(node, ast.Attribute):
+        return node.attr == "device"
+    if isinstance(node, ast.Call):
+        f = node.func
+        return isinstance(f, ast.Attribute) and f.attr == "device" and isinstance(f.value, ast.Name) \
+            and f.value.id == "torch" and not (node.args and _is_cpu(node.args[0]))
+    return isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("cuda")
+
+
+def _is_cpu(node) -> bool:
+    return isinstance(node, ast.Constant) and node.value == "cpu"
+
+
+def _placed(call, parents) -> bool:
+    """Whether a tensor-creating call was given a device: `device=` on the call (any: "cpu" says the tensor stays
+    on the CPU on purpose), or the tensor flows (through arithmetic, indexing and method calls) into
+    `.to(<device>, ...)` or `.cuda()`, where <device> is DEVICE / device, `x.device`, `torch.device(...)` or "cuda"."""
+    if any(kw.arg == "device" for kw in call.keywords):
+        return True  # the author chose, the CPU included (a reference computed there)
+    node = call
+    while True:
+        up = parents.get(node)
+        if isinstance(up, ast.Attribute) and up.value is node and isinstance(parents.get(up), ast.Call) \
+                and parents[up].func is up:
+            method = parents[up]
+            if up.attr == "cuda":
+                return True
+            if up.attr == "to" and (any(_is_device(a) for a in method.args) or
+                                    any(k.arg == "device" and _is_device(k.value) for k in method.keywords)):
+                return True
+            node = method
+        elif isinstance(up, (ast.BinOp, ast.UnaryOp)) or (isinstance(up, ast.Subscript) and up.value is node):
+            node = up
+        else:
+            return False
+
+
+def _forces_triton(tree) -> bool:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            if any(k.arg == "backend" and isinstance(k.value, ast.Constant) and k.value.value == "triton"
+                   for k in node.keywords):
+                return True
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            if name == "use_backend" and node.args and isinstance(node.args[0], ast.Constant) \
+                    and node.args[0].value == "triton":
+                return True
+    return False
+
+
+def _sets_interpreter(node) -> bool:
+    """`os.environ["TRITON_INTERPRET"] = ...`, `{"TRITON_INTERPRET": ...}`, `dict(TRITON_INTERPRET=...)`,
+    `environ.setdefault("TRITON_INTERPRET", ...)`."""
+    key = "TRITON_INTERPRET"
+    if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store):
+        return isinstance(node.slice, ast.Constant) and node.slice.value == key
+    if isinstance(node, ast.Dict):
+        return any(isinstance(k, ast.Constant) and k.value == key for k in node.keys)
+    if isinstance(node, ast.Call):
+        return any(k.arg == key for k in node.keywords) or (
+            isinstance(node.func, ast.Attribute) and node.func.attr in ("setdefault", "putenv")
+            and bool(node.args) and isinstance(node.args[0], ast.Constant) and node.args[0].value == key)
+    return False
+
+
+def _guarded_setup(tree) -> tuple[bool, set]:
+    """Whether a first code cell turns the interpreter on only under `if not torch.cuda.is_available():`
+    before it imports anything but os/torch, and the nodes of that guarded assignment."""
+    for stmt in tree.body:
+        if isinstance(stmt, ast.If) and ast.unparse(stmt.test).replace(" ", "") == "nottorch.cuda.is_available()" \
+                and any(_sets_interpreter(n) for n in ast.walk(stmt)):
+            return True, {id(n) for n in ast.walk(stmt)}
+        if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            mods = [a.name for a in stmt.names] if isinstance(stmt, ast.Import) else [stmt.module or ""]
+            if any(m.split(".")[0] not in ("os", "torch") for m in mods):
+                return False, set()
+    return False, set()
+
+
+def gpu_portability(root: Path) -> list[str]:
+    """Static rules for lessons and solutions (their .py), so that what passes here also runs on a GPU:
+
+    * **tl.dot states its precision**: every `tl.dot(` passes `input_precision=` ("ieee": exact fp32 products;
+      "tf32": the GPU's default for fp32 tiles, ~1e-3 relative error, which an fp32 check at 1e-5 fails on an H100
+      while the interpreter, which does not emulate TF32, passes it). On fp16/bf16/fp8 tiles it changes nothing.
+    * **no backend="triton" on CPU tensors**: a notebook that forces the Triton kernels (`backend="triton"`,
+      `use_backend("triton")`) defines DEVICE in its first code cell, and in each cell that forces them every
+      tensor made with torch.randn/zeros/ones/tensor/empty/arange/... is given a device: `device=` (`"cpu"` too, for
+      a reference kept on the CPU on purpose), or `.to(DEVICE...)`. On a GPU machine the interpreter is off and
+      Triton cannot run on CPU tensors. (Per cell: a tensor made in another cell is not followed.)
+    * **the interpreter only without a GPU**: the first code cell sets TRITON_INTERPRET under
+      `if not torch.cuda.is_available():` before importing anything but os and torch, and no code sets it
+      anywhere else (e.g. `env={"TRITON_INTERPRET": "1"}` for torchrun workers: the launcher decides).
+    """
+    problems = []
+    for folder in ("notebooks", "solutions"):
+        for py in sorted((root / folder).glob("*.py")):
+            found: list[tuple[int, str]] = []  # (line of the .py, problem)
+            cells = code_cells(py)
+            trees = [_parse(src) for _, _, src in cells]
+            found += [(first, f"(cell {k}) does not parse") for (k, first, _), t in zip(cells, trees) if t is None]
+            if not cells or trees[0] is None:
+                problems += [f"{folder}/{py.name}:{n}: {msg}" for n, msg in sorted(found)]
+                continue
+            ok, guard = _guarded_setup(trees[0])
+            if not ok:
+                found.append((cells[0][1], "(cell 0) the first code cell must set TRITON_INTERPRET under `if not "
+                                           "torch.cuda.is_available():` before importing triton or minite"))
+            has_device = any(isinstance(t, ast.Name) and t.id in _DEVICE_NAMES
+                             for s in trees[0].body if isinstance(s, ast.Assign) for t in s.targets)
+            for (k, first, _), tree in zip(cells, trees):
+                if tree is None:
+                    continue
+                parents = {c: p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
+                forced = _forces_triton(tree)
+                if forced and not has_device:
+                    found.append((first, f"(cell {k}) forces backend='triton', but the first code cell defines no "
+                                         "DEVICE"))
+                for node in ast.walk(tree):
+                    n = first + getattr(node, "lineno", 1) - 1
+                    if _sets_interpreter(node) and id(node) not in guard:
+                        found.append((n, f"(cell {k}) sets TRITON_INTERPRET: only the first cell does, and only "
+                                         "without a GPU (torchrun's launcher decides for its workers)"))
+                    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+                        continue
+                    f = node.func
+                    if f.attr == "dot" and isinstance(f.value, ast.Name) and f.value.id == "tl" \
+                            and not any(kw.arg == "input_precision" for kw in node.keywords):
+                        found.append((n, f"(cell {k}) tl.dot without input_precision=: \"ieee\" for exact fp32 "
+                                         "products (a GPU multiplies fp32 tiles in TF32 by default), or \"tf32\""))
+                    if forced and f.attr in _CREATE and isinstance(f.value, ast.Name) and f.value.id == "torch" \
+                            and not _placed(node, parents):
+                        found.append((n, f"(cell {k}) torch.{f.attr}(...) makes a CPU tensor in a cell that forces "
+                                         "backend='triton': give it device=DEVICE or .to(DEVICE)"))
+            problems += [f"{folder}/{py.name}:{n}: {msg}" for n, msg in sorted(found)]
+    return problems
+
 CHECKS = {"copies": copied_answers, "pairs": pairs_out_of_sync, "outputs": exercises_with_outputs,
-          "exercises": exercises_stale}
+          "exercises": exercises_stale, "gpu": gpu_portability}
 
 
 def main(argv=None) -> int:
