@@ -2,7 +2,8 @@
 #
 #   make setup       create .venv (torch==2.13.0, triton==3.7.1 pinned; minite editable with [dev])
 #   make train       train the GPT on the default corpus (CPU preset unless CUDA is present)
-#   make test        the whole suite: library tests (Triton under TRITON_INTERPRET=1 on CPU), notebooks, grading
+#   make test        the whole suite: library tests (Triton under TRITON_INTERPRET=1 on CPU), notebooks, grading,
+#                    then the sm_90/sm_80 compile gate over every kernel launch the suite made
 #   make check-fast  ruff (notebooks' .py too), notebook checks (copied answers, jupytext pairs in sync, exercises
 #                    without outputs and in sync with solutions), line budgets (< 60 s)
 #   make lab         JupyterLab on the course (notebooks/, exercises/); jupytext saves both files of a pair
@@ -43,9 +44,16 @@ train: $(STAMP)
 	$(PY) -m minite.train $(ARGS)
 
 # One OpenMP thread per process: pytest-xdist already runs one worker (and its notebook kernels) per core.
+# Then the sm_90/sm_80 compile gate: every distinct kernel launch the suite made under the interpreter, compiled
+# for the GPU (minite/gpu_compile.py); on a CUDA machine nothing is recorded and the gate says so.
+LAUNCHES := $(CURDIR)/.launches
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(PYTEST_JOBS) --dist loadfile -p no:cacheprovider \
-		tests notebooks --nbval-lax --nbval-current-env --nbval-cell-timeout=600 --durations=15 $(ARGS)
+	rm -rf $(LAUNCHES)
+	OMP_NUM_THREADS=1 MINITE_RECORD_LAUNCHES=$(LAUNCHES) $(PY) -m pytest -n $(PYTEST_JOBS) --dist loadfile \
+		-p no:cacheprovider tests notebooks --nbval-lax --nbval-current-env --nbval-cell-timeout=600 \
+		--durations=15 $(ARGS)
+	env -u TRITON_INTERPRET $(PY) -m minite.gpu_compile $(LAUNCHES) --jobs $(PYTEST_JOBS) \
+		$(if $(ARGS),,--require-all)
 
 test-lib: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_JOBS) --dist loadfile tests $(ARGS)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["triton", "tl", "HAS_TRITON", "TRITON_IMPORT_ERROR", "interpreting"]
+__all__ = ["triton", "tl", "HAS_TRITON", "TRITON_IMPORT_ERROR", "interpreting", "interpreter_problem",
+           "INTERPRETER_PROBLEM"]
 
 
 def _env_interpret() -> bool:
@@ -79,3 +80,35 @@ _INTERPRET_AT_IMPORT = HAS_TRITON and _env_interpret()
 def interpreting() -> bool:
     """True when minite's Triton kernels run on the CPU interpreter (TRITON_INTERPRET=1 at import time)."""
     return _INTERPRET_AT_IMPORT
+
+
+def _version(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits) if digits else 0)
+    return tuple(out)
+
+
+def interpreter_problem(triton_version: str | None = None, numpy_version: str | None = None) -> str | None:
+    """Why the Triton interpreter cannot run here, or None. Measured: triton 3.6's interpreter fails under numpy
+    2.5 ("only 0-dimensional arrays can be converted to Python scalars", H100 machine, 2026-11-25); triton 3.7.1
+    with numpy 2.5.5 works. The backend switch then keeps CPU tensors on the reference path (a forced Triton
+    backend raises this message) instead of failing deep inside a kernel."""
+    if triton_version is None:
+        if not HAS_TRITON:
+            return None
+        triton_version = getattr(triton, "__version__", "0")
+    if numpy_version is None:
+        try:
+            import numpy
+        except ImportError:
+            return None
+        numpy_version = numpy.__version__
+    if _version(triton_version) < (3, 7) and _version(numpy_version) >= (2, 5):
+        return (f"the Triton interpreter of triton {triton_version} fails under numpy {numpy_version} "
+                "(measured: triton 3.6 + numpy 2.5); install triton>=3.7.1 or numpy<2.5, or run on a CUDA device")
+    return None
+
+
+INTERPRETER_PROBLEM = interpreter_problem() if _INTERPRET_AT_IMPORT else None

@@ -18,6 +18,7 @@ import threading
 
 import torch
 
+from minite import _triton
 from minite._triton import HAS_TRITON, TRITON_IMPORT_ERROR, interpreting
 
 __all__ = ["BACKENDS", "use_backend", "get_backend", "resolve_backend", "triton_available_for"]
@@ -69,7 +70,8 @@ def triton_available_for(x: torch.Tensor) -> tuple[bool, str]:
         return True, ""
     if x.device.type == "cpu":
         if interpreting():
-            return True, ""
+            problem = _triton.INTERPRETER_PROBLEM
+            return (False, problem) if problem else (True, "")
         return False, (
             "the tensor is on the CPU and the Triton interpreter is off: set TRITON_INTERPRET=1 "
             "before minite is imported (or move the tensor to a CUDA device)"

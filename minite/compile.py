@@ -40,6 +40,9 @@ def resolve_compile(mode: str, dev: torch.device, max_iters: int = AUTO_MIN_STEP
 def compile_model(model: torch.nn.Module, t, dev: torch.device) -> str:
     """Compile `model` in place (``model.compile``) for the TrainConfig `t`; returns the resolved mode."""
     mode = resolve_compile(t.compile, dev, t.max_iters, t.precision)
+    if t.compile == "auto" and mode == "off" and dev.type == "cuda" and t.precision in ("fp16", "fp8"):
+        print(f"train.compile=auto -> off for --precision {t.precision}: its loss scaler / FP8 scaling state is "
+              "not validated under torch.compile on a GPU yet; pass --train.compile=default to try it")
     if mode != "off":
         model.compile(mode=None if mode == "default" else mode)
     return mode

@@ -19,6 +19,14 @@ import pytest  # noqa: E402
 
 from minite._triton import HAS_TRITON, interpreting  # noqa: E402
 
+# The sm_90/sm_80 compile gate (minite/gpu_compile.py): while the kernels run under the interpreter, write down
+# every distinct launch of a minite kernel; `make test` compiles them for the GPU at the end of the session.
+_RECORD_DIR = os.environ.get("MINITE_RECORD_LAUNCHES")
+if _RECORD_DIR and interpreting():
+    from minite.gpu_compile import record_launches
+    os.makedirs(_RECORD_DIR, exist_ok=True)
+    record_launches(os.path.join(_RECORD_DIR, f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-{os.getpid()}.jsonl"))
+
 _counts = {"triton_passed": 0, "triton_failed": 0, "triton_skipped": 0}
 
 

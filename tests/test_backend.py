@@ -82,3 +82,23 @@ def test_minite_imports_and_runs_reference_without_triton():
              TRITON_INTERPRET="1")
     assert p.returncode == 0, p.stderr
     assert "ERR backend='triton' was forced but cannot run: triton is not installed" in p.stdout
+
+
+def test_interpreter_version_problem_is_named():
+    # triton 3.6's interpreter fails under numpy 2.5 (H100 machine, 2026-11-25): said at set-up, with versions.
+    from minite._triton import interpreter_problem
+    msg = interpreter_problem("3.6.0", "2.5.2")
+    assert msg and "triton 3.6.0" in msg and "numpy 2.5.2" in msg
+    assert interpreter_problem("3.7.1", "2.5.5") is None and interpreter_problem("3.6.0", "2.4.6") is None
+
+
+def test_a_broken_interpreter_keeps_cpu_tensors_on_the_reference(monkeypatch):
+    import minite._triton as T
+    from minite.backend import resolve_backend
+    monkeypatch.setattr(T, "_INTERPRET_AT_IMPORT", True)
+    monkeypatch.setattr(T, "HAS_TRITON", True)
+    monkeypatch.setattr(T, "INTERPRETER_PROBLEM", T.interpreter_problem("3.6.0", "2.5.2"))
+    x = torch.zeros(2)
+    assert resolve_backend(x, "auto") == "torch"
+    with pytest.raises(RuntimeError, match="triton 3.6.0 fails under numpy 2.5.2"):
+        resolve_backend(x, "triton")

@@ -25,8 +25,8 @@ def _triton_tests(tree):
     assigns = {t.id: ast.unparse(n.value) for n in tree.body if isinstance(n, ast.Assign)
                for t in n.targets if isinstance(t, ast.Name)}
     module_mark = "mark.triton" in assigns.get("pytestmark", "")
-    # Distributed tests are exempt: their kernels run inside torchrun workers, which pin the CPU, gloo and the
-    # interpreter on every machine (minite.parallel.launch.torchrun sets TRITON_INTERPRET=1 for them).
+    # Distributed tests are exempt: their kernels run inside torchrun workers on CPU/gloo, under the interpreter
+    # on a CPU-only machine and on the torch reference ops on a GPU machine (minite.parallel.launch.worker_env).
     module_dist = "mark.distributed" in assigns.get("pytestmark", "")
     # module-level parameter lists holding a triton-marked param, e.g. BACKENDS = ["torch", pytest.param(...)]
     lists = {name for name, src in assigns.items() if "marks=pytest.mark.triton" in src}

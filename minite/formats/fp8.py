@@ -22,6 +22,7 @@ from minite._triton import tl, triton
 from minite.backend import resolve_backend
 from minite.formats.recipe import compute_scale, fp8_max
 from minite.formats.specs import encode_bits_tl
+from minite.kernels._common import launchable
 
 __all__ = ["Float8Tensor", "quantize", "dequantize", "quantize_ref", "fp8_quantize_fwd", "FP8_DTYPES"]
 
@@ -136,7 +137,7 @@ def fp8_quantize_fwd(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtyp
     if n == 0:
         return out.view(fp8_dtype), torch.zeros((), dtype=torch.float32, device=x.device)
     scale_t = scale.detach().reshape(1).to(device=x.device, dtype=torch.float32)
-    _fp8_quantize_kernel[(grid,)](xc, scale_t, out, partial, n, EXP_BITS=exp_bits, MAN_BITS=man_bits, FN=fn,
+    launchable(_fp8_quantize_kernel)[(grid,)](xc, scale_t, out, partial, n, EXP_BITS=exp_bits, MAN_BITS=man_bits, FN=fn,
                                   FP8_MAX=fp8_max(fp8_dtype), HW_CAST=hw_cast, BLOCK_SIZE=block)
     return out.view(fp8_dtype), partial.max()                          # reduce the per-program amaxes
 

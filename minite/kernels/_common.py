@@ -105,7 +105,8 @@ def op(name: str, launcher):
 def _acc(x, FP64: tl.constexpr):
     # Upcast right after a load: accumulate in fp32 (fp64 when given fp64, for gradcheck). Never compute in
     # bf16: its arithmetic is wrong under the CPU interpreter and slow on some GPUs.
+    # tl.cast, not .to: it also takes a float scalar argument (fp32 in an eager launch, fp64 under Inductor).
     if FP64:
-        return x.to(tl.float64)
+        return tl.cast(x, tl.float64)
     else:
-        return x.to(tl.float32)
+        return tl.cast(x, tl.float32)

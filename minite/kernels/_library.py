@@ -13,6 +13,7 @@ tests/kernels/test_compile_fused.py (linear_cross_entropy, FP8 Linear; CPU refer
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -20,8 +21,11 @@ from torch import Tensor
 from minite._triton import HAS_TRITON, interpreting
 from minite.formats import fp8 as F8
 from minite.formats.recipe import compute_scale, fp8_max
+from minite.kernels import attention as A
 from minite.kernels import cross_entropy as CE
+from minite.kernels import decode as Dc
 from minite.kernels import fp8_gemm as G
+from minite.kernels import lora as LR
 from minite.kernels import rmsnorm as N
 from minite.kernels import rope as R
 from minite.kernels import softmax as S
@@ -108,6 +112,33 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, ignore_index
     loss, dx, dw = CE.linear_cross_entropy_fwd(x, weight, target, ignore_index, reduction, label_smoothing,
                                                chunk_size, True, need_dx, need_dw)
     return loss, x.new_empty(0) if dx is None else dx, x.new_empty(0) if dw is None else dw
+
+
+def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: Optional[float], cu_seqlens: Optional[Tensor],
+                  max_seqlen: int) -> tuple[Tensor, Tensor]:
+    """(o, lse): bhsd, or thd with cu_seqlens (varlen). lse carries no gradient."""
+    return A.attention_fwd(q, k, v, causal, scale, cu_seqlens, max_seqlen)
+
+
+def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool,
+                  scale: Optional[float], cu_seqlens: Optional[Tensor],
+                  max_seqlen: int) -> tuple[Tensor, Tensor, Tensor]:
+    return A.attention_bwd(do, q, k, v, o, lse, causal, scale, cu_seqlens, max_seqlen)
+
+
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: Optional[float],
+                     num_splits: Optional[int], max_len: Optional[int]) -> Tensor:
+    """One decode step (inference: no autograd), so CUDA-graph decoding keeps the split-K kernels in the graph."""
+    return Dc.decode_attention_triton(q, k_cache, v_cache, lengths, scale, num_splits, max_len)
+
+
+def lora_fwd(x2: Tensor, weight: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float) -> tuple[Tensor, Tensor]:
+    return LR.lora_fwd(x2, weight, lora_A, lora_B, scaling)
+
+
+def lora_bwd(dy: Tensor, x2: Tensor, weight: Tensor, lora_A: Tensor, lora_B: Tensor, g: Tensor,
+             scaling: float) -> tuple[Tensor, Tensor, Tensor]:
+    return LR.lora_bwd(dy, x2, weight, lora_A, lora_B, g, scaling)
 
 
 _ALGOS = ("max", "most_recent", "current")  # DelayedScaling.amax_compute_algo, or CurrentScaling
@@ -201,6 +232,32 @@ def _ce_grad(ctx, dloss, _dlse):
     return torch.ops.minite.cross_entropy_bwd(dloss, logits, target, lse, *ctx.args), None, None, None
 
 
+def _attn_setup(ctx, inputs, output):
+    q, k, v, causal, scale, cu, max_seqlen = inputs
+    ctx.args, ctx.has_cu = (causal, scale, max_seqlen), cu is not None
+    ctx.save_for_backward(q, k, v, output[0], output[1], *(() if cu is None else (cu,)))
+
+
+def _attn_grad(ns, ctx, do, _dlse):
+    q, k, v, o, lse, *cu = ctx.saved_tensors
+    causal, scale, max_seqlen = ctx.args
+    dq, dk, dv = getattr(torch.ops, ns).attention_bwd(do.contiguous(), q, k, v, o, lse, causal, scale,
+                                                cu[0] if ctx.has_cu else None, max_seqlen)
+    return dq, dk, dv, None, None, None, None
+
+
+def _lora_setup(ctx, inputs, output):
+    ctx.scaling = inputs[4]
+    ctx.save_for_backward(*inputs[:4], output[1])
+
+
+def _lora_grad(ns, ctx, dy, _dg):
+    x2, w, a, b, g = ctx.saved_tensors
+    dx, dA, dB = getattr(torch.ops, ns).lora_bwd(dy.contiguous(), x2, w, a, b, g, ctx.scaling)
+    dw = (dy.t().float() @ x2.float()).to(w.dtype) if ctx.needs_input_grad[1] else None  # only if unfrozen
+    return dx, dw, dA, dB, None
+
+
 def _lce_setup(ctx, inputs, output):
     ctx.w_dtype, ctx.need = inputs[1].dtype, inputs[7:9]
     ctx.save_for_backward(output[1], output[2])
@@ -231,12 +288,13 @@ def _fp8_mm_grad(ns, ctx, dy):
 
 
 def register_reference_ops(ns: str = "minite_ref") -> str:
-    """The new ops (linear_cross_entropy, fp8_quantize_update, fp8_linear_mm, fp8_gemm) as CPU custom ops in
+    """The fused and attention-class ops (linear_cross_entropy, fp8_quantize_update, fp8_linear_mm, fp8_gemm,
+    attention_fwd/bwd (varlen too), decode_attention, lora_fwd/bwd) as CPU custom ops in
     namespace `ns`: the same wrappers and autograd formulas as the triton_ops above, run eagerly (the interpreter
     runs their kernels), with explicit fake impls. Where ENABLED is False (CPU) they let opcheck and
     torch.compile(fullgraph=True, backend="aot_eager") check the schemas, the in-place state updates and the
     autograd wiring. Nothing here touches torch.ops.minite. Idempotent; returns `ns`."""
-    if hasattr(torch.ops, ns) and hasattr(getattr(torch.ops, ns), "fp8_linear_mm"):
+    if hasattr(torch.ops, ns) and hasattr(getattr(torch.ops, ns), "lora_fwd"):
         return ns
     fakes = {
         "linear_cross_entropy": lambda x, w, t, ii, red, ls, cs, ndx, ndw: (
@@ -247,15 +305,25 @@ def register_reference_ops(ns: str = "minite_ref") -> str:
         "fp8_quantize_update": lambda x, h, s, dt, m, a: (x.new_empty(x.shape, dtype=dt), s.new_empty(s.shape)),
         "fp8_linear_mm": lambda x, w, qx, sx, qw, *_: x.new_empty((qx.shape[0], qw.shape[0])),
         "fp8_gemm": lambda a, b, sa, sb, dt, split: a.new_empty((a.shape[0], b.shape[1]), dtype=dt),
+        "attention_fwd": lambda q, k, v, c, s, cu, m: (torch.empty_like(q), q.new_empty(
+            (q.shape[0], q.shape[1], q.shape[2]) if cu is None else (q.shape[1], q.shape[0]), dtype=torch.float32)),
+        "attention_bwd": lambda do, q, k, v, *_: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)),
+        "decode_attention": lambda q, *_: torch.empty_like(q),
+        "lora_fwd": lambda x2, w, a, b, s: (x2.new_empty((x2.shape[0], w.shape[0])),
+                                            x2.new_empty((x2.shape[0], a.shape[0]), dtype=torch.float32)),
+        "lora_bwd": lambda dy, x2, w, a, b, g, s: (torch.empty_like(x2), torch.empty_like(a), torch.empty_like(b)),
     }
     mutates = {"fp8_quantize_update": ("amax_history", "scale")}
-    for fn in (linear_cross_entropy, fp8_quantize_update, fp8_linear_mm, fp8_gemm):
+    for fn in (linear_cross_entropy, fp8_quantize_update, fp8_linear_mm, fp8_gemm, attention_fwd, attention_bwd,
+               decode_attention, lora_fwd, lora_bwd):
         o = torch.library.custom_op(f"{ns}::{fn.__name__}", fn, mutates_args=mutates.get(fn.__name__, ()),
                                     device_types="cpu")
         o.register_fake(fakes[fn.__name__])
     torch.library.register_autograd(f"{ns}::linear_cross_entropy", _lce_grad, setup_context=_lce_setup)
     torch.library.register_autograd(f"{ns}::fp8_linear_mm", functools.partial(_fp8_mm_grad, ns),
                                     setup_context=_fp8_mm_setup)
+    for name, grad, setup in (("attention_fwd", _attn_grad, _attn_setup), ("lora_fwd", _lora_grad, _lora_setup)):
+        torch.library.register_autograd(f"{ns}::{name}", functools.partial(grad, ns), setup_context=setup)
     return ns
 
 
@@ -275,3 +343,8 @@ if ENABLED:
     _register(linear_cross_entropy, _lce_grad, _lce_setup)
     _register(fp8_quantize_update, mutates_args=("amax_history", "scale"))
     _register(fp8_linear_mm, functools.partial(_fp8_mm_grad, "minite"), _fp8_mm_setup)
+    _register(attention_bwd)
+    _register(attention_fwd, functools.partial(_attn_grad, "minite"), _attn_setup)
+    _register(decode_attention)
+    _register(lora_bwd)
+    _register(lora_fwd, functools.partial(_lora_grad, "minite"), _lora_setup)

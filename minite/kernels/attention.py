@@ -23,6 +23,7 @@ from torch import nn
 
 from minite._triton import interpreting, tl, triton
 from minite.backend import resolve_backend
+from minite.kernels import _common as C  # launchable: wrap_triton while torch.compile traces; op: torch.ops
 
 __all__ = ["attention_ref", "attention", "attention_varlen", "attention_fwd", "attention_bwd",
            "AttentionFunction", "Attention", "MAX_HEAD_DIM"]
@@ -102,6 +103,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, CU, T_Q, T_K, H, KVH, D, qk_scale,
                      PREC: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Grid (cdiv(T_q, BLOCK_M), B * H): program (i, b*H + h) owns query rows i*BLOCK_M ... of head h of sequence b.
+    qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes a Python float as fp64: keep the state fp32
     pid_m = tl.program_id(0).to(tl.int64)
     b, h = tl.program_id(1).to(tl.int64) // H, tl.program_id(1).to(tl.int64) % H
     start, Tq, Tk = _seq(CU, b, T_Q, T_K, VARLEN)
@@ -178,6 +180,7 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, T_Q, T_K, H, KVH,
                           PREC: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Grid (cdiv(T_k, BLOCK_N), B * KVH): program owns BLOCK_N keys of kv head g; loops over queries.
+    qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)  # fp64 under Inductor
     pid_n = tl.program_id(0).to(tl.int64)
     bg = tl.program_id(1).to(tl.int64)
     b, g = bg // KVH, bg % KVH
@@ -230,6 +233,7 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, T_Q, T_K, H, KVH, D, qk
                         PREC: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Grid as the forward: program owns BLOCK_M query rows of head h and loops over the keys they see.
+    qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)  # fp64 under Inductor
     pid_m = tl.program_id(0).to(tl.int64)
     b, h = tl.program_id(1).to(tl.int64) // H, tl.program_id(1).to(tl.int64) % H
     start, Tq, Tk = _seq(CU, b, T_Q, T_K, VARLEN)
@@ -272,21 +276,20 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, T_Q, T_K, H, KVH, D, qk
 
 
 # ------------------------------------------------------------------------------------------ 3. launchers
-def _blocks(T_q: int, T_k: int, D: int, bwd: bool = False) -> tuple[int, int, int]:
+def _blocks(T_q: int, T_k: int, D: int, bwd: bool = False, fp32: bool = False) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps): GPU-legal tiles (every tl.dot dim >= 16) used on the CPU too, so the
     interpreter tests run the configuration an H100 compiles. 128x64 forward tiles as in the Triton tutorial;
-    the backward holds two (BLOCK, D) fp32 accumulators, so it takes 64x64 (32 rows at D = 128)."""
-    bm, bn = (64, 64) if bwd else (128, 64)
-    if bwd and D > 64:
-        bm = 32
+    the backward holds two (BLOCK, D) fp32 accumulators, so it takes 64x64 (32 rows at D = 128). fp32 at D > 64
+    halves them (the sm_80 gate: 128x64 took 225 KiB of shared memory, 64x64 176 KiB, over an A100's 163 KiB)."""
+    wide32 = fp32 and D > 64
+    bm, bn = (32 if bwd and D > 64 else 64 if bwd or wide32 else 128), (32 if wide32 else 64)
     bm = min(bm, max(16, triton.next_power_of_2(T_q)))  # short sequences (decode, T = 1): one small tile
     bn = min(bn, max(16, triton.next_power_of_2(T_k)))
     return bm, bn, 8 if D > 64 else 4  # D = 128: two (BLOCK, 128) fp32 accumulators need 8 warps of registers
 
 
 def _meta(q: torch.Tensor, k: torch.Tensor, causal: bool, varlen: bool) -> dict:
-    D = q.shape[-1]
-    upcast = q.dtype == torch.bfloat16 and interpreting()  # bf16 arithmetic is wrong under the interpreter
+    D, upcast = q.shape[-1], q.dtype == torch.bfloat16 and interpreting()  # bf16 math is wrong when interpreted
     return dict(GROUP=q.shape[-3 if not varlen else 1] // k.shape[-3 if not varlen else 1], CAUSAL=causal,
                 VARLEN=varlen, UPCAST=upcast, PREC="ieee" if q.dtype == torch.float32 else "tf32",
                 HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)))
@@ -308,9 +311,9 @@ def attention_fwd(q, k, v, causal: bool = True, scale: float | None = None, cu_s
     D, o = q.shape[-1], torch.empty_like(q)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     lse = torch.empty((H, Tq) if cu_seqlens is not None else (B, H, Tq), dtype=torch.float32, device=q.device)
-    bm, bn, nw = _blocks(Mq, Mk, D)
+    bm, bn, nw = _blocks(Mq, Mk, D, fp32=q.dtype == torch.float32)
     if o.numel():
-        _attn_fwd_kernel[(triton.cdiv(Mq, bm), B * H)](
+        C.launchable(_attn_fwd_kernel)[(triton.cdiv(Mq, bm), B * H)](
             q, k, v, o, lse, cu_seqlens if cu_seqlens is not None else q, Tq, Tk, H, KVH, D, scale * LOG2E,
             **_meta(q, k, causal, cu_seqlens is not None), BLOCK_M=bm, BLOCK_N=bn, num_warps=nw)
     return o, lse
@@ -320,8 +323,7 @@ def attention_bwd(do, q, k, v, o, lse, causal: bool = True, scale: float | None 
                   max_seqlen: int = 0):
     """Launch the backward: Delta, then dK/dV (one program per key block and kv head), then dQ. -> dq, dk, dv."""
     do, q, k, v, o, lse = (t.contiguous() for t in (do, q, k, v, o, lse))  # kernels assume dense strides
-    B, H, KVH, Tq, Tk, Mq, Mk = _dims(q, k, cu_seqlens, max_seqlen)
-    D = q.shape[-1]
+    (B, H, KVH, Tq, Tk, Mq, Mk), D = _dims(q, k, cu_seqlens, max_seqlen), q.shape[-1]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if not (q.numel() and k.numel()):
@@ -329,14 +331,15 @@ def attention_bwd(do, q, k, v, o, lse, causal: bool = True, scale: float | None 
     cu = cu_seqlens if cu_seqlens is not None else q
     meta = _meta(q, k, causal, cu_seqlens is not None)
     delta = torch.empty_like(lse)
-    bm, bn, nw = _blocks(Mq, Mk, D, bwd=True)
-    _attn_bwd_pre_kernel[(triton.cdiv(Mq, bm), B * H)](o, do, delta, cu, Tq, H, D, VARLEN=meta["VARLEN"],
-                                                       HEAD_DIM=D, BLOCK_D=meta["BLOCK_D"], BLOCK_M=bm)
+    bm, bn, nw = _blocks(Mq, Mk, D, bwd=True, fp32=q.dtype == torch.float32)
+    grid_q, grid_k = (triton.cdiv(Mq, bm), B * H), (triton.cdiv(Mk, bn), B * KVH)
+    C.launchable(_attn_bwd_pre_kernel)[grid_q](o, do, delta, cu, Tq, H, D, VARLEN=meta["VARLEN"], HEAD_DIM=D,
+                                               BLOCK_D=meta["BLOCK_D"], BLOCK_M=bm)
     args = (cu, Tq, Tk, H, KVH, D, scale * LOG2E, scale)
-    _attn_bwd_dkdv_kernel[(triton.cdiv(Mk, bn), B * KVH)](q, k, v, do, lse, delta, dk, dv, *args, **meta,
-                                                          BLOCK_M=bm, BLOCK_N=bn, num_warps=nw)
-    _attn_bwd_dq_kernel[(triton.cdiv(Mq, bm), B * H)](q, k, v, do, lse, delta, dq, *args, **meta,
-                                                      BLOCK_M=bm, BLOCK_N=bn, num_warps=nw)
+    C.launchable(_attn_bwd_dkdv_kernel)[grid_k](q, k, v, do, lse, delta, dk, dv, *args, **meta, BLOCK_M=bm,
+                                                BLOCK_N=bn, num_warps=nw)
+    C.launchable(_attn_bwd_dq_kernel)[grid_q](q, k, v, do, lse, delta, dq, *args, **meta, BLOCK_M=bm, BLOCK_N=bn,
+                                              num_warps=nw)
     return dq, dk, dv
 
 
@@ -344,7 +347,7 @@ def attention_bwd(do, q, k, v, o, lse, causal: bool = True, scale: float | None 
 class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, cu_seqlens, max_seqlen):
-        o, lse = attention_fwd(q, k, v, causal, scale, cu_seqlens, max_seqlen)
+        o, lse = C.op("attention_fwd", attention_fwd)(q, k, v, causal, scale, cu_seqlens, max_seqlen)
         ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)  # O(T) extra memory: the LSE, not the T x T matrix P
         ctx.args = (causal, scale, max_seqlen)
         ctx.mark_non_differentiable(lse)
@@ -354,7 +357,7 @@ class AttentionFunction(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         q, k, v, o, lse, cu = ctx.saved_tensors
         causal, scale, max_seqlen = ctx.args
-        dq, dk, dv = attention_bwd(do, q, k, v, o, lse, causal, scale, cu, max_seqlen)
+        dq, dk, dv = C.op("attention_bwd", attention_bwd)(do, q, k, v, o, lse, causal, scale, cu, max_seqlen)
         return dq, dk, dv, None, None, None, None
 
 

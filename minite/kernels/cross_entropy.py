@@ -48,6 +48,7 @@ def linear_cross_entropy_ref(x, weight, target, ignore_index: int = -100, reduct
 @triton.jit
 def _ce_fwd_kernel(X_ptr, X_row_stride, T_ptr, Loss_ptr, LSE_ptr, V, ignore_index, smoothing,
                    BLOCK_SIZE: tl.constexpr, FP64: tl.constexpr):
+    smoothing = _acc(smoothing, FP64)  # a float is fp64 under Inductor: compute in fp32 (fp64 for gradcheck)
     row = tl.program_id(0).to(tl.int64)  # one program per row of the (N, V) logits
     X_ptr += row * X_row_stride  # int64: N * V overflows int32 at N*V > 2**31 (8192 x 50304 does)
     t = tl.load(T_ptr + row)
@@ -86,6 +87,7 @@ def _ce_fwd_kernel(X_ptr, X_row_stride, T_ptr, Loss_ptr, LSE_ptr, V, ignore_inde
 @triton.jit
 def _ce_bwd_kernel(X_ptr, X_row_stride, T_ptr, LSE_ptr, DL_ptr, DL_stride, DX_ptr, DX_row_stride, V,
                    ignore_index, smoothing, BLOCK_SIZE: tl.constexpr, FP64: tl.constexpr):
+    smoothing = _acc(smoothing, FP64)  # a float is fp64 under Inductor: compute in fp32 (fp64 for gradcheck)
     row = tl.program_id(0).to(tl.int64)
     X_ptr += row * X_row_stride
     DX_ptr += row * DX_row_stride

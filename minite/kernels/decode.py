@@ -21,6 +21,7 @@ import torch
 
 from minite._triton import interpreting, tl, triton
 from minite.backend import resolve_backend
+from minite.kernels._common import launchable, op
 
 __all__ = ["decode_attention_ref", "decode_attention", "num_splits_heuristic", "lse_merge_ref"]
 
@@ -56,6 +57,7 @@ def _decode_partial_kernel(Q, K, V, LEN, O_PART, L_PART, H, KVH, T_MAX, D, CHUNK
                            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
     # Grid (B * KVH, S): program (b*KVH + g, s) attends the GROUP query heads of kv head g to keys
     # [s * CHUNK, (s + 1) * CHUNK) of sequence b, and writes normalised partial O (fp32) and its LSE (ln).
+    qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes a Python float as fp64: keep m_i fp32
     bg = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1).to(tl.int64)
     S = tl.num_programs(1)
@@ -156,13 +158,14 @@ def decode_attention_triton(q, k_cache, v_cache, lengths, scale=None, num_splits
     l_part = torch.empty((B, H, S), dtype=torch.float32, device=q.device)  # (B, H, S)
     lens = lengths.to(device=q.device, dtype=torch.int32)
     BLOCK_D = max(16, triton.next_power_of_2(D))
-    _decode_partial_kernel[(B * KVH, S)](
+    launchable(_decode_partial_kernel)[(B * KVH, S)](
         q, k_cache, v_cache, lens, o_part, l_part, H, KVH, T_max, D, chunk, scale * 1.4426950408889634,
         GROUP=H // KVH, UPCAST=q.dtype == torch.bfloat16 and interpreting(),
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
         BLOCK_G=max(16, triton.next_power_of_2(H // KVH)), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N)
     o = torch.empty_like(q)
-    _lse_merge_kernel[(B * H,)](o_part, l_part, o, S, D, BLOCK_S=max(2, triton.next_power_of_2(S)), BLOCK_D=BLOCK_D)
+    launchable(_lse_merge_kernel)[(B * H,)](o_part, l_part, o, S, D, BLOCK_S=max(2, triton.next_power_of_2(S)),
+                                            BLOCK_D=BLOCK_D)
     return o
 
 
@@ -182,6 +185,6 @@ def decode_attention(q, k_cache, v_cache, lengths, *, scale: float | None = None
         raise ValueError(f"decode_attention: lengths must have shape ({B},), got {tuple(lengths.shape)}")
     if resolve_backend(q, backend) == "triton" and q.dtype in (torch.float16, torch.bfloat16, torch.float32) \
             and D <= 128:
-        return decode_attention_triton(q, k_cache, v_cache, lengths, scale, num_splits, max_len)
+        return op("decode_attention", decode_attention_triton)(q, k_cache, v_cache, lengths, scale, num_splits, max_len)
     n = k_cache.shape[2] if max_len is None else max_len  # read only the filled part of the cache
     return decode_attention_ref(q, k_cache[:, :, :n], v_cache[:, :, :n], lengths, scale)

@@ -14,10 +14,13 @@ GPU needs, for any r >= 1. The base layer, its adapter, dropout and merge live i
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from minite._triton import interpreting, tl, triton
 from minite.backend import resolve_backend
+from minite.kernels._common import launchable, op
 
 __all__ = ["lora_linear_ref", "lora_linear", "LoRALinearFunction", "lora_fwd", "lora_bwd"]
 
@@ -50,6 +53,7 @@ def _dot(a, b, acc, F32: tl.constexpr):
 def _lora_fwd_kernel(X_ptr, W_ptr, A_ptr, B_ptr, Y_ptr, XA_ptr, N, K, O, R, scaling,
                      X_row_stride, Y_row_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, F32: tl.constexpr):
+    scaling = tl.cast(scaling, tl.float32)  # alpha / r: a Python float, fp64 under Inductor
     # Grid (cdiv(N, BLOCK_M), cdiv(O, BLOCK_N)): program (i, j) owns the (BLOCK_M, BLOCK_N) tile of y.
     # W (O, K), A (R, K), B (O, R) are contiguous; XA (N, R) fp32 receives x A^T for the backward.
     pid_m = tl.program_id(0).to(tl.int64)
@@ -91,6 +95,7 @@ def _lora_fwd_kernel(X_ptr, W_ptr, A_ptr, B_ptr, Y_ptr, XA_ptr, N, K, O, R, scal
 def _lora_bwd_dx_kernel(DY_ptr, W_ptr, A_ptr, B_ptr, DX_ptr, DG_ptr, N, K, O, R, scaling, DY_row_stride,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         BLOCK_R: tl.constexpr, F32: tl.constexpr):
+    scaling = tl.cast(scaling, tl.float32)  # alpha / r: a Python float, fp64 under Inductor
     # Grid (cdiv(N, BLOCK_M), cdiv(K, BLOCK_N)): program (i, j) owns a (BLOCK_M, BLOCK_N) tile of dx (N, K);
     # the reduction runs over the O output features in steps of BLOCK_K.
     pid_m = tl.program_id(0).to(tl.int64)
@@ -125,6 +130,7 @@ def _lora_bwd_dx_kernel(DY_ptr, W_ptr, A_ptr, B_ptr, DX_ptr, DG_ptr, N, K, O, R,
 def _lora_bwd_dadb_kernel(X_ptr, DY_ptr, G_ptr, DG_ptr, DA_ptr, DB_ptr, N, K, O, R, scaling,
                           X_row_stride, DY_row_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_R: tl.constexpr, F32: tl.constexpr):
+    scaling = tl.cast(scaling, tl.float32)  # alpha / r: a Python float, fp64 under Inductor
     # One launch, two jobs: programs 0..cdiv(K, BLOCK_N)-1 each own a (BLOCK_R, BLOCK_N) tile of dA (r, K);
     # the rest each own a (BLOCK_N, BLOCK_R) tile of dB (O, r). Both loop over the N rows in steps of BLOCK_M.
     pid = tl.program_id(0).to(tl.int64)
@@ -185,7 +191,7 @@ def lora_fwd(x2, weight, lora_A, lora_B, scaling, blocks=None):
     BM, BN, BK, BR = blocks or _blocks(N, O, K, R, x2.is_cuda)
     if N and O:
         grid = (triton.cdiv(N, BM), triton.cdiv(O, BN))
-        _lora_fwd_kernel[grid](x2, weight, lora_A, lora_B, y, g, N, K, O, R, float(scaling), x2.stride(0),
+        launchable(_lora_fwd_kernel)[grid](x2, weight, lora_A, lora_B, y, g, N, K, O, R, float(scaling), x2.stride(0),
                                y.stride(0), BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=BR, F32=_f32(x2))
     return y, g
 
@@ -198,12 +204,12 @@ def lora_bwd(dy, x2, weight, lora_A, lora_B, g, scaling, blocks=None):
     dg = torch.empty((N, R), dtype=torch.float32, device=x2.device)
     BM, BN, BK, BR = blocks or _blocks(N, K, O, R, x2.is_cuda)
     if N and K:
-        _lora_bwd_dx_kernel[(triton.cdiv(N, BM), triton.cdiv(K, BN))](
+        launchable(_lora_bwd_dx_kernel)[(triton.cdiv(N, BM), triton.cdiv(K, BN))](
             dy, weight, lora_A, lora_B, dx, dg, N, K, O, R, float(scaling), dy.stride(0),
             BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=BR, F32=_f32(x2))
     else:
         dx.zero_(), dg.zero_()
-    _lora_bwd_dadb_kernel[(triton.cdiv(K, BN) + triton.cdiv(O, BN),)](
+    launchable(_lora_bwd_dadb_kernel)[(triton.cdiv(K, BN) + triton.cdiv(O, BN),)](
         x2, dy, g, dg, dA, dB, N, K, O, R, float(scaling), x2.stride(0), dy.stride(0),
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_R=BR, F32=_f32(x2))
     return dx, dA, dB
@@ -220,7 +226,8 @@ class LoRALinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, lora_A, lora_B, scaling, blocks=None):
         x2 = _rows(x)
         w, a, b = weight.contiguous(), lora_A.contiguous(), lora_B.contiguous()
-        y, g = lora_fwd(x2, w, a, b, scaling, blocks)
+        fwd = op("lora_fwd", lora_fwd) if blocks is None else functools.partial(lora_fwd, blocks=blocks)
+        y, g = fwd(x2, w, a, b, scaling)  # torch.ops.minite.lora_fwd under torch.compile
         ctx.save_for_backward(x2, w, a, b, g)  # g = x A^T: (N, r), a sliver next to x
         ctx.scaling, ctx.blocks, ctx.x_shape = scaling, blocks, x.shape
         return y.view(*x.shape[:-1], w.shape[0])
@@ -229,7 +236,8 @@ class LoRALinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x2, w, a, b, g = ctx.saved_tensors
         dy2 = _rows(dy)
-        dx, dA, dB = lora_bwd(dy2, x2, w, a, b, g, ctx.scaling, ctx.blocks)
+        bwd = op("lora_bwd", lora_bwd) if ctx.blocks is None else functools.partial(lora_bwd, blocks=ctx.blocks)
+        dx, dA, dB = bwd(dy2, x2, w, a, b, g, ctx.scaling)
         dW = (dy2.t().float() @ x2.float()).to(w.dtype) if ctx.needs_input_grad[1] else None  # only if unfrozen
         return dx.view(ctx.x_shape), dW, dA, dB, None, None
 

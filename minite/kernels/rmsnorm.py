@@ -48,6 +48,7 @@ def _norm_fwd_kernel(X_ptr, W_ptr, B_ptr, Y_ptr, Mean_ptr, Rstd_ptr, X_row_strid
                      eps, LAYERNORM: tl.constexpr, ACC: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                      BLOCK_ROWS: tl.constexpr):
     # BLOCK_ROWS rows per program (several when rows are short, so each program has enough bytes in flight).
+    eps = tl.cast(eps, ACC)  # a Python float is fp64 under Inductor: compute in ACC (fp32, or fp64 for gradcheck)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # (BLOCK_ROWS,) int64
     cols = tl.arange(0, BLOCK_SIZE)  # BLOCK_SIZE = next power of 2 >= N_COLS
     cmask = cols < N_COLS

@@ -1,0 +1,332 @@
+"""Compile minite's Triton kernels for a GPU on a machine without one: the sm_90 / sm_80 gate.
+
+The CPU interpreter (``TRITON_INTERPRET=1``) runs a kernel's Python semantics; it never runs the GPU compiler, so
+it accepts what an H100 refuses. Triton's compiler itself needs no GPU: ``triton.compile(ASTSource(...),
+target=GPUTarget("cuda", 90, 32))`` goes TTIR -> TTGIR -> LLVM -> PTX -> cubin here. The gate has two halves:
+
+1. **Record** (``record_launches``): while the tests run under the interpreter, every ``kernel[grid](...)`` launch
+   of a minite kernel is written down: the kernel, each argument's Triton type (``*bf16``, ``i32``, a float),
+   the constexprs and ``num_warps``/``num_stages``. Distinct launches only (a JSON line each).
+2. **Compile** (``python -m minite.gpu_compile RECORDS...``): each distinct launch for sm_90 and sm_80, with its
+   float scalars typed twice: ``fp32``, as an eager launch passes a Python float, and ``fp64``, as Inductor types
+   it when ``torch.compile`` traces a ``triton_op`` (the H100 crash of 2026-11-25: an fp64 ``qk_scale`` turned
+   the loop-carried ``m_i`` into fp64). It fails on a compile error, on an ``f64`` value that survives past the
+   kernel's entry when no input is fp64 (a float scalar leaking into fp32 state), on shared memory over the
+   architecture's per-block limit, and on register spills in the kernels the benchmarks time.
+
+What it cannot show: speed, numerics (TF32 in ``tl.dot``), launch-time limits (grid size). Those need a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import functools
+import inspect
+import json
+import multiprocessing
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["record_launches", "launch_record", "compile_record", "kernel_names", "main", "SHARED_LIMIT"]
+
+# Shared memory one block may use (bytes): H100 227 KiB, A100 163 KiB (cudaDevAttrMaxSharedMemoryPerBlockOptin).
+SHARED_LIMIT = {90: 232448, 80: 166912}
+# Kernels on fp8 operands: Ampere (sm_80) has no fp8 tensor cores; minite refuses fp8 there (formats/fp8.py).
+_FP8_TYPES = ("fp8e4nv", "fp8e5")
+
+_TORCH_TO_TL = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64", "int64": "i64",
+                "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1",
+                "float8_e4m3fn": "fp8e4nv", "float8_e5m2": "fp8e5"}
+
+
+# ------------------------------------------------------------------------------------------------ recording
+def _is_constexpr(param: inspect.Parameter) -> bool:
+    a = param.annotation
+    return (a is not inspect.Parameter.empty and
+            (getattr(a, "__name__", "") == "constexpr" or (isinstance(a, str) and a.endswith("constexpr"))))
+
+
+def _const(v):
+    """A constexpr value as JSON: numbers, strings, None, or a Triton dtype ({"dtype": "fp32"})."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    name = getattr(v, "name", None)  # tl.dtype
+    if name is not None:
+        return {"dtype": str(name)}
+    value = getattr(v, "value", v)  # tl.constexpr(...)
+    if value is not v:
+        return _const(value)
+    raise TypeError(f"cannot record constexpr {v!r}")
+
+
+def _type(v) -> str:
+    """Triton's type for a runtime argument; "float" stands for a Python float (fp32 eager, fp64 Inductor)."""
+    if hasattr(v, "dtype") and hasattr(v, "data_ptr"):
+        return "*" + _TORCH_TO_TL[str(v.dtype).replace("torch.", "")]
+    if isinstance(v, bool):
+        return "i1"
+    if isinstance(v, int):
+        return "i32" if -2**31 <= v < 2**31 else "i64"
+    if isinstance(v, float):
+        return "float"
+    raise TypeError(f"cannot type kernel argument {v!r}")
+
+
+def launch_record(fn, args: tuple, kwargs: dict) -> dict:
+    """The record of one launch of the plain Python kernel function `fn` with `args`/`kwargs`."""
+    params = list(inspect.signature(fn).parameters.values())
+    bound = dict(zip([p.name for p in params], args))
+    bound.update({k: v for k, v in kwargs.items() if k in {p.name for p in params}})
+    sig, consts = {}, {}
+    for p in params:
+        v = bound.get(p.name, p.default)
+        if _is_constexpr(p) or v is None:
+            consts[p.name] = _const(v)
+        else:
+            sig[p.name] = _type(v)
+    return {"module": fn.__module__, "kernel": fn.__name__, "signature": sig, "constexprs": consts,
+            "num_warps": int(kwargs.get("num_warps", 4)), "num_stages": int(kwargs.get("num_stages", 3))}
+
+
+def record_launches(path: str | os.PathLike) -> None:
+    """From now on, append each distinct launch of a ``minite.*`` kernel under the interpreter to `path`
+    (JSON lines). Patches the interpreter's ``InterpretedFunction.run``; call before kernels launch."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if getattr(InterpretedFunction.run, "_minite_recorder", None) == str(path):
+        return
+    orig = getattr(InterpretedFunction.run, "_minite_orig", InterpretedFunction.run)
+    seen: set[str] = set()
+
+    @functools.wraps(orig)
+    def run(self, *args, grid, warmup, **kwargs):
+        if getattr(self.fn, "__module__", "").startswith("minite."):
+            try:
+                line = json.dumps(launch_record(self.fn, args, kwargs), sort_keys=True)
+            except TypeError as e:  # an argument the gate cannot type: record it as a failure to see
+                line = json.dumps({"module": self.fn.__module__, "kernel": self.fn.__name__, "error": str(e)})
+            if line not in seen:
+                seen.add(line)
+                with open(path, "a", encoding="utf-8") as f:
+                    f.write(line + "\n")
+        return orig(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    run._minite_recorder, run._minite_orig = str(path), orig
+    InterpretedFunction.run = run
+
+
+# ------------------------------------------------------------------------------------------------ compiling
+def kernel_names() -> set[str]:
+    """"module:name" of every launchable ``@triton.jit`` kernel in minite (those named ``_*_kernel``)."""
+    import importlib
+    import pkgutil
+
+    import minite
+    out = set()
+    for m in pkgutil.walk_packages(minite.__path__, "minite."):
+        if m.name.startswith(("minite.gpu_compile", "minite.train", "minite.__main__")):
+            continue
+        mod = importlib.import_module(m.name)
+        for name, obj in vars(mod).items():
+            if name.endswith("_kernel") and hasattr(obj, "arg_names") and getattr(obj, "fn", None) is not None \
+                    and obj.fn.__module__ == m.name:
+                out.add(f"{m.name}:{name}")
+    return out
+
+
+def _f64_leaks(ttir: str, floats: set[str]) -> list[str]:
+    """TTIR lines that compute in f64, other than truncating an f64 argument (a float scalar, or the parameter of
+    a helper such as ``_acc`` that receives one) to f32, and calls that hand it to such a helper."""
+    args = set(floats) | set(re.findall(r"%(\w+): f64", " ".join(
+        ln for ln in ttir.splitlines() if ln.lstrip().startswith("tt.func"))))
+    out = []
+    for ln in ttir.splitlines():
+        ln = ln.strip()
+        if "f64" not in ln or ln.startswith(("tt.func", "#", "loc")):
+            continue
+        m = re.search(r"arith\.truncf %(\w+) : f64 to f32", ln) or \
+            re.search(r"tt\.call @\S+\(%(\w+)\) : \(f64\) -> f32", ln)
+        if m and (m.group(1) in args or m.group(1).startswith("arg")):
+            continue
+        out.append(ln)
+    return out
+
+
+def _ttir(src, target, options: dict) -> str:
+    """The kernel's TTIR as code generation writes it (the step that raised the H100's loop-carried fp64 error),
+    without the optimisation passes, PTX and cubin: a tenth of a full compile. Falls back to a full compile on
+    a Triton whose internals differ."""
+    import triton
+    try:
+        from triton._C.libtriton import ir
+        from triton.compiler.compiler import make_backend
+        backend = make_backend(target)
+        opts = backend.parse_options(options)
+        context = ir.context()
+        ir.load_dialects(context)
+        backend.load_dialects(context)
+        return str(src.make_ir(target, opts, backend.get_codegen_implementation(opts), backend.get_module_map(),
+                               context))
+    except (ImportError, AttributeError, TypeError):
+        return triton.compile(src, target=target, options=options).asm["ttir"]
+
+
+def _ptxas_usage(ptx: str, arch: int) -> dict:
+    """{"n_regs", "n_spills"} from ``ptxas -v`` on the kernel's PTX (the driver reports them only on a GPU)."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "k.ptx"
+        src.write_text(ptx)
+        r = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}{'a' if arch == 90 else ''}",
+                            str(src), "-o", str(Path(d) / "k.o")], capture_output=True, text=True)
+    log = r.stdout + r.stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
+    return {"n_regs": int(regs.group(1)) if regs else None, "n_spills": max(spills, default=0)}
+
+
+def compile_record(rec: dict, arch: int, float_type: str, check_spills: bool | int = False) -> dict:
+    """Compile one recorded launch for sm_`arch` with its floats typed `float_type`. Returns a result dict:
+    {"ok": bool, "why": str, "shared": int, "n_regs": int, "n_spills": int}."""
+    import importlib
+
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(importlib.import_module(rec["module"]), rec["kernel"])
+    types = {n: rec["signature"].get(n, "i32") for n in fn.arg_names}  # a hand-written record may leave ints out
+    sig = {n: ("constexpr" if n in rec["constexprs"] else float_type if types[n] == "float" else types[n])
+           for n in fn.arg_names}
+    dtypes = {d.name: d for d in vars(tl).values() if isinstance(d, tl.dtype)}  # "fp32" -> tl.float32
+    consts = {k: dtypes[v["dtype"]] if isinstance(v, dict) else v for k, v in rec["constexprs"].items()}
+    uses_fp8 = any(t.lstrip("*") in _FP8_TYPES for t in sig.values()) or any(
+        isinstance(v, dict) and v["dtype"] in _FP8_TYPES for v in rec["constexprs"].values())
+    if arch < 89 and uses_fp8:
+        return {"ok": True, "why": "skipped: fp8 needs sm_89+ (minite refuses fp8 below)", "skipped": True}
+    src, target = ASTSource(fn, sig, constexprs=consts), GPUTarget("cuda", arch, 32)
+    options = {"num_warps": rec["num_warps"], "num_stages": rec["num_stages"]}
+    floats = {n for n, t in rec["signature"].items() if t == "float"}
+    any_fp64_input = any(t.lstrip("*") == "fp64" for n, t in sig.items() if n not in floats)
+    try:
+        if float_type == "fp64":  # after the entry's cast the rest is the fp32 compile: the TTIR is the question
+            leaks = _f64_leaks(_ttir(src, target, options), floats)
+            if leaks and not any_fp64_input:
+                return {"ok": False, "why": f"an fp64 float scalar leaks into the kernel's math: {leaks[0][:200]}"}
+            return {"ok": True, "why": ""}
+        k = triton.compile(src, target=target, options=options)
+    except Exception as e:  # noqa: BLE001 - any compiler error is the finding
+        msg = str(e).strip().splitlines()
+        return {"ok": False, "why": f"compile error: {' | '.join(msg[-4:])[:600]}"}
+    md = k.metadata
+    res = {"ok": True, "why": "", "shared": md.shared}
+    if check_spills:
+        res.update(_ptxas_usage(k.asm["ptx"], arch))
+    if md.shared > SHARED_LIMIT[arch]:
+        return dict(res, ok=False, why=f"shared memory {md.shared} B > sm_{arch}'s {SHARED_LIMIT[arch]} B per block")
+    allowed = 0 if check_spills is True else int(check_spills) - 1  # an int: 1 + the bytes allowed to spill
+    if check_spills and res["n_spills"] > allowed:
+        return dict(res, ok=False, why=f"{res['n_spills']} bytes of register spills (allowed {allowed}), "
+                                       f"{res['n_regs']} registers")
+    return res
+
+
+def _job(rec, arch, float_type, check_spills):
+    t0 = time.perf_counter()
+    try:
+        res = compile_record(rec, arch, float_type, check_spills)
+    except Exception as e:  # noqa: BLE001 - e.g. the kernel cannot be imported
+        res = {"ok": False, "why": f"{type(e).__name__}: {e}"}
+    return dict(res, seconds=round(time.perf_counter() - t0, 2))
+
+
+def load_records(paths) -> list[dict]:
+    """Distinct records from JSON-lines files (order kept)."""
+    seen, out = set(), []
+    for p in paths:
+        for line in Path(p).read_text(encoding="utf-8").splitlines():
+            if line.strip() and line not in seen:
+                seen.add(line)
+                out.append(json.loads(line))
+    return out
+
+
+def describe(rec: dict) -> str:
+    c = rec.get("constexprs", {})
+    blocks = ",".join(f"{k}={v}" for k, v in sorted(c.items()) if not isinstance(v, dict) and k != "HEAD_DIM")
+    ptrs = sorted({t for t in rec.get("signature", {}).values() if t.startswith("*")})
+    return f"{rec['kernel']}[{blocks}; {'/'.join(ptrs)}; warps={rec.get('num_warps')}]"
+
+
+def gate(records: list[dict], archs=(90, 80), jobs: int | None = None, require: set[str] | None = None,
+         check_spills: bool = False, spill_budget: dict | None = None, log=print) -> int:
+    """Compile every record for each arch with float scalars typed fp32 (an eager launch), and generate the TTIR
+    of those with float scalars typed fp64 (Inductor). ``check_spills``: fail on sm_90 register spills beyond
+    ``spill_budget[describe(record)]`` bytes (0 when absent). Returns the failure count."""
+    bad = [r for r in records if "error" in r]
+    for r in bad:
+        log(f"FAIL {r['kernel']}: could not record its launch ({r['error']})")
+    records = [r for r in records if "error" not in r]
+    jobs_list = []
+    for r in records:
+        for arch in archs:
+            spill = (1 + (spill_budget or {}).get(describe(r), 0)) if check_spills and arch == 90 else False
+            jobs_list.append((r, arch, "fp32", spill))
+        if "float" in r["signature"].values():  # Inductor's typing: a TTIR question, the same on every arch
+            jobs_list.append((r, archs[0], "fp64", False))
+    t0, fails, skipped = time.perf_counter(), len(bad), 0
+    n = jobs or max(1, min(len(jobs_list), os.cpu_count() or 1))
+    # spawn, not fork: forking a process that has imported torch/triton (threads) can deadlock its children
+    with cf.ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as ex:
+        futs = {ex.submit(_job, *j): j for j in jobs_list}
+        for f in cf.as_completed(futs):
+            r, arch, ft, _ = futs[f]
+            res = f.result()
+            skipped += bool(res.get("skipped"))
+            if res.get("n_spills"):
+                log(f"spills sm_{arch} {describe(r)}: {res['n_spills']} bytes, {res['n_regs']} registers")
+            if not res["ok"]:
+                fails += 1
+                log(f"FAIL sm_{arch} floats={ft} {describe(r)} ({r['module']}): {res['why']}")
+    kernels = {f"{r['module']}:{r['kernel']}" for r in records}
+    missing = sorted((require or set()) - kernels)
+    for m in missing:
+        fails += 1
+        log(f"FAIL {m}: no test launched this kernel, so the gate could not compile it")
+    log(f"sm_{'/sm_'.join(map(str, archs))} compile gate: {len(kernels)} kernels, {len(records)} launch "
+        f"configurations, {len(jobs_list)} compiles ({skipped} fp8-on-sm_80 skipped) in "
+        f"{time.perf_counter() - t0:.0f} s: {fails} failed")
+    return fails
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m minite.gpu_compile", description=__doc__.split("\n\n")[0])
+    p.add_argument("records", nargs="+", help="JSON-lines files written by record_launches, or folders of them")
+    p.add_argument("--arch", type=int, nargs="+", default=[90, 80])
+    p.add_argument("--jobs", type=int, default=None)
+    p.add_argument("--require-all", action="store_true", help="fail when a minite kernel was never launched")
+    a = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        p.error("run with TRITON_INTERPRET unset: the kernels must be decorated for the GPU compiler")
+    files = [f for r in a.records for f in (sorted(Path(r).glob("*.jsonl")) if Path(r).is_dir() else [Path(r)])]
+    if not files:
+        import torch
+        if torch.cuda.is_available():  # no interpreter ran: every kernel was compiled by the GPU's own Triton
+            print("sm_90/sm_80 compile gate: nothing recorded (the kernels ran on CUDA and compiled there)")
+            return 0
+        print(f"sm_90/sm_80 compile gate: FAIL, no launch was recorded in {a.records} (was the suite run with "
+              "MINITE_RECORD_LAUNCHES and TRITON_INTERPRET=1?)")
+        return 1
+    require = kernel_names() if a.require_all else None
+    return 1 if gate(load_records(files), a.arch, a.jobs, require) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
