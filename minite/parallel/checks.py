@@ -27,8 +27,10 @@ TINY = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_em
 LR, WD, STEPS, CLIP = 1e-2, 0.5, 5, 1.0
 # After 5 AdamW steps parameters agree to ~lr/1000 (Adam turns reduction-order noise on near-zero gradients into
 # up to lr-sized steps); a missing weight decay (lr*wd*|p| ~ 1e-4 per step) or a wrong lr is far above TOL. The
-# gradients themselves are compared at 1e-6 (Adam is blind to a wrong gradient scale).
-TOL = 1e-4
+# gradients themselves are compared at 1e-6 (Adam is blind to a wrong gradient scale). 2e-4, not 1e-4: tp2 x sp
+# at world 4 measured 1.008e-4 on an AVX-512 CPU (2026-11-25, the same on main before), where the reduction order
+# of the CPU's kernels differs; a missing weight decay (~5e-4 after 5 steps) stays above it.
+TOL = 2e-4
 
 
 def tiny_gpt(seed: int = 0, **kw) -> GPT:
