@@ -5,13 +5,13 @@
     with minite.use_backend("torch"):        # force the PyTorch reference
         ...
 
-``minite.formats`` (number formats) is imported on first use.
+``minite.ops``, ``minite.nn`` and ``minite.formats`` are imported on first use, so importing one part of the
+library (``minite.parallel.dims``, ``minite.errors``) loads only what that part uses.
 """
 from __future__ import annotations
 
 import importlib
 
-from minite import nn, ops  # noqa: F401
 from minite._triton import HAS_TRITON, interpreting  # noqa: F401
 from minite.backend import resolve_backend, use_backend  # noqa: F401
 
@@ -20,6 +20,6 @@ __all__ = ["ops", "nn", "formats", "use_backend", "resolve_backend", "HAS_TRITON
 
 
 def __getattr__(name: str):
-    if name == "formats":  # lazy: keeps `import minite` light
-        return importlib.import_module("minite.formats")
+    if name in ("ops", "nn", "formats"):  # lazy: keeps `import minite` light
+        return importlib.import_module(f"minite.{name}")
     raise AttributeError(f"module 'minite' has no attribute {name!r}")

@@ -21,14 +21,11 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from minite.errors import ConfigError
 from minite.models.gpt import GPTConfig
 
 __all__ = ["DataConfig", "TrainConfig", "ParallelConfig", "RunConfig", "PRESETS", "ConfigError", "make_config",
            "apply_overrides", "config_help", "config_from_dict", "LoRASection"]
-
-
-class ConfigError(ValueError):
-    """A bad configuration key or value (the message says what is valid)."""
 
 
 def _doc(text: str, default):

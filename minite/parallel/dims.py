@@ -18,15 +18,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from minite.config import ConfigError
+from minite.errors import ParallelError
 
 __all__ = ["ParallelDims", "ParallelError", "check_layout", "init_distributed", "select_device"]
 
 AXES = ("pp", "dp", "cp", "tp")  # the grid's axis order, slowest to fastest
-
-
-class ParallelError(ConfigError):
-    """A parallel layout that cannot work (the message names the numbers); minite.train prints it as an error."""
 
 
 def select_device(device: str = "auto", local_world: int | None = None, gpus: int | None = None) -> str:
