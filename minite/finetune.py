@@ -16,10 +16,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minite.config import ConfigError
+from minite.checkpoint import load_checkpoint
+from minite.checkpoint import load_model_state as load_dense_state
+from minite.data import Tokenizer
+from minite.errors import ConfigError
 from minite.layers.lora import LoRAConfig, LoRAError, apply_lora, load_lora, lora_state_dict, print_trainable_parameters
 
-__all__ = ["lora_config", "setup", "prepare_model", "model_state", "load_model_state"]
+__all__ = ["lora_config", "base_of", "prepare_model", "model_state", "load_model_state"]
 
 
 def lora_config(args) -> LoRAConfig:
@@ -35,18 +38,15 @@ def lora_config(args) -> LoRAConfig:
         raise ConfigError(f"--lora.*: {e}") from e
 
 
-def setup(cfg):
-    """-> (cfg, base checkpoint or None, base tokenizer or None). The model fields come from the base."""
-    from minite.config import apply_overrides
-    from minite.data import Tokenizer
-    from minite.train import load_checkpoint  # lazy: minite.train imports this module
-
+def base_of(cfg) -> tuple[dict | None, Tokenizer | None, dict]:
+    """-> (base checkpoint or None, its tokenizer or None, the overrides the base imposes on `cfg`: its model
+    fields and tokenizer kind). Nothing is rebuilt here: minite.train.resolve applies them with the rest."""
     if cfg.lora.r < 0:
         raise ConfigError(f"--lora.r must be >= 0 (0 = no LoRA), got {cfg.lora.r}")
     if not cfg.train.init_from:
         if cfg.lora.r > 0:
             raise ConfigError("--lora.r > 0 adapts a trained model: give its checkpoint with --init_from PATH")
-        return cfg, None, None
+        return None, None, {}
     base = load_checkpoint(cfg.train.init_from)
     if cfg.lora.r > 0:
         lora_config(cfg.lora)  # validate before any data is prepared
@@ -54,7 +54,7 @@ def setup(cfg):
     over = {f"model.{k}": v for k, v in base["config"]["model"].items()}
     if tok is not None:
         over["data.tokenizer"] = tok.kind
-    return apply_overrides(cfg, over), base, tok
+    return base, tok, over
 
 
 def prepare_model(model: nn.Module, cfg, base: dict | None) -> None:
@@ -78,12 +78,13 @@ def model_state(model: nn.Module, cfg) -> dict[str, torch.Tensor]:
     return lora_state_dict(model) if cfg.lora.r > 0 else model.state_dict()
 
 
-def load_model_state(model: nn.Module, state: dict, cfg) -> None:
-    """Inverse of model_state (on resume: the base is already loaded by prepare_model)."""
+def load_model_state(model: nn.Module, state: dict, cfg, path) -> None:
+    """Inverse of model_state, on resume from checkpoint `path`: the adapters under LoRA (the base is already
+    loaded by prepare_model), else the dense weights (a CheckpointError names a wrong-shaped or missing tensor)."""
     if cfg.lora.r > 0:
         try:
             load_lora(model, state)
         except LoRAError as e:
             raise ConfigError(f"resume: {e}") from e
     else:
-        model.load_state_dict(state)
+        load_dense_state(model, state, path)

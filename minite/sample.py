@@ -11,9 +11,9 @@ import sys
 
 import torch
 
+from minite.checkpoint import CheckpointError, load_checkpoint
 from minite.data import Tokenizer
 from minite.models.gpt import GPT, GPTConfig
-from minite.train import CheckpointError, load_checkpoint
 
 __all__ = ["load_model", "sample", "main"]
 

@@ -10,6 +10,15 @@
 One loop, nanoGPT-style: AdamW with warm-up and cosine decay, gradient clipping and accumulation, fixed val batches,
 atomic checkpoints with every RNG state (a resumed run reproduces the uninterrupted one). Precision: fp32, bf16/fp16
 autocast, or fp8 (fp8_autocast over every minite.nn.Linear). torch.compile on CUDA by default (minite/compile.py).
+
+The run reads top to bottom, in four steps (torchtitan's split, nanoGPT's clarity):
+
+    resolve(cfg, resume=)   the final configuration, decided once: the checkpoint's (--resume), the base's model
+                            (--init_from), the data's vocabulary; the prepared data and the states to load
+    build(plan, par)        the model (loaded, wrapped by the parallel layout, compiled), optimizer, precision,
+                            batch sampler, restored states: a Run
+    train_step(run)         one optimizer step on the global batch: accumulation, loss scaling, clipping
+    loop(run)               evaluate, checkpoint, log, step, until --train.stop_at or --train.max_iters
 """
 from __future__ import annotations
 
@@ -21,41 +30,168 @@ import os
 import random
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from minite import finetune
-from minite.checkpoint import CheckpointError, clean_orphans, load_checkpoint, load_model_state, save_checkpoint
+from minite.checkpoint import CheckpointError, clean_orphans, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from minite.compile import compile_model, eager_mode
 from minite.config import ConfigError, RunConfig, apply_overrides, config_help, make_config
-from minite.data import BatchSampler, DataError, prepare
+from minite.data import BatchSampler, DataError, PreparedData, prepare
 from minite.models.gpt import GPT
-from minite.parallel.runtime import setup_parallel
+from minite.parallel.runtime import Parallel, setup_parallel
 from minite.recompute import apply_recompute
 
-__all__ = ["train", "main", "save_checkpoint", "load_checkpoint", "CheckpointError", "parse_cli"]
+__all__ = ["train", "resolve", "build", "train_step", "loop", "Plan", "Run", "main", "parse_cli",
+           "save_checkpoint", "load_checkpoint", "CheckpointError"]
 
 
-def _rng_state(sampler: BatchSampler) -> dict:
-    np_state = np.random.get_state()
-    return {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]), "python_version": 3,
-            "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "sampler": sampler.state_dict()}
+# ----------------------------------------------------------------------------------------------- 1. resolve
+@dataclass
+class Plan:
+    """What resolve() decided before anything is built."""
+
+    cfg: RunConfig  # final: every later step reads it, none changes it
+    data: PreparedData
+    block: int  # tokens per training sequence (data.block_size, or the model's)
+    resume: dict | None = None  # the checkpoint this run continues (--resume)
+    base: dict | None = None  # the checkpoint this run fine-tunes (--init_from)
+    t0: float = field(default_factory=time.perf_counter)  # when the run started (elapsed_s counts from here)
 
 
-def _set_rng_state(s: dict, sampler: BatchSampler) -> None:
-    torch.set_rng_state(s["torch"])
-    random.setstate((s["python_version"], tuple(s["python"]), None))
-    np.random.set_state((s["numpy"][0], s["numpy"][1].numpy().astype(np.uint32), *s["numpy"][2:]))
-    if s["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda"])
-    sampler.load_state_dict(s["sampler"])
+def resolve(cfg: RunConfig, *, resume: bool = False, overrides: dict | None = None) -> Plan:
+    """Finalise the run's configuration once, and prepare its data.
+
+    resume: start from ``<out_dir>/ckpt.pt``'s configuration, then `overrides` (train/data keys that do not
+    change the model). Then the base's model fields (--init_from) and the data's vocabulary size.
+    """
+    t0 = time.perf_counter()
+    ckpt_path = Path(cfg.train.out_dir) / "ckpt.pt"
+    for tmp, size in clean_orphans(ckpt_path):  # a run killed while writing a checkpoint left these
+        print(f"minite.train: removed {tmp.name} ({size / 1e6:.1f} MB), left by a checkpoint write that was "
+              f"interrupted", flush=True)
+    state = None
+    if resume:
+        state = load_checkpoint(ckpt_path)
+        # The saved stop_at ended the previous job; this one runs on unless told where to stop. Invalid values fail
+        # here, named. The parallel layout is whatever this launch says (checkpoints are layout-free).
+        cfg = apply_overrides(state["config"], {"train.stop_at": 0, **(overrides or {})})
+        _check_same_model(cfg, state, ckpt_path)
+    base, base_tok, final = finetune.base_of(cfg)  # --init_from: the base's model fields and vocab (chapter 09)
+    d = cfg.data
+    tokenizer = final.get("data.tokenizer", d.tokenizer)
+    data = prepare(d.path or None, data_dir=d.data_dir, tokenizer=tokenizer, vocab=base_tok,
+                   unknown_chars=d.unknown_chars)  # every torchrun rank: one writes, the others wait and read
+    if state is not None:
+        _check_same_vocab(cfg, state, data, ckpt_path)
+    final["model.vocab_size"] = data.tokenizer.vocab_size  # the data decides the vocabulary
+    cfg = apply_overrides(cfg, final)
+    block = cfg.data.block_size or cfg.model.block_size
+    if block > cfg.model.block_size:
+        raise ConfigError(f"data.block_size={block} is larger than the model's block_size={cfg.model.block_size}")
+    return Plan(cfg, data, block, resume=state, base=base, t0=t0)
 
 
-# ----------------------------------------------------------------------------------------------- pieces
+def _check_same_model(cfg: RunConfig, state: dict, path: Path) -> None:
+    old = state["config"]["model"]
+    changed = [f"{k}: {old.get(k)!r} in the checkpoint, {v!r} requested"
+               for k, v in cfg.model.to_dict().items() if old.get(k) != v]
+    if changed:
+        raise ConfigError(f"cannot change model fields when resuming from {path} ({'; '.join(changed)}): "
+                          "the checkpoint fixes the model; drop those --model flags or use a new --out_dir")
+
+
+def _check_same_vocab(cfg: RunConfig, state: dict, data: PreparedData, path: Path) -> None:
+    tok = data.tokenizer
+    if state.get("tokenizer") in (None, tok.to_json()):  # the same padded V is not enough: the same symbols
+        return
+    old = state["tokenizer"]
+    src = state["config"]["data"].get("path") or "the default corpus"
+    raise ConfigError(f"checkpoint {path} was trained with a {old['kind']} vocab of {old['vocab_size']} "
+                      f"symbols from {src}; --data {cfg.data.path or '(default corpus)'} has a different vocab "
+                      f"({tok.vocab_size} symbols); resume with the same data or start a new --out_dir")
+
+
+# ----------------------------------------------------------------------------------------------- 2. build
+@dataclass
+class Run:
+    """Everything the loop needs: built by build(), advanced by train_step() and loop()."""
+
+    plan: Plan
+    par: Parallel
+    dev: torch.device
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    ctx: object  # () -> the forward's context: autocast, fp8_autocast or nothing
+    scaler: object  # fp16's DynamicLossScaler, else None
+    sampler: BatchSampler
+    compiled: str
+    step: int = 0
+    best_val: float = float("inf")
+    val_loss: float = float("nan")
+    elapsed_before: float = 0.0  # seconds the run had taken before a resume
+    train_time: float = 0.0
+    losses: dict = field(default_factory=dict)  # {step: the global batch's train loss}
+
+    @property
+    def cfg(self) -> RunConfig:
+        return self.plan.cfg
+
+    @property
+    def out(self) -> Path:
+        return Path(self.cfg.train.out_dir)
+
+    def elapsed(self) -> float:
+        """Seconds of this run, over every job of it (resumes included)."""
+        return self.elapsed_before + time.perf_counter() - self.plan.t0
+
+
+def build(plan: Plan, par: Parallel) -> Run:
+    """The model (base or resumed weights, adapters, parallel wrappers, recompute, compile), the optimizer, the
+    precision and the batch sampler, on this rank's device; a resumed run gets every state back."""
+    cfg = plan.cfg
+    t = cfg.train
+    dev = par.device(_device(t.device))
+    torch.manual_seed(t.seed)
+    random.seed(t.seed)
+    np.random.seed(t.seed)
+    sampler = BatchSampler(plan.data.split("train"), plan.block, t.batch_size, seed=t.seed, split="train", device=dev)
+    BatchSampler(plan.data.split("val"), plan.block, t.batch_size, split="val")  # fail now, not at the first eval
+    model = GPT(cfg.model).to(dev)
+    finetune.prepare_model(model, cfg, plan.base)  # base weights, LoRA adapters (base frozen), trainable vs total
+    if plan.resume is not None:  # the dense weights, before the wrappers cut them: any layout resumes any checkpoint
+        finetune.load_model_state(model, plan.resume["model"], cfg, Path(t.out_dir) / "ckpt.pt")
+    model = par.wrap(model)  # TP(+SP) GPT from the dense one, pipeline stage, DP / ZeRO gradient hooks
+    apply_recompute(model, t.recompute)  # activation recompute per block (chapter 14), after the wrappers
+    compiled = compile_model(model, t, dev)  # in place: state_dict keys unchanged
+    if dev.type == "cpu":
+        torch.set_num_threads(t.threads or (1 if par.active else _pick_threads(model, t, plan.block)))
+    opt = par.optimizer(model, lambda m: _optimizer(m, t, dev), t)  # ZeRO >= 1: the sharded AdamW
+    ctx, scaler = _precision(cfg, dev)
+    run = Run(plan, par, dev, model, opt, ctx, scaler, sampler, compiled)
+    if plan.resume is not None:
+        _restore(run, plan.resume)
+    return run
+
+
+def _restore(run: Run, state: dict) -> None:
+    """Optimizer, loss scaler, every RNG and the counters from the checkpoint resumed."""
+    path = run.out / "ckpt.pt"
+    try:  # the dense AdamW state, sliced for this rank's parameters (minite/parallel/reshard.py)
+        run.par.load_optim(run.opt, run.model, state["optimizer"], path)
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise CheckpointError(f"checkpoint {path}: the optimizer state does not fit the model ({e})") from e
+    if run.scaler is not None and state.get("scaler") is not None:
+        run.scaler.load_state_dict(state["scaler"])
+    set_rng_state(state["rng"], run.sampler)
+    run.step = state["step"]
+    run.best_val = state.get("best_val", run.best_val)
+    run.elapsed_before = state.get("elapsed_s", 0.0)
+
+
 def _device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -93,7 +229,8 @@ def _pick_threads(model: GPT, t, block: int) -> int:
     On a quiet machine all cores win (~1.5x on 2). When other processes share the cores, OpenMP threads wait for
     each other at every op and a 2-thread run can be 10x slower than a 1-thread one (measured on 2 shared cores).
     """
-    cores, timings = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, {}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    timings = {}
     with torch.random.fork_rng(devices=[]):
         x = torch.randint(0, model.config.vocab_size, (t.batch_size, block))
         for n in (cores, 1):
@@ -110,6 +247,15 @@ def _pick_threads(model: GPT, t, block: int) -> int:
     return min(timings, key=timings.get)
 
 
+def _optimizer(model: GPT, t, dev: torch.device) -> torch.optim.AdamW:
+    # Weight decay on matrices and embeddings only; norms' gains (and biases) are not pulled toward zero.
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=dev.type == "cuda")
+
+
+# ----------------------------------------------------------------------------------------------- 3. one step
 def _lr_at(step: int, t) -> float:
     """Linear warm-up to t.lr, then cosine decay to t.min_lr at t.max_iters."""
     if step < t.warmup_iters:
@@ -118,12 +264,31 @@ def _lr_at(step: int, t) -> float:
     return t.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (t.lr - t.min_lr)
 
 
-def _optimizer(model: GPT, t, dev: torch.device) -> torch.optim.AdamW:
-    # Weight decay on matrices and embeddings only; norms' gains (and biases) are not pulled toward zero.
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=dev.type == "cuda")
+def train_step(run: Run) -> float:
+    """One optimizer step on the global batch (t.grad_accum micro-batches of my dp slice); returns its loss."""
+    t = run.cfg.train
+    for g in run.opt.param_groups:
+        g["lr"] = _lr_at(run.step, t)
+    for micro in range(t.grad_accum):
+        last = micro == t.grad_accum - 1  # gradients are reduced over dp once, after the last micro-batch
+        with contextlib.nullcontext() if last else run.par.no_sync():
+            x, y = run.par.shard_batch(*run.sampler.get_batch())
+            with run.ctx():
+                _, loss = run.model(x, y)
+            loss = loss / t.grad_accum
+            (run.scaler.scale(loss) if run.scaler is not None else loss).backward()
+    if run.scaler is not None:
+        run.scaler.unscale_(run.opt)
+    if t.grad_clip > 0:
+        run.par.clip(run.model, run.opt, t.grad_clip)
+    if run.scaler is not None:
+        run.scaler.step(run.opt)  # skips the update when a gradient overflowed
+        run.scaler.update()
+    else:
+        run.opt.step()
+    run.opt.zero_grad(set_to_none=True)
+    run.step += 1
+    return run.par.global_loss(loss.item() * t.grad_accum)  # the global batch's loss
 
 
 @torch.no_grad()
@@ -140,12 +305,124 @@ def evaluate(model: GPT, ids: np.ndarray, cfg: RunConfig, block: int, dev, ctx) 
     return float(np.mean(losses))
 
 
+# ----------------------------------------------------------------------------------------------- 4. the loop
+def loop(run: Run, callback=None) -> dict:
+    """Evaluate, checkpoint, log and step until stop_at (or max_iters); returns the summary.
+    callback(step, loss): called after every optimizer step (tests stop runs there)."""
+    t = run.cfg.train
+    log = _open_log(run)
+    start_step = run.step
+    tokens_per_step = t.batch_size * t.grad_accum * run.plan.block
+    pbar = _progress_bar(run) if t.progress and run.par.is_main else None
+    try:
+        while True:
+            fresh = run.step != start_step or run.plan.resume is None  # a resumed step was evaluated before
+            if (fresh and run.step % t.eval_interval == 0) or run.step == t.max_iters:
+                _evaluate(run, log)
+            if fresh and run.step > 0 and (run.step % (t.ckpt_interval or t.eval_interval) == 0
+                                           or run.step in (t.max_iters, t.stop_at)):
+                _checkpoint(run, log)
+            if run.step >= (t.stop_at or t.max_iters):  # stop_at: end this job; the schedule runs to max_iters
+                break
+            ts = time.perf_counter()
+            loss = train_step(run)
+            run.train_time += time.perf_counter() - ts
+            run.losses[run.step] = loss
+            tps = tokens_per_step * (run.step - start_step) / max(run.train_time, 1e-9)
+            if run.step % t.log_interval == 0 or run.step == t.max_iters:
+                _write(log, step=run.step, loss=round(loss, 6), lr=_lr_at(run.step - 1, t), tokens_per_s=round(tps),
+                       elapsed_s=round(run.elapsed(), 2))
+            if pbar is not None:
+                pbar.update(1)
+                pbar.set_postfix(loss=f"{loss:.3f}", val=f"{run.val_loss:.3f}", tok_s=f"{tps:,.0f}", refresh=False)
+            if callback is not None:
+                callback(run.step, loss)
+    finally:
+        if pbar is not None:
+            pbar.close()
+        log.close()
+    if run.par.is_main:
+        _plot(run.out / "log.jsonl", run.out / "loss.png")
+    tps = tokens_per_step * (run.step - start_step) / max(run.train_time, 1e-9)
+    return {"val_loss": run.val_loss, "best_val_loss": run.best_val, "steps": run.step, "losses": run.losses,
+            "tokens_per_s": tps, "train_time_s": run.train_time, "wall_time_s": time.perf_counter() - run.plan.t0,
+            "params": run.model.num_params(), "sample": _sample(run), "out_dir": str(run.out), "config": run.cfg}
+
+
+def _open_log(run: Run):
+    """log.jsonl for appending (rank 0; the others write to os.devnull). A resumed run forgets the lines written
+    after its checkpoint (the steps about to be redone) and a line cut short by a kill; a fresh one starts anew."""
+    log_path = run.out / "log.jsonl"
+    if run.par.is_main and log_path.exists():
+        if run.plan.resume is not None:
+            rows = [r for r in log_path.read_text().splitlines() if (d := _json_or_none(r)) and d["step"] <= run.step]
+            log_path.write_text("".join(r + "\n" for r in rows))
+        else:
+            log_path.unlink()
+    run.out.mkdir(parents=True, exist_ok=True)
+    return open(log_path if run.par.is_main else os.devnull, "a")
+
+
+def _write(log, **row) -> None:
+    log.write(json.dumps(row) + "\n")
+
+
 def _json_or_none(line: str) -> dict | None:
     try:
         d = json.loads(line)
     except ValueError:
         return None
     return d if isinstance(d, dict) and isinstance(d.get("step"), int) else None
+
+
+def _evaluate(run: Run, log) -> None:
+    run.val_loss = evaluate(run.model, run.plan.data.split("val"), run.cfg, run.plan.block, run.dev, run.ctx)
+    run.best_val = min(run.best_val, run.val_loss)
+    _write(log, step=run.step, val_loss=round(run.val_loss, 6), elapsed_s=round(run.elapsed(), 2),
+           train_time_s=round(run.train_time, 2))
+    log.flush()
+
+
+def _checkpoint(run: Run, log) -> None:
+    """Under torchrun every rank gathers the state (collectives); rank 0 writes it."""
+    log.flush()  # every log line up to this step is on disk before the checkpoint that claims this step
+    with contextlib.suppress(OSError):  # ranks other than 0 log to os.devnull, which cannot be fsynced
+        os.fsync(log.fileno())
+    cfg = run.cfg
+    model_state = finetune.model_state(run.model, cfg) if cfg.lora.r > 0 else run.par.model_state(run.model)
+    state = {
+        "model": model_state,
+        "optimizer": run.par.optim_state(run.opt, run.model),
+        "step": run.step,
+        "best_val": run.best_val,
+        "config": {"model": cfg.model.to_dict(), "data": vars(cfg.data).copy(), "train": vars(cfg.train).copy(),
+                   "lora": vars(cfg.lora).copy()},
+        "tokenizer": run.plan.data.tokenizer.to_json(),
+        "rng": rng_state(run.sampler),
+        "elapsed_s": run.elapsed(),
+        "scaler": run.scaler.state_dict() if run.scaler is not None else None,
+    }
+    run.par.save(save_checkpoint, run.out / "ckpt.pt", state)
+
+
+def _progress_bar(run: Run):
+    from tqdm import tqdm
+    tty = sys.stderr.isatty()  # in a log file (CI, nohup) redraw every 15 s, not every step
+    return tqdm(total=run.cfg.train.max_iters, initial=run.step, unit="step", dynamic_ncols=True, file=sys.stderr,
+                mininterval=0.1 if tty else 15.0)
+
+
+def _sample(run: Run) -> str:
+    """A few tokens from the trained model (train.sample_tokens), "" for none."""
+    t = run.cfg.train
+    if t.sample_tokens <= 0:
+        return ""
+    tok = run.plan.data.tokenizer
+    g = torch.Generator(device=run.dev).manual_seed(t.seed)
+    prompt = torch.tensor([tok.encode("\n") if tok.kind == "byte" or "\n" in tok.chars else [0]], device=run.dev)
+    with run.ctx(), eager_mode():  # one compiled graph per prompt length would be wasted on a one-off sample
+        ids = run.model.generate(prompt, t.sample_tokens, temperature=0.8, top_k=None, generator=g)
+    return tok.decode(ids[0].tolist())
 
 
 def _plot(log_path: Path, png_path: Path) -> None:
@@ -159,178 +436,34 @@ def _plot(log_path: Path, png_path: Path) -> None:
         if pts:
             ax.plot(*zip(*pts), style, label=label)
     ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title="minite GPT")
-    ax.legend(), ax.grid(alpha=0.3)
+    ax.legend()
+    ax.grid(alpha=0.3)
     fig.savefig(png_path, dpi=100)
 
 
-# ----------------------------------------------------------------------------------------------- the loop
+def _announce(run: Run) -> None:
+    t = run.cfg.train
+    data = run.plan.data
+    prec = t.precision if t.precision != "auto" else "bf16" if run.dev.type == "cuda" else "fp32"
+    start = f"resuming at step {run.step}" if run.plan.resume is not None else "from scratch"
+    print(f"minite.train: {run.model.num_params() / 1e6:.2f}M parameters, {run.dev}, precision {prec}, "
+          f"compile {run.compiled}, threads {torch.get_num_threads()}, data {data.dir} (vocab "
+          f"{data.tokenizer.vocab_size}, {len(data.split('train')):,} train tokens), {start}", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------- train
 def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrides: dict | None = None) -> dict:
     """Run training; returns a summary dict (val_loss, losses per step, tokens_per_s, sample, ...).
 
     resume: continue from ``<out_dir>/ckpt.pt``: its configuration, then `resume_overrides` (only train/data keys
     that do not change the model). callback(step, loss): called after every optimizer step (tests stop runs there).
     """
-    t0 = time.perf_counter()
-    out = Path(cfg.train.out_dir)
-    ckpt_path, log_path = out / "ckpt.pt", out / "log.jsonl"
-    state = None
-    for tmp, size in clean_orphans(ckpt_path):  # a run killed while writing a checkpoint left these
-        print(f"minite.train: removed {tmp.name} ({size / 1e6:.1f} MB), left by a checkpoint write that was "
-              f"interrupted", flush=True)
-    if resume:
-        state = load_checkpoint(ckpt_path)
-        # The saved stop_at ended the previous job; this one runs on unless told where to stop. Invalid values fail
-        # here, named. The parallel layout is whatever this launch says (checkpoints are layout-free).
-        cfg = apply_overrides(state["config"], {"train.stop_at": 0, **(resume_overrides or {})})
-        old = state["config"]["model"]
-        changed = [f"{k}: {old.get(k)!r} in the checkpoint, {v!r} requested"
-                   for k, v in cfg.model.to_dict().items() if old.get(k) != v]
-        if changed:
-            raise ConfigError(f"cannot change model fields when resuming from {ckpt_path} ({'; '.join(changed)}): "
-                              "the checkpoint fixes the model; drop those --model flags or use a new --out_dir")
-    cfg, base, base_tok = finetune.setup(cfg)  # --init_from: the base's model fields and vocab (chapter 09)
-    t = cfg.train
-    dev = (par := setup_parallel(cfg, resume)).device(_device(t.device))  # torchrun: groups; else a no-op
-    torch.manual_seed(t.seed), random.seed(t.seed), np.random.seed(t.seed)
-
-    data = par.main_first(prepare, cfg.data.path or None, data_dir=cfg.data.data_dir, tokenizer=cfg.data.tokenizer,
-                          vocab=base_tok, unknown_chars=cfg.data.unknown_chars)
-    tok = data.tokenizer
-    if state is not None and state.get("tokenizer") not in (None, tok.to_json()):  # same padded V is not enough
-        old, src = state["tokenizer"], state["config"]["data"].get("path") or "the default corpus"
-        raise ConfigError(f"checkpoint {ckpt_path} was trained with a {old['kind']} vocab of {old['vocab_size']} "
-                          f"symbols from {src}; --data {cfg.data.path or '(default corpus)'} has a different vocab "
-                          f"({tok.vocab_size} symbols); resume with the same data or start a new --out_dir")
-    if cfg.model.vocab_size != tok.vocab_size:  # the data decides the vocabulary
-        cfg = apply_overrides(cfg, {"model.vocab_size": tok.vocab_size})
-    block = cfg.data.block_size or cfg.model.block_size
-    if block > cfg.model.block_size:
-        raise ConfigError(f"data.block_size={block} is larger than the model's block_size={cfg.model.block_size}")
-    train_ids, val_ids = data.split("train"), data.split("val")
-    sampler = BatchSampler(train_ids, block, t.batch_size, seed=t.seed, split="train", device=dev)
-    BatchSampler(val_ids, block, t.batch_size, split="val")  # fail now, not at the first evaluation
-    model = GPT(cfg.model).to(dev)
-    finetune.prepare_model(model, cfg, base)  # base weights, LoRA adapters (base frozen), trainable vs total
-    if state is not None:  # the dense weights, before the wrappers cut them: any layout resumes any checkpoint
-        if cfg.lora.r > 0:
-            finetune.load_model_state(model, state["model"], cfg)  # under LoRA: the adapters only
-        else:
-            load_model_state(model, state["model"], ckpt_path)  # names a wrong-shaped or missing tensor
-    model = par.wrap(model)  # TP(+SP) GPT from the dense one, pipeline stage, DP / ZeRO gradient hooks
-    apply_recompute(model, t.recompute)  # activation recompute per block (chapter 14), after the wrappers
-    compiled = compile_model(model, t, dev)  # in place: state_dict keys unchanged
-    if dev.type == "cpu":
-        torch.set_num_threads(t.threads or (1 if par.active else _pick_threads(model, t, block)))
-    opt = par.optimizer(model, lambda m: _optimizer(m, t, dev), t)  # ZeRO >= 1: the sharded AdamW
-    ctx, scaler = _precision(cfg, dev)
-    step, best_val, el0 = 0, float("inf"), 0.0  # el0: seconds the run had taken before a resume
-    if state is not None:
-        try:  # the dense AdamW state, sliced for this rank's parameters (minite/parallel/reshard.py)
-            par.load_optim(opt, model, state["optimizer"], ckpt_path)
-        except (ValueError, KeyError, TypeError, RuntimeError) as e:
-            raise CheckpointError(f"checkpoint {ckpt_path}: the optimizer state does not fit the model ({e})") from e
-        if scaler is not None and state.get("scaler") is not None:
-            scaler.load_state_dict(state["scaler"])
-        _set_rng_state(state["rng"], sampler)
-        step, best_val, el0 = state["step"], state.get("best_val", best_val), state.get("elapsed_s", 0.0)
-        # Forget log lines written after this checkpoint (the steps about to be redone), and a line cut short by
-        # a kill in the middle of a write.
-        if log_path.exists() and par.is_main:
-            rows = [r for r in log_path.read_text().splitlines() if (d := _json_or_none(r)) and d["step"] <= step]
-            log_path.write_text("".join(r + "\n" for r in rows))
-    elif out.exists() and log_path.exists() and par.is_main:
-        log_path.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-    log = open(log_path if par.is_main else os.devnull, "a")
-    start_step, ckpt_every = step, t.ckpt_interval or t.eval_interval
-    n_params = model.num_params()
-    prec = t.precision if t.precision != "auto" else "bf16" if dev.type == "cuda" else "fp32"
-    print(f"minite.train: {n_params / 1e6:.2f}M parameters, {dev}, precision {prec}, "
-          f"compile {compiled}, threads {torch.get_num_threads()}, data {data.dir} (vocab {tok.vocab_size}, "
-          f"{len(train_ids):,} train tokens), {'resuming at step ' + str(step) if resume else 'from scratch'}",
-          flush=True)
-
-    def checkpoint():  # under torchrun every rank gathers the state (collectives), rank 0 writes it
-        log.flush()  # every log line up to this step is on disk before the checkpoint that claims this step
-        with contextlib.suppress(OSError):  # ranks other than 0 log to os.devnull, which cannot be fsynced
-            os.fsync(log.fileno())
-        par.save(save_checkpoint, ckpt_path, {
-            "model": finetune.model_state(model, cfg) if cfg.lora.r > 0 else par.model_state(model),
-            "optimizer": par.optim_state(opt, model), "step": step, "best_val": best_val,
-            "config": {"model": cfg.model.to_dict(), "data": vars(cfg.data).copy(), "train": vars(t).copy(),
-                       "lora": vars(cfg.lora).copy()},
-            "tokenizer": tok.to_json(), "rng": _rng_state(sampler), "elapsed_s": el0 + time.perf_counter() - t0,
-            "scaler": scaler.state_dict() if scaler is not None else None})
-
-    losses, val_loss = {}, float("nan")  # {step: train loss}
-    tokens_per_step = t.batch_size * t.grad_accum * block
-    train_time, pbar = 0.0, None
-    if t.progress:
-        from tqdm import tqdm
-        tty = sys.stderr.isatty()  # in a log file (CI, nohup) redraw every 15 s, not every step
-        pbar = tqdm(total=t.max_iters, initial=step, unit="step", dynamic_ncols=True, file=sys.stderr,
-                    mininterval=0.1 if tty else 15.0)
-    try:
-        while True:
-            fresh = step != start_step or not resume  # the resumed step was evaluated before the interruption
-            if (fresh and step % t.eval_interval == 0) or step == t.max_iters:
-                val_loss = evaluate(model, val_ids, cfg, block, dev, ctx)
-                best_val = min(best_val, val_loss)
-                log.write(json.dumps({"step": step, "val_loss": round(val_loss, 6), "elapsed_s": round(
-                    el0 + time.perf_counter() - t0, 2), "train_time_s": round(train_time, 2)}) + "\n")
-                log.flush()
-            if fresh and step > 0 and (step % ckpt_every == 0 or step in (t.max_iters, t.stop_at)):
-                checkpoint()
-            if step >= (t.stop_at or t.max_iters):  # stop_at: end this job; the schedule still runs to max_iters
-                break
-            ts, lr = time.perf_counter(), _lr_at(step, t)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            for micro in range(t.grad_accum):  # my dp slice of the global batch; DP syncs on the last micro-batch
-                x, y = par.shard_batch(*sampler.get_batch(), sync=micro == t.grad_accum - 1)
-                with ctx():
-                    _, loss = model(x, y)
-                loss = loss / t.grad_accum
-                (scaler.scale(loss) if scaler is not None else loss).backward()
-            if scaler is not None:
-                scaler.unscale_(opt)
-            if t.grad_clip > 0:
-                par.clip(model, opt, t.grad_clip)
-            if scaler is not None:
-                scaler.step(opt)  # skips the update when a gradient overflowed
-                scaler.update()
-            else:
-                opt.step()
-            opt.zero_grad(set_to_none=True)
-            step, loss_f = step + 1, par.global_loss(loss.item() * t.grad_accum)  # the global batch's loss
-            train_time += time.perf_counter() - ts
-            losses[step] = loss_f
-            tps = tokens_per_step * (step - start_step) / max(train_time, 1e-9)
-            if step % t.log_interval == 0 or step == t.max_iters:
-                log.write(json.dumps({"step": step, "loss": round(loss_f, 6), "lr": lr, "tokens_per_s": round(tps),
-                                      "elapsed_s": round(el0 + time.perf_counter() - t0, 2)}) + "\n")
-            if pbar is not None:
-                pbar.update(1)
-                pbar.set_postfix(loss=f"{loss_f:.3f}", val=f"{val_loss:.3f}", tok_s=f"{tps:,.0f}", refresh=False)
-            if callback is not None:
-                callback(step, loss_f)
-    finally:
-        if pbar is not None:
-            pbar.close()
-        log.close()
-    if par.is_main:
-        _plot(log_path, out / "loss.png")
-    sample = ""
-    if t.sample_tokens > 0:
-        g = torch.Generator(device=dev).manual_seed(t.seed)
-        prompt = torch.tensor([tok.encode("\n") if tok.kind == "byte" or "\n" in tok.chars else [0]], device=dev)
-        with ctx(), eager_mode():  # one compiled graph per prompt length would be wasted on a one-off sample
-            ids = model.generate(prompt, t.sample_tokens, temperature=0.8, top_k=None, generator=g)
-        sample = tok.decode(ids[0].tolist())
-    tps = tokens_per_step * (step - start_step) / max(train_time, 1e-9)
-    return {"val_loss": val_loss, "best_val_loss": best_val, "steps": step, "losses": losses, "tokens_per_s": tps,
-            "train_time_s": train_time, "wall_time_s": time.perf_counter() - t0, "params": n_params,
-            "sample": sample, "out_dir": str(out), "config": cfg}
+    plan = resolve(cfg, resume=resume, overrides=resume_overrides)
+    par = setup_parallel(plan.cfg)  # torchrun: the process groups; one process: a layout doing nothing
+    with par.quiet():  # rank 0 speaks for the run
+        run = build(plan, par)
+        _announce(run)
+        return loop(run, callback)
 
 
 # ----------------------------------------------------------------------------------------------- CLI

@@ -100,3 +100,31 @@ def _write_corpus(path, n_chars=20_000, seed=0, marks=".,;!?"):
 def make_corpus():
     """``make_corpus(path, n_chars=20_000, seed=0, marks=".,;!?") -> text``: writes a generated corpus (no download)."""
     return _write_corpus
+
+
+# ------------------------------------------------------------------------------------------- tiny training runs
+_TINY_RUN = {
+    "model.n_layer": 1, "model.n_head": 2, "model.n_embd": 16, "model.block_size": 16, "model.backend": "torch",
+    "train.batch_size": 4, "train.max_iters": 12, "train.eval_interval": 4, "train.eval_iters": 2,
+    "train.warmup_iters": 2, "train.log_interval": 1, "train.threads": 1, "train.progress": False,
+    "train.sample_tokens": 0, "train.lr": 1e-2,
+}
+
+
+@pytest.fixture
+def tiny_run():
+    """The overrides of a one-layer GPT run of 12 steps that trains in about a second on one CPU thread."""
+    return dict(_TINY_RUN)
+
+
+@pytest.fixture
+def run_cfg(tmp_path, make_corpus, tiny_run):
+    """``run_cfg(**overrides) -> RunConfig``: a tiny run on a generated corpus, writing under tmp_path."""
+    from minite.config import make_config
+    make_corpus(tmp_path / "corpus.txt", n_chars=6000, marks=".")
+
+    def build(**over):
+        o = {**tiny_run, "data.path": str(tmp_path / "corpus.txt"), "data.data_dir": str(tmp_path / "data"),
+             "train.out_dir": str(tmp_path / "out"), **over}
+        return make_config("cpu", o)
+    return build

@@ -169,23 +169,6 @@ def test_validation_keeps_the_valid_spellings():
 
 
 # ============================================================================================ training runs
-TINY = {"model.n_layer": 1, "model.n_head": 2, "model.n_embd": 16, "model.block_size": 16, "model.backend": "torch",
-        "train.batch_size": 4, "train.max_iters": 8, "train.eval_interval": 4, "train.eval_iters": 2,
-        "train.warmup_iters": 2, "train.log_interval": 1, "train.threads": 1, "train.progress": False,
-        "train.sample_tokens": 0, "train.lr": 1e-2}
-
-
-@pytest.fixture
-def run_cfg(tmp_path, make_corpus):
-    make_corpus(tmp_path / "corpus.txt", n_chars=6000, marks=".")
-
-    def build(**over):
-        o = {**TINY, "data.path": str(tmp_path / "corpus.txt"), "data.data_dir": str(tmp_path / "data"),
-             "train.out_dir": str(tmp_path / "out"), **over}
-        return make_config("cpu", o)
-    return build
-
-
 class Crash(Exception):
     pass
 
@@ -201,7 +184,7 @@ def _crash_at(n):
 def test_resume_is_bit_exact_in_every_precision(run_cfg, tmp_path, precision):
     # was: fp8 diverged from step 31 on (amax histories and scales were not in the checkpoint); the FP8 states
     # now travel as each Linear's module extra state.
-    over = {"train.precision": precision, "train.device": "cpu"}
+    over = {"train.precision": precision, "train.device": "cpu", "train.max_iters": 8}
     full = train(run_cfg(**over, **{"train.out_dir": str(tmp_path / "full")}))
     cut = run_cfg(**over, **{"train.out_dir": str(tmp_path / "cut")})
     with pytest.raises(Crash):
@@ -234,13 +217,14 @@ train(cfg, callback=cb)
 
 
 @pytest.mark.skipif(not hasattr(os, "kill") or sys.platform == "win32", reason="needs POSIX signals")
-def test_kill_9_then_resume_leaves_a_complete_duplicate_free_log(tmp_path, make_corpus):
+def test_kill_9_then_resume_leaves_a_complete_duplicate_free_log(tmp_path, make_corpus, tiny_run):
     # was: the loss lines written since the last val line were still in Python's buffer when the checkpoint
     # claimed their steps; kill -9 lost them for good.
     make_corpus(tmp_path / "c.txt", n_chars=6000, marks=".")
     out = tmp_path / "out"
-    over = {**TINY, "data.path": str(tmp_path / "c.txt"), "data.data_dir": str(tmp_path / "data"),
-            "train.out_dir": str(out), "train.eval_interval": 8, "train.ckpt_interval": 4}
+    over = {**tiny_run, "train.max_iters": 8, "data.path": str(tmp_path / "c.txt"),
+            "data.data_dir": str(tmp_path / "data"), "train.out_dir": str(out), "train.eval_interval": 8,
+            "train.ckpt_interval": 4}
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable, "-c", _KILLER, *(f"{k}={v}" for k, v in over.items())], env=env,
                        capture_output=True, text=True, timeout=300)

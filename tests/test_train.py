@@ -12,23 +12,6 @@ from minite.train import CheckpointError, load_checkpoint, main, parse_cli, save
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread, tiny ops on shared cores
 
 
-TINY = {"model.n_layer": 1, "model.n_head": 2, "model.n_embd": 16, "model.block_size": 16, "model.backend": "torch",
-        "train.batch_size": 4, "train.max_iters": 12, "train.eval_interval": 4, "train.eval_iters": 2,
-        "train.warmup_iters": 2, "train.log_interval": 1, "train.threads": 1, "train.progress": False,
-        "train.sample_tokens": 0, "train.lr": 1e-2}
-
-
-@pytest.fixture
-def run_cfg(tmp_path, make_corpus):
-    make_corpus(tmp_path / "corpus.txt", n_chars=6000, marks=".")
-
-    def build(**over):
-        o = {**TINY, "data.path": str(tmp_path / "corpus.txt"), "data.data_dir": str(tmp_path / "data"),
-             "train.out_dir": str(tmp_path / "out"), **over}
-        return make_config("cpu", o)
-    return build
-
-
 # ------------------------------------------------------------------------------------------------ configs
 def test_unknown_key_lists_valid_keys():
     with pytest.raises(ConfigError, match=r"unknown config key 'train.max_iter'\. Did you mean train\.max_iters") as e:

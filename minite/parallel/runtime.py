@@ -1,9 +1,11 @@
 """What ``torchrun --nproc-per-node N -m minite.train --parallel.dp=.. --parallel.tp=.. --parallel.zero=..`` runs.
 
-``setup_parallel(cfg)`` initialises torch.distributed from torchrun's environment, builds ``ParallelDims`` and
-returns a ``Parallel``: the handful of hooks minite.train calls (wrap the model, build the optimizer, cut the
-global batch, finish gradient reduction, clip, log the global loss, consolidate a checkpoint). One process with
-every degree 1 gets the same object doing nothing, so the training loop has a single code path.
+``setup_parallel(cfg)`` checks the layout, initialises torch.distributed from torchrun's environment, builds
+``ParallelDims`` and returns a ``Parallel``, built whole: the handful of hooks minite.train calls (wrap the model,
+build the optimizer, cut the global batch, hold gradient reduction back with ``no_sync()``, clip, log the global
+loss, consolidate a checkpoint). One process with every degree 1 gets the same object doing nothing, so the
+training loop has a single code path. It changes no configuration and no global state of the caller's:
+``quiet()`` is the one place rank != 0 is silenced.
 
 Semantics (DESIGN §6): ``--train.batch_size`` is the global batch. Every rank draws the same global batch from the
 same seeded sampler and keeps its 1/dp slice, so any layout trains on the same tokens as one process; rank 0 logs
@@ -12,6 +14,7 @@ the loss averaged over the dp group, the loss of the global batch.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
 
@@ -21,35 +24,42 @@ import torch.distributed as dist
 from minite.parallel import comm, reshard
 from minite.parallel.dims import ParallelDims, ParallelError, check_layout, init_distributed, select_device
 
-__all__ = ["Parallel", "setup_parallel", "clip_grad_norm_"]
-
-
-def clip_grad_norm_(params, max_norm: float, tp_group=None) -> torch.Tensor:
-    """Global-norm clipping for TP-sharded parameters: sum g^2 / tp_replicas locally, all-reduce over tp."""
-    params = [p for p in params if p.grad is not None]
-    sq = sum(((p.grad.double() ** 2) / torch.as_tensor(getattr(p, "tp_replicas", 1), dtype=torch.float64,
-                                                        device=p.grad.device)).sum() for p in params).reshape(1)
-    comm.all_reduce(sq, tp_group)
-    norm = sq.sqrt()
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for p in params:
-        p.grad.mul_(coef.to(p.grad.dtype))
-    return norm
+__all__ = ["Parallel", "setup_parallel"]
 
 
 class Parallel:
-    def __init__(self, dims: ParallelDims, zero: int = 0, sp: bool = False):
-        self.dims, self.zero, self.sp = dims, zero, sp
-        self.world, self.is_main = dims.world, dims.is_main
-        self.dp, self.dev = None, torch.device("cpu")  # the DataParallel wrapper, when dp > 1 or zero > 0
-        self.pipe = None  # the PipelineGPT, when pp > 1
-        self.run_device = None  # torchrun: "cuda" (NCCL, a GPU per local rank) or "cpu" (gloo); dims.select_device
+    """The parallel layout of one run, as minite.train sees it.
+
+    dims: the process groups; zero: ZeRO stage (0-3); sp: sequence parallelism (with tp); microbatches and
+    schedule: the pipeline's (pp > 1); run_device: "cuda" (NCCL) or "cpu" (gloo) under torchrun, None alone.
+    """
+
+    def __init__(self, dims: ParallelDims, *, zero: int = 0, sp: bool = False, microbatches: int = 0,
+                 schedule: str = "1f1b", run_device: str | None = None):
+        self.dims = dims
+        self.zero = zero
+        self.sp = sp
+        self.microbatches = microbatches
+        self.schedule = schedule
+        self.run_device = run_device
+        self.dp = None  # the DataParallel wrapper, once wrap() made one (dp > 1, zero > 0 or cp > 1)
+        self.pipe = None  # the PipelineGPT, once wrap() made one (pp > 1)
+        self.dev = torch.device("cpu")
+
+    @property
+    def world(self) -> int:
+        return self.dims.world
+
+    @property
+    def is_main(self) -> bool:
+        return self.dims.is_main
 
     @property
     def active(self) -> bool:
         return self.world > 1
 
     def device(self, dev: torch.device) -> torch.device:
+        """This rank's device for a run asking for `dev`: cuda:LOCAL_RANK under torchrun, the CPU on gloo."""
         if self.active and self.run_device == "cpu":  # gloo: train.device=auto with fewer GPUs than ranks
             dev = torch.device("cpu")
         elif dev.type == "cuda" and self.active:
@@ -57,13 +67,14 @@ class Parallel:
         self.dev = dev
         return dev
 
-    def main_first(self, fn, *args, **kwargs):
-        """fn(*args, **kwargs) on rank 0 first (e.g. preparing the data cache), then on the others."""
+    @contextlib.contextmanager
+    def quiet(self):
+        """Inside, rank 0 speaks for the run: the other ranks' stdout goes nowhere (errors still reach stderr)."""
         if self.is_main:
-            out = fn(*args, **kwargs)
-        if self.active:
-            dist.barrier()
-        return out if self.is_main else fn(*args, **kwargs)
+            yield
+            return
+        with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+            yield
 
     def save(self, save_fn, path, state: dict) -> None:
         """Rank 0 writes (the state was gathered on every rank)."""
@@ -81,7 +92,7 @@ class Parallel:
             model = CPGPT.from_dense(model, d.group("cp"))
         if d.pp > 1:  # chapter 12: this rank's stage of that model; the pipeline averages grads over dp (x cp)
             from minite.parallel.pipeline import PipelineGPT
-            self.pipe = PipelineGPT(model, d, *getattr(self, "pp_args", (0, "1f1b")))
+            self.pipe = PipelineGPT(model, d, self.microbatches, self.schedule)
             return self.pipe
         if d.dp > 1 or self.zero > 0 or d.cp > 1:
             from minite.parallel.data import DataParallel
@@ -96,27 +107,35 @@ class Parallel:
                             norm_weight=lambda n, p: 1.0 / torch.as_tensor(getattr(p, "tp_replicas", 1)),
                             tp_group=self.dims.group("tp"))
 
-    def shard_batch(self, x, y, sync: bool = True):
-        """My dp slice of the global batch; sync=False: the gradients of this micro-batch are not reduced yet."""
-        if self.dp is not None:
-            self.dp.sync = sync
-        if self.pipe is not None:
-            self.pipe.sync = sync
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Inside, backward accumulates gradients without reducing them over dp (every micro-batch of a
+        gradient-accumulation step but the last), like torch DDP's no_sync()."""
+        with contextlib.ExitStack() as stack:
+            for wrapper in (self.dp, self.pipe):
+                if wrapper is not None:
+                    stack.enter_context(wrapper.no_sync())
+            yield
+
+    def shard_batch(self, x, y):
+        """My dp slice of the global batch."""
         d = self.dims
         if d.dp == 1:
             return x, y
         if x.shape[0] % d.dp:
             raise ParallelError(f"train.batch_size={x.shape[0]} (the global batch) is not divisible by dp={d.dp}")
         n = x.shape[0] // d.dp
-        return x[d.dp_rank * n:(d.dp_rank + 1) * n], y[d.dp_rank * n:(d.dp_rank + 1) * n]
+        mine = slice(d.dp_rank * n, (d.dp_rank + 1) * n)
+        return x[mine], y[mine]
 
     def clip(self, model, opt, max_norm: float):
-        if hasattr(opt, "clip_grad_norm_"):
+        """Clip the global gradient norm of the whole (sharded) model; returns the norm before clipping."""
+        if hasattr(opt, "clip_grad_norm_"):  # ZeRO: the norm over every shard
             return opt.clip_grad_norm_(max_norm)
         if hasattr(model, "clip_grad_norm_"):  # PipelineGPT: the norm over every stage
             return model.clip_grad_norm_(max_norm)
         if self.dims.tp > 1:
-            return clip_grad_norm_(model.parameters(), max_norm, self.dims.group("tp"))
+            return comm.clip_grad_norm_(model.parameters(), max_norm, [self.dims.group("tp")])
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
     def global_loss(self, loss: float) -> float:
@@ -141,23 +160,22 @@ class Parallel:
         reshard.load_dense_optim_state(model, opt, state, path)
 
 
-def setup_parallel(cfg, resume: bool = False) -> Parallel:
-    """Check the layout (before any process group exists), initialise torch.distributed, build the groups."""
+def setup_parallel(cfg) -> Parallel:
+    """The run's (minite.config.RunConfig, final) layout: checked before any process group exists, then
+    torch.distributed initialised from torchrun's environment and the groups built."""
     p = cfg.parallel
-    check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1)
+    world = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
+    check_layout(p, cfg.model, world=world, seq_len=cfg.data.block_size or cfg.model.block_size,
+                 batch_size=cfg.train.batch_size, lora_r=cfg.lora.r)
     rank, world = init_distributed(p.timeout_s, device=cfg.train.device)  # too few GPUs for cuda: fails fast
-    dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp).build(rank, world, p.timeout_s)
+    dims = ParallelDims.from_config(p, world).build(rank, world, p.timeout_s)
+    run_device = None
     if world > 1:
         atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
-        if rank != 0:  # one voice: rank 0 prints and logs; errors still reach stderr from every rank
-            sys.stdout = open(os.devnull, "w")
-            cfg.train.progress = False
-    par = Parallel(dims, zero=p.zero, sp=p.sp)
-    if world > 1:
-        par.run_device = select_device(cfg.train.device)
-        if par.run_device == "cpu" and cfg.train.device == "auto" and torch.cuda.is_available() and rank == 0:
+        run_device = select_device(cfg.train.device)
+        if run_device == "cpu" and cfg.train.device == "auto" and torch.cuda.is_available() and rank == 0:
             print(f"minite: train.device=auto, {torch.cuda.device_count()} GPU(s) for "
                   f"{os.environ.get('LOCAL_WORLD_SIZE', world)} local ranks: running on the CPU (gloo)",
                   file=sys.stderr, flush=True)
-    par.pp_args = (p.microbatches, p.pp_schedule)  # chapter 12: PipelineGPT's micro-batches and schedule
-    return par
+    return Parallel(dims, zero=p.zero, sp=p.sp, microbatches=p.microbatches, schedule=p.pp_schedule,
+                    run_device=run_device)
