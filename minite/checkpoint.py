@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "clean_orphans", "load_model_state",
-           "rng_state", "set_rng_state", "REQUIRED_KEYS"]
+           "rng_state", "set_rng_state", "check_finite", "REQUIRED_KEYS"]
 
 _MAGIC = b"MINITE-SHA256:"
 _TRAILER_LEN = len(_MAGIC) + 64 + 1
@@ -178,3 +178,13 @@ def set_rng_state(state: dict, sampler) -> None:
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
     sampler.load_state_dict(state["sampler"])
+
+
+def check_finite(model_state: dict, path) -> None:
+    """Refuse weights holding NaN or inf (a run that diverged before it was stopped): resuming or fine-tuning them
+    trains nothing. The error names the first tensors and how many of their values are not finite."""
+    bad = [f"{k} ({int((~torch.isfinite(v)).sum())} of {v.numel()})" for k, v in model_state.items()
+           if isinstance(v, torch.Tensor) and v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise CheckpointError(f"checkpoint {path} holds non-finite weights: {', '.join(bad[:4])}"
+                              f"{' ...' if len(bad) > 4 else ''}; go back to an earlier checkpoint")

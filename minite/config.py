@@ -67,7 +67,8 @@ class DataConfig:
             "block_size": (lambda v: v >= 0, ">= 0 (0 = the model's block_size)"),
             "path": (lambda v: not v or Path(v).is_file() or v in _named_sources(),
                      "an existing text file, a named source (pydoc-topics) or '' (the default corpus)"),
-            "data_dir": (lambda v: not Path(v).exists() or Path(v).is_dir(), "a directory, not a file")})
+            "data_dir": (lambda v: not Path(v).exists() or Path(v).is_dir(), "a directory, not a file"),
+            "unknown_chars": (lambda v: v in ("error", "drop") or len(v) == 1, "error, drop or one character")})
 
 
 def _named_sources():
@@ -179,6 +180,14 @@ class ParallelConfig:
             "microbatches": (lambda v: v >= 0, "an int >= 0 (0 = pp)"),
             "pp_schedule": (lambda v: v in ("1f1b", "afab"), "1f1b or afab"),
             "timeout_s": (lambda v: math.isfinite(v) and v > 0, "a finite number of seconds > 0")})
+        # Flags that would be silently ignored are refused: each needs the degree it acts on.
+        if self.sp and self.tp == 1:
+            raise ConfigError("--parallel.sp=True shards the sequence over the tensor-parallel group, but "
+                              "--parallel.tp=1: give --parallel.tp > 1 or drop --parallel.sp")
+        if self.microbatches and self.pp == 1:
+            raise ConfigError(f"--parallel.microbatches={self.microbatches} splits the batch between pipeline "
+                              "stages, but --parallel.pp=1: give --parallel.pp > 1 or drop it (use "
+                              "--train.grad_accum to split a batch in one process)")
 
 
 @dataclass
@@ -195,6 +204,9 @@ class RunConfig:
         if self.data.block_size > self.model.block_size:
             raise ConfigError(f"data.block_size={self.data.block_size} is larger than the model's block_size="
                               f"{self.model.block_size}")
+        if self.data.unknown_chars != "error" and not self.train.init_from:
+            raise ConfigError(f"--data.unknown_chars={self.data.unknown_chars!r} only applies when fine-tuning "
+                              "(--init_from: the base's vocabulary); a new run builds its vocabulary from the data")
         path = Path(self.data.path) if self.data.path else None  # a named source (pydoc-topics) is no file
         if path and path.is_file() and (size := path.stat().st_size) < 20 * (block + 1):
             raise ConfigError(f"--data.path={self.data.path!r}: the file has {size} bytes; it needs at least "

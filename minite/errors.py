@@ -2,7 +2,7 @@
 so importing one part (``minite.parallel.dims``) never loads the config or the model."""
 from __future__ import annotations
 
-__all__ = ["ConfigError", "ParallelError"]
+__all__ = ["ConfigError", "ParallelError", "DivergenceError"]
 
 
 class ConfigError(ValueError):
@@ -11,3 +11,7 @@ class ConfigError(ValueError):
 
 class ParallelError(ConfigError):
     """A parallel layout that cannot work (the message names the numbers); minite.train prints it as an error."""
+
+
+class DivergenceError(RuntimeError):
+    """Training produced a non-finite loss (the message names the step); the last checkpoint written is kept."""

@@ -13,6 +13,7 @@ import torch
 
 from minite.checkpoint import CheckpointError, load_checkpoint
 from minite.data import Tokenizer
+from minite.finetune import dense_weights
 from minite.models.gpt import GPT, GPTConfig
 
 __all__ = ["load_model", "sample", "main"]
@@ -20,12 +21,12 @@ __all__ = ["load_model", "sample", "main"]
 
 def load_model(path: str, device: str = "cpu") -> tuple[GPT, Tokenizer]:
     """(model in eval mode, tokenizer) from a checkpoint written by minite.train."""
-    state = load_checkpoint(path, map_location=device)
+    state = load_checkpoint(path)
     if "tokenizer" not in state:
         raise CheckpointError(f"checkpoint {path} carries no tokenizer")
     # backend "auto": a model trained with a forced backend (e.g. triton on a GPU) still samples anywhere.
     model = GPT(GPTConfig(**{**state["config"]["model"], "backend": "auto"}))
-    model.load_state_dict(state["model"])
+    model.load_state_dict(dense_weights(state, path))  # a LoRA run's checkpoint: its base + merged adapters
     return model.to(device).eval(), Tokenizer.from_json(state["tokenizer"])
 
 

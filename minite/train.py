@@ -37,10 +37,19 @@ import numpy as np
 import torch
 
 from minite import finetune
-from minite.checkpoint import CheckpointError, clean_orphans, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from minite.checkpoint import (
+    CheckpointError,
+    check_finite,
+    clean_orphans,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from minite.compile import compile_model, eager_mode
 from minite.config import ConfigError, RunConfig, apply_overrides, config_help, make_config
 from minite.data import BatchSampler, DataError, PreparedData, prepare
+from minite.errors import DivergenceError
 from minite.models.gpt import GPT
 from minite.parallel.runtime import Parallel, setup_parallel
 from minite.recompute import apply_recompute
@@ -80,13 +89,15 @@ def resolve(cfg: RunConfig, *, resume: bool = False, overrides: dict | None = No
         # here, named. The parallel layout is whatever this launch says (checkpoints are layout-free).
         cfg = apply_overrides(state["config"], {"train.stop_at": 0, **(overrides or {})})
         _check_same_model(cfg, state, ckpt_path)
-    base, base_tok, final = finetune.base_of(cfg)  # --init_from: the base's model fields and vocab (chapter 09)
+    # --init_from: the base's model fields and vocab (chapter 09); --model.* flags that disagree are refused
+    base, base_tok, final = finetune.base_of(cfg, requested=overrides)
     d = cfg.data
     tokenizer = final.get("data.tokenizer", d.tokenizer)
     data = prepare(d.path or None, data_dir=d.data_dir, tokenizer=tokenizer, vocab=base_tok,
                    unknown_chars=d.unknown_chars)  # every torchrun rank: one writes, the others wait and read
     if state is not None:
         _check_same_vocab(cfg, state, data, ckpt_path)
+        _check_resumable(cfg, state, ckpt_path)
     final["model.vocab_size"] = data.tokenizer.vocab_size  # the data decides the vocabulary
     cfg = apply_overrides(cfg, final)
     block = cfg.data.block_size or cfg.model.block_size
@@ -102,6 +113,15 @@ def _check_same_model(cfg: RunConfig, state: dict, path: Path) -> None:
     if changed:
         raise ConfigError(f"cannot change model fields when resuming from {path} ({'; '.join(changed)}): "
                           "the checkpoint fixes the model; drop those --model flags or use a new --out_dir")
+
+
+def _check_resumable(cfg: RunConfig, state: dict, path: Path) -> None:
+    step = state["step"]
+    if step >= cfg.train.max_iters:
+        raise ConfigError(f"the run in {path.parent} has finished: its checkpoint is at step {step} and "
+                          f"--train.max_iters={cfg.train.max_iters}; to train on, resume with "
+                          f"--train.max_iters=N > {step} (the learning-rate schedule then runs to N)")
+    check_finite(state["model"], path)
 
 
 def _check_same_vocab(cfg: RunConfig, state: dict, data: PreparedData, path: Path) -> None:
@@ -155,6 +175,7 @@ def build(plan: Plan, par: Parallel) -> Run:
     cfg = plan.cfg
     t = cfg.train
     dev = par.device(_device(t.device))
+    _check_memory(plan, par, dev)
     torch.manual_seed(t.seed)
     random.seed(t.seed)
     np.random.seed(t.seed)
@@ -180,16 +201,56 @@ def build(plan: Plan, par: Parallel) -> Run:
 def _restore(run: Run, state: dict) -> None:
     """Optimizer, loss scaler, every RNG and the counters from the checkpoint resumed."""
     path = run.out / "ckpt.pt"
+    moments = state["optimizer"]
+    if state["step"] > 0 and isinstance(moments, dict) and not (moments.get("state") or moments.get("exp_avg")):
+        raise CheckpointError(f"checkpoint {path} is at step {state['step']} but its optimizer state is empty "
+                              "(AdamW's moments are lost); start a new run from its weights with --init_from")
     try:  # the dense AdamW state, sliced for this rank's parameters (minite/parallel/reshard.py)
-        run.par.load_optim(run.opt, run.model, state["optimizer"], path)
+        run.par.load_optim(run.opt, run.model, moments, path)
     except (ValueError, KeyError, TypeError, RuntimeError) as e:
         raise CheckpointError(f"checkpoint {path}: the optimizer state does not fit the model ({e})") from e
     if run.scaler is not None and state.get("scaler") is not None:
         run.scaler.load_state_dict(state["scaler"])
-    set_rng_state(state["rng"], run.sampler)
+    try:
+        set_rng_state(state["rng"], run.sampler)
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
+        raise CheckpointError(f"checkpoint {path}: its random-number state ('rng') is missing or malformed "
+                              f"({type(e).__name__}: {e}); the run cannot continue exactly") from e
     run.step = state["step"]
     run.best_val = state.get("best_val", run.best_val)
     run.elapsed_before = state.get("elapsed_s", 0.0)
+
+
+def _free_bytes(dev: torch.device) -> int | None:
+    """Memory this rank may use: free GPU memory, or the host's available memory shared by its local ranks."""
+    if dev.type == "cuda":
+        return torch.cuda.mem_get_info(dev)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None  # not Linux: no check
+    return kib * 1024 // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def _check_memory(plan: Plan, par: Parallel, dev: torch.device) -> None:
+    """Refuse a batch that cannot fit before anything is allocated (the kernel's OOM killer says nothing).
+
+    A lower bound of what one micro-batch keeps for the backward on one rank: per token, each of its layers
+    saves at least its input (C values; 4C + 2 x mlp_hidden without recompute), and the logits with their
+    gradient take 2 x V fp32 values. A real step needs more: a refusal is never wrong."""
+    m = plan.cfg.model
+    t = plan.cfg.train
+    d = par.dims
+    tokens = t.batch_size * plan.block // (d.dp * d.cp)
+    per_layer = m.n_embd if t.recompute == "full" else 4 * m.n_embd + 2 * m.mlp_hidden
+    width = 4 if _precision_name(t, dev) == "fp32" else 2  # bytes per saved activation
+    need = tokens * (m.n_layer // d.pp * per_layer * width + 2 * m.padded_vocab_size * 4) // d.tp
+    free = _free_bytes(dev)
+    if free is not None and need > free:
+        raise ConfigError(f"--train.batch_size={t.batch_size} x {plan.block} tokens needs at least "
+                          f"{need / 2**30:.1f} GiB of activations per rank, more than the {free / 2**30:.1f} GiB "
+                          f"free on {dev}; lower --train.batch_size (--train.grad_accum keeps the tokens per step)")
 
 
 def _device(name: str) -> torch.device:
@@ -201,11 +262,16 @@ def _device(name: str) -> torch.device:
     return dev
 
 
+def _precision_name(t, dev: torch.device) -> str:
+    """train.precision, with auto resolved: bf16 on CUDA, fp32 on the CPU."""
+    if t.precision == "auto":
+        return "bf16" if dev.type == "cuda" else "fp32"
+    return t.precision
+
+
 def _precision(cfg: RunConfig, dev: torch.device):
     """(forward context factory, loss scaler or None) for train.precision."""
-    p = cfg.train.precision
-    if p == "auto":
-        p = "bf16" if dev.type == "cuda" else "fp32"
+    p = _precision_name(cfg.train, dev)
     if p == "fp32":
         return contextlib.nullcontext, None
     if p in ("bf16", "fp16"):
@@ -327,6 +393,10 @@ def loop(run: Run, callback=None) -> dict:
             ts = time.perf_counter()
             loss = train_step(run)
             run.train_time += time.perf_counter() - ts
+            if not math.isfinite(loss) and run.scaler is None:  # fp16: the loss scaler skips such steps itself
+                raise DivergenceError(f"the loss is {loss} at step {run.step}: training diverged. The last "
+                                      f"checkpoint ({run.out / 'ckpt.pt'}) is kept; lower --train.lr, or check "
+                                      "the model's numbers (--model.rope_base, --model.norm_eps)")
             run.losses[run.step] = loss
             tps = tokens_per_step * (run.step - start_step) / max(run.train_time, 1e-9)
             if run.step % t.log_interval == 0 or run.step == t.max_iters:
@@ -444,7 +514,7 @@ def _plot(log_path: Path, png_path: Path) -> None:
 def _announce(run: Run) -> None:
     t = run.cfg.train
     data = run.plan.data
-    prec = t.precision if t.precision != "auto" else "bf16" if run.dev.type == "cuda" else "fp32"
+    prec = _precision_name(t, run.dev)
     start = f"resuming at step {run.step}" if run.plan.resume is not None else "from scratch"
     print(f"minite.train: {run.model.num_params() / 1e6:.2f}M parameters, {run.dev}, precision {prec}, "
           f"compile {run.compiled}, threads {torch.get_num_threads()}, data {data.dir} (vocab "
@@ -510,6 +580,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, CheckpointError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except DivergenceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("\ninterrupted: continue from the last checkpoint with --resume", file=sys.stderr)
         return 130

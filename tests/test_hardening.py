@@ -4,8 +4,10 @@ lines, corruption detected. Each failed on the main branch before the fix (the n
 import json
 import math
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -292,7 +294,7 @@ def test_damaged_checkpoints_give_clear_errors(run_cfg, damage, match):
     damage(state)
     save_checkpoint(path, state)
     with pytest.raises(CheckpointError, match=match):
-        train(cfg, resume=True, resume_overrides={"train.out_dir": cfg.train.out_dir})
+        train(cfg, resume=True, resume_overrides={"train.out_dir": cfg.train.out_dir, "train.max_iters": "8"})
 
 
 def test_resume_with_an_invalid_model_value_names_the_value_not_a_change(run_cfg):
@@ -347,3 +349,145 @@ def test_non_utf8_data_suggests_the_real_flag(tmp_path, capsys):
     assert main(["--data", str(tmp_path / "latin1.txt"), "--out_dir", str(tmp_path / "o"),
                  "--data.data_dir=" + str(tmp_path / "d"), "--train.threads=1"]) == 2
     assert "--data.tokenizer=byte" in capsys.readouterr().err
+
+
+# ============================================================================== issue 25: no silent NaN run, tools
+def _args(cfg) -> list[str]:
+    """The command line of a run_cfg() config (the tiny model's flags included)."""
+    t = cfg.train
+    m = cfg.model
+    return ["--preset", "cpu", "--data", cfg.data.path, "--data.data_dir", cfg.data.data_dir, "--out_dir",
+            t.out_dir, "--train.batch_size=4", "--train.eval_iters=2", "--train.warmup_iters=2",
+            "--train.threads=1", "--train.progress=false", "--train.sample_tokens=0",
+            f"--model.n_layer={m.n_layer}", f"--model.n_head={m.n_head}", f"--model.n_embd={m.n_embd}",
+            f"--model.block_size={m.block_size}", f"--model.n_kv_head={m.n_kv_head}", "--model.backend=torch"]
+
+
+def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(run_cfg, monkeypatch, capsys):
+    # was: --model.rope_base=nan trained to "val loss nan" and exited 0, writing NaN weights into ckpt.pt
+    import minite.train as T
+    real = T.train_step
+
+    def poisoned(run):
+        loss = real(run)
+        return float("nan") if run.step == 6 else loss
+    monkeypatch.setattr(T, "train_step", poisoned)
+    cfg = run_cfg(**{"train.max_iters": 12})
+    assert main([*_args(cfg), "--train.max_iters=12", "--train.eval_interval=4"]) == 1
+    err = capsys.readouterr().err
+    assert "the loss is nan at step 6: training diverged" in err, err
+    assert load_checkpoint(Path(cfg.train.out_dir) / "ckpt.pt")["step"] == 4   # the last good one, untouched
+    rows = [json.loads(r) for r in (Path(cfg.train.out_dir) / "log.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(v) for r in rows for k, v in r.items() if k in ("loss", "val_loss"))
+
+
+def test_resuming_non_finite_weights_is_refused(run_cfg):
+    cfg = run_cfg(**{"train.max_iters": 8, "train.stop_at": 4})
+    train(cfg)
+    path = Path(cfg.train.out_dir) / "ckpt.pt"
+    state = load_checkpoint(path)
+    state["model"]["wte.weight"][0, :3] = float("nan")
+    save_checkpoint(path, state)
+    with pytest.raises(CheckpointError, match=r"non-finite weights: wte.weight \(3 of \d+\)"):
+        train(cfg, resume=True, resume_overrides={"train.out_dir": cfg.train.out_dir})
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda s: s.pop("rng"), r"random-number state \('rng'\) is missing or malformed"),
+    (lambda s: s["rng"].update(sampler={"bad": 1}), r"random-number state \('rng'\) is missing or malformed"),
+    (lambda s: s.update(optimizer={"state": {}, "param_groups": s["optimizer"].get("param_groups", [])}),
+     r"is at step 4 but its optimizer state is empty"),
+], ids=["no-rng", "rng-sampler", "empty-optimizer"])
+def test_malformed_states_give_clear_errors(run_cfg, damage, message):
+    # was: KeyError 'rng' / 'sampler', and an empty optimizer state resumed silently with fresh moments
+    cfg = run_cfg(**{"train.max_iters": 8, "train.stop_at": 4})
+    train(cfg)
+    path = Path(cfg.train.out_dir) / "ckpt.pt"
+    state = load_checkpoint(path)
+    damage(state)
+    save_checkpoint(path, state)
+    with pytest.raises(CheckpointError, match=message):
+        train(cfg, resume=True, resume_overrides={"train.out_dir": cfg.train.out_dir})
+
+
+def test_resuming_a_finished_run_says_so_and_leaves_the_log_alone(run_cfg, capsys):
+    # was: every --resume of a finished run appended another final val_loss row; step=999 was accepted
+    cfg = run_cfg(**{"train.max_iters": 4})
+    train(cfg)
+    log = Path(cfg.train.out_dir) / "log.jsonl"
+    before = log.read_text()
+    assert main([*_args(cfg), "--train.max_iters=4", "--resume"]) == 2
+    assert "has finished: its checkpoint is at step 4 and --train.max_iters=4" in capsys.readouterr().err
+    assert log.read_text() == before
+    path = Path(cfg.train.out_dir) / "ckpt.pt"
+    state = load_checkpoint(path)
+    state["step"] = 999
+    save_checkpoint(path, state)
+    with pytest.raises(ConfigError, match="checkpoint is at step 999 and --train.max_iters=4"):
+        train(cfg, resume=True, resume_overrides={"train.out_dir": cfg.train.out_dir})
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"parallel.sp": "true"}, "--parallel.sp=True shards the sequence over the tensor-parallel group, but "
+                              "--parallel.tp=1"),
+    ({"parallel.microbatches": "4"}, "--parallel.microbatches=4 splits the batch between pipeline stages, but "
+                                     "--parallel.pp=1"),
+    ({"data.unknown_chars": "drop"}, "--data.unknown_chars='drop' only applies when fine-tuning"),
+    ({"data.unknown_chars": "xyz"}, "--data.unknown_chars='xyz': must be error, drop or one character"),
+], ids=["sp-without-tp", "microbatches-without-pp", "unknown-chars-without-base", "unknown-chars-xyz"])
+def test_flags_that_would_be_ignored_are_refused(flags, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        make_config("cpu", flags)
+
+
+def test_an_impossible_batch_says_what_it_needs_before_allocating(run_cfg):
+    # was: --train.batch_size=100000 was OOM-killed with no message
+    with pytest.raises(ConfigError, match=r"--train.batch_size=50000000 x 16 tokens needs at least [\d.]+ GiB of "
+                                          r"activations per rank, more than the [\d.]+ GiB free on cpu"):
+        train(run_cfg(**{"train.batch_size": 50_000_000}))
+
+
+@pytest.fixture
+def lora_run(run_cfg, tmp_path):
+    """(base config, LoRA run config): a tiny base, then a LoRA fine-tune of it (adapters-only checkpoint)."""
+    base = run_cfg(**{"train.max_iters": 4, "train.out_dir": str(tmp_path / "base")})
+    train(base)
+    ft = run_cfg(**{"train.max_iters": 4, "train.out_dir": str(tmp_path / "lora"), "lora.r": 2,
+                    "train.init_from": str(tmp_path / "base" / "ckpt.pt")})
+    train(ft)
+    return base, ft
+
+
+def test_sample_and_init_from_take_a_lora_runs_checkpoint(lora_run, tmp_path, capsys):
+    # was: minite.sample --ckpt <LoRA run>/ckpt.pt crashed with missing base keys; so did --init_from
+    from minite import sample as msample
+    from minite.finetune import lora_config
+    from minite.layers.lora import apply_lora, load_lora, merge_lora
+    from minite.models.gpt import GPT, GPTConfig
+    base, ft = lora_run
+    ckpt = Path(ft.train.out_dir) / "ckpt.pt"
+    model, _ = msample.load_model(str(ckpt))
+    # independent: the base's weights, the adapters loaded and merged by hand
+    expect = GPT(GPTConfig(**load_checkpoint(ckpt)["config"]["model"]))
+    expect.load_state_dict(load_checkpoint(Path(base.train.out_dir) / "ckpt.pt")["model"])
+    apply_lora(expect, lora_config(ft.lora))
+    load_lora(expect, load_checkpoint(ckpt)["model"])
+    merge_lora(expect)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, expect.state_dict()[k]), k
+    assert msample.main(["--ckpt", str(ckpt), "--max_new_tokens", "5"]) == 0
+    again = train(make_config("cpu", {
+        **{f"model.{k}": v for k, v in vars(ft.model).items() if k in ("n_layer", "n_head", "n_embd")},
+        "data.path": ft.data.path, "data.data_dir": ft.data.data_dir, "train.out_dir": str(tmp_path / "again"),
+        "train.init_from": str(ckpt), "train.max_iters": 2, "train.eval_iters": 1, "train.batch_size": 4,
+        "train.threads": 1, "train.progress": False, "train.sample_tokens": 0, "model.backend": "torch"}))
+    assert again["steps"] == 2 and math.isfinite(again["val_loss"])
+
+
+def test_init_from_refuses_model_flags_that_disagree_with_the_base(lora_run, capsys):
+    # was: --init_from CKPT --model.n_layer=3 silently dropped the flag
+    base, _ = lora_run
+    args = _args(base)
+    args[args.index("--out_dir") + 1] += "_ft"
+    assert main([*args, "--init_from", str(Path(base.train.out_dir) / "ckpt.pt"), "--model.n_layer=3"]) == 2
+    assert "fixes the model's shape; drop --model.n_layer=3 (the base has 1)" in capsys.readouterr().err
