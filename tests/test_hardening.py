@@ -322,7 +322,13 @@ BAD_CLI = [("--train.batch_size=0", "--train.batch_size=0: must be an int >= 1")
            ("--train.max_iters=0", "--train.max_iters=0: must be an int >= 1"),
            ("--train.max_iters=-5", "--train.max_iters=-5: must be an int >= 1"),
            ("--train.eval_iters=0", "--train.eval_iters=0: must be an int >= 1"),
-           ("--train.ckpt_interval=-1", "--train.ckpt_interval=-1: must be an int >= 0")]
+           ("--train.ckpt_interval=-1", "--train.ckpt_interval=-1: must be an int >= 0"),
+           # issue 25: these trained to "val loss nan" with exit 0, or raised a traceback
+           ("--model.rope_base=0", "GPTConfig.rope_base must be a finite number > 0, got 0.0"),
+           ("--model.rope_base=nan", "GPTConfig.rope_base must be a finite number > 0, got nan"),
+           ("--model.norm_eps=-1", "GPTConfig.norm_eps must be a finite number > 0, got -1.0"),
+           ("--model.norm_eps=nan", "GPTConfig.norm_eps must be a finite number > 0, got nan"),
+           ("--model.mlp_hidden=-5", "GPTConfig.mlp_hidden must be positive, got -5")]
 
 
 @pytest.mark.parametrize("arg, message", BAD_CLI, ids=[a for a, _ in BAD_CLI])

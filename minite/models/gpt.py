@@ -54,9 +54,15 @@ class GPTConfig:
             self.n_kv_head = self.n_head
         if self.mlp_hidden == 0:
             self.mlp_hidden = 32 * math.ceil(8 * self.n_embd / 3 / 32)
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "vocab_multiple"):
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "vocab_multiple",
+                     "mlp_hidden"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"GPTConfig.{name} must be positive, got {getattr(self, name)}")
+        # A zero, negative or NaN base or epsilon trains to a NaN loss at the first step: refuse it here.
+        for name in ("rope_base", "norm_eps"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"GPTConfig.{name} must be a finite number > 0, got {value}")
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         if self.n_head % self.n_kv_head != 0:
