@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.data:
         overrides["data.path"] = args.data
     overrides.setdefault("train.out_dir", "out/bench_train")
+    overrides.setdefault("train.overwrite", "true")  # a benchmark re-runs from scratch
     overrides.setdefault("train.sample_tokens", "0")
     preset = args.preset or ("gpu" if torch.cuda.is_available() else "cpu")
     cfg = make_config(preset, overrides)

@@ -81,6 +81,8 @@ class TrainConfig:
     """Optimisation, evaluation, precision and bookkeeping."""
 
     out_dir: str = _doc("where checkpoints, log.jsonl and loss.png go; also --out_dir DIR", "out")
+    overwrite: bool = _doc("start a new run in an out_dir that holds another run's checkpoint, replacing it "
+                           "(else refused: --resume continues it)", False)
     batch_size: int = _doc("sequences per micro-batch", 32)
     grad_accum: int = _doc("micro-batches per optimizer step", 1)
     max_iters: int = _doc("optimizer steps in total", 2000)

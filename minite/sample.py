@@ -2,7 +2,9 @@
 
     python -m minite.sample --ckpt out/ckpt.pt --prompt "ROMEO." --max_new_tokens 500 --temperature 0.8 --top_k 40
 
-The checkpoint carries the model configuration and the tokenizer, so no data directory is needed.
+The checkpoint carries the model configuration and the tokenizer, so no data directory is needed. Any checkpoint
+of minite.train: ``ckpt.pt`` (the last), ``ckpt_best.pt`` (the best val loss), or a LoRA run's (its base with the
+adapters merged in).
 """
 from __future__ import annotations
 
@@ -53,7 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument("--no_cache", action="store_true", help="recompute the whole context every token (no KV cache)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads (default: 1: one token at a time is small "
+                   "ops, where threads mostly wait for each other; 0 = all cores)")
     args = p.parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     try:
         model, tok = load_model(args.ckpt, args.device)
         texts = sample(model, tok, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,

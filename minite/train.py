@@ -23,7 +23,6 @@ The run reads top to bottom, in four steps (torchtitan's split, nanoGPT's clarit
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import math
 import os
@@ -53,6 +52,7 @@ from minite.errors import DivergenceError
 from minite.models.gpt import GPT
 from minite.parallel.runtime import Parallel, setup_parallel
 from minite.recompute import apply_recompute
+from minite.resources import check_memory, pick_threads
 
 __all__ = ["train", "resolve", "build", "train_step", "loop", "Plan", "Run", "main", "parse_cli",
            "save_checkpoint", "load_checkpoint", "CheckpointError"]
@@ -83,6 +83,8 @@ def resolve(cfg: RunConfig, *, resume: bool = False, overrides: dict | None = No
         print(f"minite.train: removed {tmp.name} ({size / 1e6:.1f} MB), left by a checkpoint write that was "
               f"interrupted", flush=True)
     state = None
+    if not resume:
+        _check_no_other_run(cfg, ckpt_path)
     if resume:
         state = load_checkpoint(ckpt_path)
         # The saved stop_at ended the previous job; this one runs on unless told where to stop. Invalid values fail
@@ -104,6 +106,18 @@ def resolve(cfg: RunConfig, *, resume: bool = False, overrides: dict | None = No
     if block > cfg.model.block_size:
         raise ConfigError(f"data.block_size={block} is larger than the model's block_size={cfg.model.block_size}")
     return Plan(cfg, data, block, resume=state, base=base, t0=t0)
+
+
+def _check_no_other_run(cfg: RunConfig, path: Path) -> None:
+    """A new run never silently replaces another run's checkpoints."""
+    if not path.exists():
+        return
+    if not cfg.train.overwrite:
+        raise ConfigError(f"{path} holds another run's checkpoint; continue it with --resume, start this run in "
+                          f"another --out_dir, or replace it with --train.overwrite=True")
+    best = path.with_name("ckpt_best.pt")
+    if best.exists():
+        best.unlink()  # the replaced run's best would pose as this run's
 
 
 def _check_same_model(cfg: RunConfig, state: dict, path: Path) -> None:
@@ -152,6 +166,7 @@ class Run:
     step: int = 0
     best_val: float = float("inf")
     val_loss: float = float("nan")
+    val_step: int = -1  # the step of the last evaluation
     elapsed_before: float = 0.0  # seconds the run had taken before a resume
     train_time: float = 0.0
     losses: dict = field(default_factory=dict)  # {step: the global batch's train loss}
@@ -175,7 +190,7 @@ def build(plan: Plan, par: Parallel) -> Run:
     cfg = plan.cfg
     t = cfg.train
     dev = par.device(_device(t.device))
-    _check_memory(plan, par, dev)
+    check_memory(plan.cfg, plan.block, par.dims, dev)
     torch.manual_seed(t.seed)
     random.seed(t.seed)
     np.random.seed(t.seed)
@@ -189,7 +204,7 @@ def build(plan: Plan, par: Parallel) -> Run:
     apply_recompute(model, t.recompute)  # activation recompute per block (chapter 14), after the wrappers
     compiled = compile_model(model, t, dev)  # in place: state_dict keys unchanged
     if dev.type == "cpu":
-        torch.set_num_threads(t.threads or (1 if par.active else _pick_threads(model, t, plan.block)))
+        torch.set_num_threads(t.threads or (1 if par.active else pick_threads(model, t.batch_size, plan.block)))
     opt = par.optimizer(model, lambda m: _optimizer(m, t, dev), t)  # ZeRO >= 1: the sharded AdamW
     ctx, scaler = _precision(cfg, dev)
     run = Run(plan, par, dev, model, opt, ctx, scaler, sampler, compiled)
@@ -219,38 +234,6 @@ def _restore(run: Run, state: dict) -> None:
     run.step = state["step"]
     run.best_val = state.get("best_val", run.best_val)
     run.elapsed_before = state.get("elapsed_s", 0.0)
-
-
-def _free_bytes(dev: torch.device) -> int | None:
-    """Memory this rank may use: free GPU memory, or the host's available memory shared by its local ranks."""
-    if dev.type == "cuda":
-        return torch.cuda.mem_get_info(dev)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return None  # not Linux: no check
-    return kib * 1024 // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-
-
-def _check_memory(plan: Plan, par: Parallel, dev: torch.device) -> None:
-    """Refuse a batch that cannot fit before anything is allocated (the kernel's OOM killer says nothing).
-
-    A lower bound of what one micro-batch keeps for the backward on one rank: per token, each of its layers
-    saves at least its input (C values; 4C + 2 x mlp_hidden without recompute), and the logits with their
-    gradient take 2 x V fp32 values. A real step needs more: a refusal is never wrong."""
-    m = plan.cfg.model
-    t = plan.cfg.train
-    d = par.dims
-    tokens = t.batch_size * plan.block // (d.dp * d.cp)
-    per_layer = m.n_embd if t.recompute == "full" else 4 * m.n_embd + 2 * m.mlp_hidden
-    width = 4 if _precision_name(t, dev) == "fp32" else 2  # bytes per saved activation
-    need = tokens * (m.n_layer // d.pp * per_layer * width + 2 * m.padded_vocab_size * 4) // d.tp
-    free = _free_bytes(dev)
-    if free is not None and need > free:
-        raise ConfigError(f"--train.batch_size={t.batch_size} x {plan.block} tokens needs at least "
-                          f"{need / 2**30:.1f} GiB of activations per rank, more than the {free / 2**30:.1f} GiB "
-                          f"free on {dev}; lower --train.batch_size (--train.grad_accum keeps the tokens per step)")
 
 
 def _device(name: str) -> torch.device:
@@ -287,30 +270,6 @@ def _precision(cfg: RunConfig, dev: torch.device):
         recipe = DelayedScaling()
         return (lambda: fp8_autocast(enabled=True, recipe=recipe)), None
     raise ConfigError(f"train.precision must be auto | fp32 | bf16 | fp16 | fp8, got {p!r}")
-
-
-def _pick_threads(model: GPT, t, block: int) -> int:
-    """The faster of "all cores" and 1 thread, timed on a throwaway copy of the model (RNG untouched).
-
-    On a quiet machine all cores win (~1.5x on 2). When other processes share the cores, OpenMP threads wait for
-    each other at every op and a 2-thread run can be 10x slower than a 1-thread one (measured on 2 shared cores).
-    """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    timings = {}
-    with torch.random.fork_rng(devices=[]):
-        x = torch.randint(0, model.config.vocab_size, (t.batch_size, block))
-        for n in (cores, 1):
-            torch.set_num_threads(n)
-            m = copy.deepcopy(model)
-            opt = torch.optim.AdamW(m.parameters(), lr=0.0)
-            for i in range(5):  # 2 warm-up steps, 3 timed
-                if i == 2:
-                    t0 = time.perf_counter()
-                m(x, x)[1].backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            timings[n] = time.perf_counter() - t0
-    return min(timings, key=timings.get)
 
 
 def _optimizer(model: GPT, t, dev: torch.device) -> torch.optim.AdamW:
@@ -404,11 +363,13 @@ def loop(run: Run, callback=None) -> dict:
                        elapsed_s=round(run.elapsed(), 2))
             if pbar is not None:
                 pbar.update(1)
-                pbar.set_postfix(loss=f"{loss:.3f}", val=f"{run.val_loss:.3f}", tok_s=f"{tps:,.0f}", refresh=False)
+                pbar.set_postfix(loss=f"{loss:.3f}", val=f"{run.val_loss:.3f}@{run.val_step}", tok_s=f"{tps:,.0f}",
+                                 refresh=False)
             if callback is not None:
                 callback(run.step, loss)
     finally:
         if pbar is not None:
+            pbar.set_postfix(val=f"{run.val_loss:.3f}@{run.val_step}", refresh=True)  # the final evaluation's
             pbar.close()
         log.close()
     if run.par.is_main:
@@ -446,14 +407,19 @@ def _json_or_none(line: str) -> dict | None:
 
 
 def _evaluate(run: Run, log) -> None:
+    """Val loss now; a new best (after step 0) is also written to ckpt_best.pt, beside the last checkpoint."""
     run.val_loss = evaluate(run.model, run.plan.data.split("val"), run.cfg, run.plan.block, run.dev, run.ctx)
-    run.best_val = min(run.best_val, run.val_loss)
+    run.val_step = run.step
     _write(log, step=run.step, val_loss=round(run.val_loss, 6), elapsed_s=round(run.elapsed(), 2),
            train_time_s=round(run.train_time, 2))
     log.flush()
+    if run.val_loss < run.best_val:
+        run.best_val = run.val_loss
+        if run.step > 0:
+            _checkpoint(run, log, "ckpt_best.pt")
 
 
-def _checkpoint(run: Run, log) -> None:
+def _checkpoint(run: Run, log, name: str = "ckpt.pt") -> None:
     """Under torchrun every rank gathers the state (collectives); rank 0 writes it."""
     log.flush()  # every log line up to this step is on disk before the checkpoint that claims this step
     with contextlib.suppress(OSError):  # ranks other than 0 log to os.devnull, which cannot be fsynced
@@ -472,7 +438,7 @@ def _checkpoint(run: Run, log) -> None:
         "elapsed_s": run.elapsed(),
         "scaler": run.scaler.state_dict() if run.scaler is not None else None,
     }
-    run.par.save(save_checkpoint, run.out / "ckpt.pt", state)
+    run.par.save(save_checkpoint, run.out / name, state)
 
 
 def _progress_bar(run: Run):
@@ -515,7 +481,12 @@ def _announce(run: Run) -> None:
     t = run.cfg.train
     data = run.plan.data
     prec = _precision_name(t, run.dev)
-    start = f"resuming at step {run.step}" if run.plan.resume is not None else "from scratch"
+    if run.plan.resume is not None:
+        start = f"resuming at step {run.step}"
+    elif run.plan.base is not None:
+        start = f"fine-tuning {t.init_from}"
+    else:
+        start = "from scratch"
     print(f"minite.train: {run.model.num_params() / 1e6:.2f}M parameters, {run.dev}, precision {prec}, "
           f"compile {run.compiled}, threads {torch.get_num_threads()}, data {data.dir} (vocab "
           f"{data.tokenizer.vocab_size}, {len(data.split('train')):,} train tokens), {start}", flush=True)

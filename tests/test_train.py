@@ -1,12 +1,13 @@
 """minite.train / minite.sample: configs and their errors, exact resume, atomic checkpoints, precisions, the CLI."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from minite import sample as msample
-from minite import train as mtrain
 from minite.config import ConfigError, make_config, valid_keys
+from minite.resources import pick_threads
 from minite.train import CheckpointError, load_checkpoint, main, parse_cli, save_checkpoint, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread, tiny ops on shared cores
@@ -185,5 +186,35 @@ def test_pick_threads_leaves_the_rng_alone(run_cfg):
     cfg = run_cfg()
     model = GPT(GPTConfig(**{**cfg.model.to_dict(), "vocab_size": 40}))
     state = torch.get_rng_state()
-    n = mtrain._pick_threads(model, cfg.train, 16)
+    n = pick_threads(model, cfg.train.batch_size, 16)
     assert n >= 1 and torch.equal(state, torch.get_rng_state())  # timing must not change the run
+
+
+# ------------------------------------------------------------------------------------------ runs never clobber
+def test_a_new_run_refuses_an_out_dir_holding_another_run(run_cfg, capsys):
+    # was (issue 26): a quick --train.max_iters 10 silently replaced a 1500-step out/ckpt.pt
+    cfg = run_cfg(**{"train.max_iters": 4})
+    train(cfg)
+    ckpt = Path(cfg.train.out_dir) / "ckpt.pt"
+    before = ckpt.read_bytes()
+    with pytest.raises(ConfigError, match=r"ckpt.pt holds another run's checkpoint; continue it with --resume, "
+                                          r"start this run in another --out_dir, or replace it with "
+                                          r"--train.overwrite=True"):
+        train(run_cfg(**{"train.max_iters": 2}))
+    assert ckpt.read_bytes() == before
+    s = train(run_cfg(**{"train.max_iters": 2, "train.overwrite": True}))
+    assert s["steps"] == 2 and load_checkpoint(ckpt)["step"] == 2
+
+
+def test_the_best_checkpoint_is_kept_beside_the_last(run_cfg):
+    cfg = run_cfg(**{"train.max_iters": 12, "train.eval_interval": 4})
+    s = train(cfg)
+    out = Path(cfg.train.out_dir)
+    rows = [json.loads(r) for r in (out / "log.jsonl").read_text().splitlines()]
+    vals = {r["step"]: r["val_loss"] for r in rows if "val_loss" in r and r["step"] > 0}
+    best_step = min(vals, key=vals.get)
+    best = load_checkpoint(out / "ckpt_best.pt")
+    assert best["step"] == best_step and best["best_val"] == pytest.approx(vals[best_step], abs=1e-6)
+    assert s["best_val_loss"] == pytest.approx(min(vals.values()), abs=1e-6)
+    model, tok = msample.load_model(str(out / "ckpt_best.pt"))
+    assert torch.equal(model.state_dict()["wte.weight"], best["model"]["wte.weight"])
