@@ -68,10 +68,17 @@ check-fast: $(STAMP)
 
 # Rooted at the repository so exercises/ is reachable and jupytext.toml applies; the jupytext server extension
 # (installed with jupytext) makes every save write both the .ipynb and its paired .py.
+# As root (a Docker image) Jupyter needs --allow-root; the "get Jupyter news?" toast is answered "never" once (it
+# covered the lesson); ARGS go to jupyter lab (make lab ARGS="--port 8889 --no-browser").
+LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings/overrides.json
 lab: $(STAMP)
 	@$(VENV)/bin/jupyter server extension list 2>&1 | grep -q "jupyterlab_jupytext.*enabled" || \
 		$(VENV)/bin/jupyter server extension enable --sys-prefix jupyterlab_jupytext
-	$(VENV)/bin/jupyter lab --ServerApp.root_dir="$(CURDIR)" notebooks/00_triton_from_zero.ipynb
+	@test -f $(LAB_SETTINGS) || { mkdir -p $(dir $(LAB_SETTINGS)) && echo \
+		'{"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": false}}' \
+		> $(LAB_SETTINGS); }
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir="$(CURDIR)" $(if $(filter 0,$(shell id -u)),--allow-root,) \
+		$(ARGS) notebooks/00_triton_from_zero.ipynb
 
 # Re-create each NB's .ipynb from its jupytext .py and execute it: make notebooks NB="notebooks/03_rmsnorm.py"
 notebooks: $(STAMP)
