@@ -1,19 +1,23 @@
-"""``python -m minite.train --train.compile=MODE``: torch.compile for the training model, in place.
+"""torch.compile in minite: the training model's compile mode, and the launch of a Triton kernel inside a graph.
+
+``python -m minite.train --train.compile=MODE`` compiles the training model in place.
 
 MODE: ``auto`` (``reduce-overhead`` on CUDA for bf16/fp32 runs of at least 500 steps, else ``off``), ``off``,
 ``default``, ``reduce-overhead`` (CUDA graphs: pays for a small, launch-bound model),
 ``max-autotune-no-cudagraphs``. ``nn.Module.compile`` compiles in place, so
 the state_dict keys (checkpoints) are unchanged. minite's Triton kernels stay in the graph on CUDA: they are
-registered as ``torch.ops.minite.*`` custom ops (kernels/_library.py). Under the CPU interpreter nothing is
-compiled (``wrap_triton`` refuses interpreted kernels).
+registered as ``torch.ops.minite.*`` custom ops (``register_op``, kernels/_common.py), whose bodies launch their
+kernels through ``launchable`` (below). Under the CPU interpreter nothing is compiled (``wrap_triton`` refuses
+interpreted kernels).
 """
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 
-from minite._triton import interpreting
+from minite._triton import HAS_TRITON, interpreting
 
 MODES = ("auto", "off", "default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
@@ -52,3 +56,26 @@ def eager_mode():
     """Context: run a compiled module eagerly (sampling: a new prompt length every step would recompile)."""
     set_stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
     return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+
+
+# --------------------------------------------------------------------- Triton kernels inside torch.compile
+_TRACING = threading.local()  # .on: inside the body of a registered op (kernels/_common.py, register_op)
+
+
+@contextlib.contextmanager
+def traceable():
+    """Inside: launchers launch through ``wrap_triton`` (set by the bodies of the ``torch.ops.minite.*`` ops, which
+    torch.compile traces). Outside, eager launches skip it: wrap_triton's dispatch costs ~0.2 ms per launch
+    (H100 machine, benchmarks/probe_overhead.py), more than the kernel of a small op."""
+    old, _TRACING.on = getattr(_TRACING, "on", False), True
+    try:
+        yield
+    finally:
+        _TRACING.on = old
+
+
+def launchable(kernel):
+    """``kernel[grid](...)`` that torch.compile can trace inside a ``triton_op`` (CUDA), or the plain kernel."""
+    if not HAS_TRITON or interpreting() or not getattr(_TRACING, "on", False):
+        return kernel
+    return torch.library.wrap_triton(kernel)

@@ -20,9 +20,9 @@ import torch
 from minite import _validate as _v
 from minite._triton import tl, triton
 from minite.backend import resolve_backend
+from minite.compile import launchable
 from minite.formats.recipe import compute_scale, fp8_max
 from minite.formats.specs import encode_bits_tl
-from minite.kernels._common import launchable
 
 __all__ = ["Float8Tensor", "quantize", "dequantize", "quantize_ref", "fp8_quantize_fwd", "FP8_DTYPES"]
 

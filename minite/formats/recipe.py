@@ -20,6 +20,10 @@ E5M2 (more range) for gradients in the backward pass under ``HYBRID``.
 Each quantized tensor of a module (input, weight, grad_output) owns a ``ScalingState``: its amax history and
 its current scale (TransformerEngine's ``FP8TensorMeta``, one tensor at a time). Everything stays on the
 tensor's device: no ``.item()``, so no host synchronisation per step.
+
+The arithmetic of the two recipes is ``roll_history`` and ``current_scale``, functions of tensors: the recipes'
+methods call them on a ``ScalingState``, and the compiled FP8 Linear (kernels/fp8_linear.py) calls them on the
+state's tensors, which it updates in place.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ import torch
 
 from minite import _validate as _v
 
-__all__ = ["Format", "DelayedScaling", "CurrentScaling", "ScalingState", "compute_scale", "fp8_max"]
+__all__ = ["Format", "DelayedScaling", "CurrentScaling", "ScalingState", "compute_scale", "fp8_max", "roll_history",
+           "current_scale"]
 
 
 def fp8_max(fp8_dtype: torch.dtype) -> float:
@@ -81,6 +86,21 @@ def compute_scale(amax: torch.Tensor, fp8_max: float, margin: int, prev_scale: t
     sf = (fp8_max / amax) / (2.0 ** margin)
     ok = (amax > 0.0) & torch.isfinite(amax)
     return torch.where(ok, sf, prev_scale.to(torch.float32))
+
+
+def roll_history(history: torch.Tensor, amax: torch.Tensor, fp8_max: float, margin: int, algo: str,
+                 prev_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Delayed scaling's step after a quantization: (the history rolled with `amax` first, the next scale from the
+    history's max (algo "max") or from `amax` alone ("most_recent")). New tensors; `history` is not modified."""
+    hist = torch.roll(history, 1)  # oldest entry falls off the end
+    hist[0] = amax.to(torch.float32)
+    amax_r = hist.max() if algo == "max" else hist[0]
+    return hist, compute_scale(amax_r, fp8_max, margin, prev_scale)
+
+
+def current_scale(x: torch.Tensor, fp8_max: float, margin: int, prev_scale: torch.Tensor) -> torch.Tensor:
+    """Current scaling's scale for `x`: from its amax, read now (an extra pass over x)."""
+    return compute_scale(x.detach().abs().amax().to(torch.float32), fp8_max, margin, prev_scale)
 
 
 class ScalingState:
@@ -150,11 +170,8 @@ class DelayedScaling:
 
     def update(self, state: ScalingState, amax: torch.Tensor) -> None:
         """After quantizing: roll the history, put this step's amax first, compute the next scale."""
-        hist = torch.roll(state.amax_history, 1)  # oldest entry falls off the end
-        hist[0] = amax.to(torch.float32)
-        state.amax_history = hist
-        amax_r = hist.max() if self.amax_compute_algo == "max" else hist[0]
-        state.scale = compute_scale(amax_r, state.fp8_max, self.margin, state.scale)
+        state.amax_history, state.scale = roll_history(state.amax_history, amax, state.fp8_max, self.margin,
+                                                       self.amax_compute_algo, state.scale)
 
 
 @dataclass
@@ -180,8 +197,7 @@ class CurrentScaling:
 
     def scale_for(self, state: ScalingState, x: torch.Tensor) -> torch.Tensor:
         """Extra pass: amax of x now, scale from it (previous scale if amax is 0 or not finite)."""
-        amax = x.detach().abs().amax().to(torch.float32)
-        state.scale = compute_scale(amax, state.fp8_max, self.margin, state.scale)
+        state.scale = current_scale(x, state.fp8_max, self.margin, state.scale)
         return state.scale
 
     def update(self, state: ScalingState, amax: torch.Tensor) -> None:

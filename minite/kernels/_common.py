@@ -1,5 +1,5 @@
 """What every concept file shares: the compute dtype, launch settings, the device's SM count, and the bridge to
-``torch.compile`` (``wrap_triton`` / ``torch.library.triton_op``).
+``torch.compile`` (``torch.library.triton_op`` + ``wrap_triton``).
 
 One helper per question, so the kernels cannot drift apart:
 
@@ -7,26 +7,38 @@ One helper per question, so the kernels cannot drift apart:
   Triton dtypes; ``_acc`` is the same rule inside a kernel.
 * ``row_launch(n_cols, max_block)``: (BLOCK_SIZE, num_warps) for one row per program (norms, softmax, CE, SwiGLU).
 * ``sm_count(device)``: multiprocessors, read once per device and cached (a driver query per call costs ~10 us).
-* ``launchable(kernel)``: the kernel wrapped by ``torch.library.wrap_triton`` on CUDA, so ``torch.compile`` can
-  trace a launcher registered with ``triton_op``; the plain kernel under ``TRITON_INTERPRET=1`` (wrap_triton
-  refuses interpreted kernels, pytorch#152868).
-* ``use_op(name)``: True while ``torch.compile`` traces and the op ``minite::name`` is registered: the autograd
-  Functions then call ``torch.ops.minite.<name>`` so that the kernel lands in the graph instead of breaking it.
+* ``launchable(kernel)`` (from minite/compile.py, where formats/fp8.py takes it too): the kernel wrapped by
+  ``torch.library.wrap_triton`` inside a registered op, so ``torch.compile`` can trace the launch; the plain kernel
+  otherwise (eager calls, and under ``TRITON_INTERPRET=1``: wrap_triton refuses interpreted kernels, pytorch#152868).
+* ``@register_op(name)``: on a launcher (section 3 of a concept file). Where real Triton kernels run (``ENABLED``:
+  Triton, not the interpreter) it becomes the custom op ``torch.ops.minite.<name>`` (``torch.library.triton_op``),
+  so ``torch.compile(fullgraph=True)`` keeps its kernels in the graph. The launcher itself is returned unchanged.
+* ``register_autograd(name, backward, setup_context)``: the op's gradient (section 4), from the same two functions
+  the concept's ``autograd.Function`` runs: each formula is written once.
+* ``op(name, launcher)``: what the autograd Functions call: ``torch.ops.minite.<name>`` while torch.compile traces
+  (the kernel lands in the graph instead of breaking it) and inside a registered op's backward, else the launcher
+  (eager calls skip the dispatcher, ~10 us each).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
+import inspect
 import threading
 
 import torch
 
 from minite._triton import HAS_TRITON, interpreting, tl, triton
+from minite.compile import launchable, traceable
 
-__all__ = ["compute_dtype", "tl_compute_dtype", "row_launch", "sm_count", "launchable", "traceable", "op", "use_op",
-           "REGISTERED", "_acc"]
+__all__ = ["compute_dtype", "tl_compute_dtype", "row_launch", "sm_count", "launchable", "traceable", "register_op",
+           "register_autograd", "calling_ops", "op", "use_op", "ENABLED", "REGISTERED", "OPS", "FORMULAS", "_acc"]
 
-REGISTERED: set[str] = set()  # names of the minite:: custom ops registered (filled by kernels/_library.py)
+# Register the minite:: ops? Only where real (not interpreted) Triton kernels run: wrap_triton refuses interpreted
+# ones (pytorch#152868). On a CPU machine without the interpreter they are registered but never called.
+ENABLED = HAS_TRITON and not interpreting() and hasattr(torch.library, "triton_op")
+REGISTERED: set[str] = set()  # names of the torch.ops.minite.* ops registered in this process
+OPS: dict = {}  # name -> (op body, mutates_args) of every op declared, registered or not (tests/kernels/conftest.py)
+FORMULAS: dict = {}  # name -> (backward, setup_context) of every op with a gradient
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -67,26 +79,7 @@ def sm_count(device: torch.device | str) -> int:
     return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-_TRACE = threading.local()
-
-
-@contextlib.contextmanager
-def traceable():
-    """Inside: launchers launch through ``wrap_triton`` (set by the ``torch.ops.minite.*`` wrappers, whose bodies
-    torch.compile traces). Outside, eager launches skip it: wrap_triton's dispatch costs ~0.2 ms per launch
-    (H100 machine, benchmarks/probe_overhead.py), more than the kernel of a small op."""
-    old, _TRACE.on = getattr(_TRACE, "on", False), True
-    try:
-        yield
-    finally:
-        _TRACE.on = old
-
-
-def launchable(kernel):
-    """``kernel[grid](...)`` that torch.compile can trace inside a ``triton_op`` (CUDA), or the plain kernel."""
-    if not HAS_TRITON or interpreting() or not getattr(_TRACE, "on", False):
-        return kernel
-    return torch.library.wrap_triton(kernel)
+_CALLING = threading.local()  # .ns: the namespace whose ops op() returns, inside a registered backward
 
 
 def use_op(name: str) -> bool:
@@ -97,8 +90,61 @@ def use_op(name: str) -> bool:
 
 
 def op(name: str, launcher):
-    """``torch.ops.minite.<name>`` while torch.compile traces (the kernel stays in the graph), else `launcher`."""
+    """``torch.ops.<ns>.<name>`` inside the backward of an op registered in namespace ns (see register_autograd),
+    ``torch.ops.minite.<name>`` while torch.compile traces (the kernel stays in the graph), else `launcher`."""
+    ns = getattr(_CALLING, "ns", None)
+    if ns is not None:
+        return getattr(getattr(torch.ops, ns), name)
     return getattr(torch.ops.minite, name) if use_op(name) else launcher
+
+
+def register_op(name: str, *, mutates_args: tuple[str, ...] = (), eager_only: tuple[str, ...] = ()):
+    """Decorator for a launcher: where ENABLED, ``torch.ops.minite.<name>`` becomes a ``torch.library.triton_op`` that
+    runs it with its kernels launched through wrap_triton (``traceable``). Returns the launcher unchanged.
+
+    The op's schema is the launcher's annotated signature without its defaults (compiled callers pass every
+    argument) and without the parameters named in `eager_only` (a test's tile sizes, an output buffer).
+    `mutates_args`: the tensors the op writes in place. Every op is also recorded in OPS, registered or not: the
+    tests register the same bodies as CPU ops, where the interpreter runs them (tests/kernels/conftest.py)."""
+    def register(launcher):
+        sig = inspect.signature(launcher, eval_str=True)  # annotations as types, from the launcher's own module
+        params = [p.replace(default=inspect.Parameter.empty) for p in sig.parameters.values()
+                  if p.name not in eager_only]
+
+        @functools.wraps(launcher)
+        def body(*args, **kwargs):
+            with traceable():
+                return launcher(*args, **kwargs)
+
+        body.__signature__ = sig.replace(parameters=params)  # what torch.library infers the schema from
+        OPS[name] = (body, mutates_args)
+        if ENABLED:
+            torch.library.triton_op(f"minite::{name}", body, mutates_args=mutates_args)
+            REGISTERED.add(name)
+        return launcher
+    return register
+
+
+def calling_ops(ns: str, backward):
+    """`backward` run as the registered backward of an op in namespace `ns`: the ops it calls through ``op()`` are
+    ``torch.ops.<ns>.*`` (AOTAutograd traces it with FakeTensors, which a plain launcher cannot take)."""
+    @functools.wraps(backward)
+    def run(ctx, *grads):
+        old, _CALLING.ns = getattr(_CALLING, "ns", None), ns
+        try:
+            return backward(ctx, *grads)
+        finally:
+            _CALLING.ns = old
+    return run
+
+
+def register_autograd(name: str, backward, setup_context) -> None:
+    """The gradient of op `name`: `setup_context(ctx, inputs, output)` saves what `backward(ctx, *grads)` needs, with
+    the op's inputs and outputs. The concept's autograd.Function calls the same two functions: one formula."""
+    FORMULAS[name] = (backward, setup_context)
+    if name in REGISTERED:
+        torch.library.register_autograd(f"minite::{name}", calling_ops("minite", backward),
+                                        setup_context=setup_context)
 
 
 @triton.jit

@@ -19,7 +19,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from minite._triton import interpreting, tl, triton
 from minite.backend import resolve_backend
@@ -303,7 +303,9 @@ def _dims(q, k, cu_seqlens, max_seqlen):
     return cu_seqlens.numel() - 1, q.shape[1], k.shape[1], q.shape[0], k.shape[0], max_seqlen, max_seqlen
 
 
-def attention_fwd(q, k, v, causal: bool = True, scale: float | None = None, cu_seqlens=None, max_seqlen: int = 0):
+@C.register_op("attention_fwd")  # torch.ops.minite.attention_fwd, for torch.compile (section 4)
+def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: float | None = None,
+                  cu_seqlens: Tensor | None = None, max_seqlen: int = 0) -> tuple[Tensor, Tensor]:
     """Launch the forward. bhsd: q (B, H, T_q, D), k/v (B, KVH, T_k, D) -> o like q, lse (B, H, T_q) fp32.
     thd (cu_seqlens given): q (total, H, D), k/v (total, KVH, D) -> o like q, lse (H, total) fp32."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -319,8 +321,10 @@ def attention_fwd(q, k, v, causal: bool = True, scale: float | None = None, cu_s
     return o, lse
 
 
-def attention_bwd(do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, cu_seqlens=None,
-                  max_seqlen: int = 0):
+@C.register_op("attention_bwd")
+def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool = True,
+                  scale: float | None = None, cu_seqlens: Tensor | None = None,
+                  max_seqlen: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """Launch the backward: Delta, then dK/dV (one program per key block and kv head), then dQ. -> dq, dk, dv."""
     do, q, k, v, o, lse = (t.contiguous() for t in (do, q, k, v, o, lse))  # kernels assume dense strides
     (B, H, KVH, Tq, Tk, Mq, Mk), D = _dims(q, k, cu_seqlens, max_seqlen), q.shape[-1]
@@ -345,20 +349,33 @@ def attention_bwd(do, q, k, v, o, lse, causal: bool = True, scale: float | None 
 
 # ------------------------------------------------------------------------------------ 4. autograd.Function
 class AttentionFunction(torch.autograd.Function):
+    """Its setup_ctx and backward are also the gradient of torch.ops.minite.attention_fwd: one formula."""
+
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, cu_seqlens, max_seqlen):
         o, lse = C.op("attention_fwd", attention_fwd)(q, k, v, causal, scale, cu_seqlens, max_seqlen)
-        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)  # O(T) extra memory: the LSE, not the T x T matrix P
-        ctx.args = (causal, scale, max_seqlen)
+        AttentionFunction.setup_ctx(ctx, (q, k, v, causal, scale, cu_seqlens, max_seqlen), (o, lse))
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
+    def setup_ctx(ctx, inputs, output):
+        q, k, v, causal, scale, cu_seqlens, max_seqlen = inputs
+        cu = () if cu_seqlens is None else (cu_seqlens,)
+        ctx.save_for_backward(q, k, v, *output, *cu)  # O(T) extra memory: the LSE, not the T x T matrix P
+        ctx.args = (causal, scale, max_seqlen)
+
+    @staticmethod
     def backward(ctx, do, _dlse):
-        q, k, v, o, lse, cu = ctx.saved_tensors
+        q, k, v, o, lse, *cu = ctx.saved_tensors
         causal, scale, max_seqlen = ctx.args
-        dq, dk, dv = C.op("attention_bwd", attention_bwd)(do, q, k, v, o, lse, causal, scale, cu, max_seqlen)
+        cu_seqlens = cu[0] if cu else None
+        dq, dk, dv = C.op("attention_bwd", attention_bwd)(do.contiguous(), q, k, v, o, lse, causal, scale, cu_seqlens,
+                                                          max_seqlen)
         return dq, dk, dv, None, None, None, None
+
+
+C.register_autograd("attention_fwd", AttentionFunction.backward, setup_context=AttentionFunction.setup_ctx)
 
 
 # -------------------------------------------------------------------------------------------- 5. functional

@@ -11,12 +11,21 @@ dx and dW at once: one (chunk_size, V) tile is alive instead of several (N, V) t
 from __future__ import annotations
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from minite import _validate as _v
 from minite._triton import interpreting, tl, triton
 from minite.backend import resolve_backend
-from minite.kernels._common import _acc, compute_dtype, launchable, op, row_launch, use_op
+from minite.kernels._common import (
+    _acc,
+    compute_dtype,
+    launchable,
+    op,
+    register_autograd,
+    register_op,
+    row_launch,
+    use_op,
+)
 
 __all__ = ["cross_entropy_ref", "cross_entropy", "CrossEntropyFunction", "linear_cross_entropy_ref",
            "linear_cross_entropy", "LinearCrossEntropyFunction", "LinearCrossEntropy"]
@@ -111,7 +120,9 @@ def _block_size(V: int) -> tuple[int, int]:
     return row_launch(V, 8192 if interpreting() else 4096)
 
 
-def cross_entropy_fwd(logits, target, ignore_index: int, label_smoothing: float):
+@register_op("cross_entropy_fwd")  # torch.ops.minite.cross_entropy_fwd, for torch.compile (section 4)
+def cross_entropy_fwd(logits: Tensor, target: Tensor, ignore_index: int,
+                      label_smoothing: float) -> tuple[Tensor, Tensor]:
     """Per-row loss and logsumexp, both (N,) fp32 (fp64 for fp64 logits). logits (N, V) with unit column stride."""
     N, V = logits.shape
     acc = compute_dtype(logits.dtype)
@@ -124,7 +135,9 @@ def cross_entropy_fwd(logits, target, ignore_index: int, label_smoothing: float)
     return loss, lse
 
 
-def cross_entropy_bwd(dl, logits, target, lse, ignore_index: int, label_smoothing: float, out=None):
+@register_op("cross_entropy_bwd", eager_only=("out",))
+def cross_entropy_bwd(dl: Tensor, logits: Tensor, target: Tensor, lse: Tensor, ignore_index: int,
+                      label_smoothing: float, out: Tensor | None = None) -> Tensor:
     """dlogits (N, V) for per-row upstream grads `dl` ((N,), or (1,) broadcast). `out=logits` works in place."""
     N, V = logits.shape
     dx = torch.empty_like(logits) if out is None else out
@@ -174,22 +187,45 @@ def linear_cross_entropy_fwd(x, weight, target, ignore_index, reduction, label_s
     return loss, dx, dw
 
 
+@register_op("linear_cross_entropy")  # torch.ops.minite.linear_cross_entropy (section 4)
+def _linear_cross_entropy_op(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: str,
+                             label_smoothing: float, chunk_size: int, need_dx: bool,
+                             need_dw: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, dx, dW) of the chunked Triton path; a gradient not asked for is a (0,) tensor (an op returns no None)."""
+    loss, dx, dw = linear_cross_entropy_fwd(x, weight, target, ignore_index, reduction, label_smoothing, chunk_size,
+                                            True, need_dx, need_dw)
+    return loss, x.new_empty(0) if dx is None else dx, x.new_empty(0) if dw is None else dw
+
+
 # ------------------------------------------------------------------------------------ 4. autograd.Function
+# Each Function's setup_ctx and backward (rows_backward for cross-entropy, whose op returns per-row losses) are
+# also the gradient of its torch.ops.minite.* op: one formula.
 class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, ignore_index, reduction, label_smoothing):
         rows, lse = op("cross_entropy_fwd", cross_entropy_fwd)(logits, target, ignore_index, label_smoothing)
         valid = (target != ignore_index).sum()
-        ctx.save_for_backward(logits, target, lse, valid)  # logits are alive anyway; lse is (N,)
-        ctx.args = (ignore_index, reduction, label_smoothing)
+        CrossEntropyFunction.setup_ctx(ctx, (logits, target, ignore_index, label_smoothing), (rows, lse), valid)
+        ctx.reduction = reduction
         return rows if reduction == "none" else rows.sum() / valid if reduction == "mean" else rows.sum()
 
     @staticmethod
+    def setup_ctx(ctx, inputs, output, *valid):
+        logits, target, ignore_index, label_smoothing = inputs
+        ctx.save_for_backward(logits, target, output[1], *valid)  # logits are alive anyway; lse is (N,)
+        ctx.args = (ignore_index, label_smoothing)
+
+    @staticmethod
+    def rows_backward(ctx, drows, _dlse=None):
+        """dlogits from the gradient of the per-row losses, (N,) or one (1,) value for every row."""
+        logits, target, lse = ctx.saved_tensors[:3]
+        return op("cross_entropy_bwd", cross_entropy_bwd)(drows, logits, target, lse, *ctx.args), None, None, None
+
+    @staticmethod
     def backward(ctx, dloss):
-        logits, target, lse, valid = ctx.saved_tensors
-        ignore_index, reduction, label_smoothing = ctx.args
-        dl = dloss.reshape(-1) / (valid.clamp(min=1) if reduction == "mean" else 1)  # (N,) for "none", else (1,)
-        dx = op("cross_entropy_bwd", cross_entropy_bwd)(dl, logits, target, lse, ignore_index, label_smoothing)
+        valid = ctx.saved_tensors[3]
+        dl = dloss.reshape(-1) / (valid.clamp(min=1) if ctx.reduction == "mean" else 1)  # (N,) for "none", else (1,)
+        dx = CrossEntropyFunction.rows_backward(ctx, dl)[0]
         return dx, None, None, None, None
 
 
@@ -198,22 +234,32 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     def forward(ctx, x, weight, target, ignore_index, reduction, label_smoothing, chunk_size, use_triton, needs):
         # needs = (dx, dW) wanted, from the caller: ctx.needs_input_grad ignores torch.no_grad() (grad mode)
         if use_triton and use_op("linear_cross_entropy"):  # torch.compile: one custom op, kernels in the graph
-            loss, dx, dw = torch.ops.minite.linear_cross_entropy(x, weight, target, ignore_index, reduction,
-                                                                 label_smoothing, chunk_size, *needs)
-            dx, dw = dx if needs[0] else None, dw if needs[1] else None  # the op returns (0,) tensors for None
+            out = torch.ops.minite.linear_cross_entropy(x, weight, target, ignore_index, reduction, label_smoothing,
+                                                        chunk_size, *needs)
         else:
-            loss, dx, dw = linear_cross_entropy_fwd(x, weight, target, ignore_index, reduction, label_smoothing,
-                                                    chunk_size, use_triton, *needs)
-        ctx.save_for_backward(dx, dw)  # the gradients, computed in the forward while each chunk was at hand
-        ctx.weight_dtype = weight.dtype
-        return loss
+            out = linear_cross_entropy_fwd(x, weight, target, ignore_index, reduction, label_smoothing, chunk_size,
+                                           use_triton, *needs)
+        LinearCrossEntropyFunction.setup_ctx(ctx, (x, weight, target, ignore_index, reduction, label_smoothing,
+                                                   chunk_size, *needs), out)
+        return out[0]
 
     @staticmethod
-    def backward(ctx, dloss):
+    def setup_ctx(ctx, inputs, output):
+        ctx.save_for_backward(output[1], output[2])  # dx, dW: computed in the forward while each chunk was at hand
+        ctx.weight_dtype = inputs[1].dtype
+        ctx.needs = inputs[7:9]  # a gradient not asked for is None (eager) or a (0,) tensor (the op)
+
+    @staticmethod
+    def backward(ctx, dloss, _ddx=None, _ddw=None):
         dx, dw = ctx.saved_tensors
-        dx = None if dx is None else dx * dloss.to(dx.dtype)  # chain rule with the scalar upstream gradient
-        dw = None if dw is None else (dw * dloss).to(ctx.weight_dtype)
+        dx = dx * dloss.to(dx.dtype) if ctx.needs[0] else None  # chain rule with the scalar upstream gradient
+        dw = (dw * dloss).to(ctx.weight_dtype) if ctx.needs[1] else None
         return dx, dw, None, None, None, None, None, None, None
+
+
+register_autograd("cross_entropy_fwd", CrossEntropyFunction.rows_backward, setup_context=CrossEntropyFunction.setup_ctx)
+register_autograd("linear_cross_entropy", LinearCrossEntropyFunction.backward,
+                  setup_context=LinearCrossEntropyFunction.setup_ctx)
 
 
 # -------------------------------------------------------------------------------------------- 5. functional
@@ -240,7 +286,8 @@ def linear_cross_entropy(x, weight, target, *, ignore_index: int = -100, reducti
                          label_smoothing: float = 0.0, chunk_size: int = 1024, backend: str | None = None):
     """cross_entropy(x @ weight.T, target) without materialising the (N, V) logits. x (N, C), weight (V, C),
     target (N,). Rows are processed `chunk_size` at a time; the gradients are computed during the forward."""
-    [_v.tensor("linear_cross_entropy", n, t) for n, t in (("x", x), ("weight", weight), ("target", target))]
+    for name, t in (("x", x), ("weight", weight), ("target", target)):
+        _v.tensor("linear_cross_entropy", name, t)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or x.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear_cross_entropy: x {tuple(getattr(x, 'shape', ()))} must be (N, C) and weight "
                          f"{tuple(getattr(weight, 'shape', ()))} (V, C) with the same C")

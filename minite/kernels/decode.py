@@ -21,7 +21,7 @@ import torch
 
 from minite._triton import interpreting, tl, triton
 from minite.backend import resolve_backend
-from minite.kernels._common import launchable, op
+from minite.kernels._common import launchable, op, register_op
 
 __all__ = ["decode_attention_ref", "decode_attention", "num_splits_heuristic", "lse_merge_ref"]
 
@@ -140,8 +140,11 @@ def num_splits_heuristic(n_programs: int, n_sms: int, n_blocks: int, max_splits:
     return next(s for s in cands if eff[s] >= 0.85 * best)
 
 
-def decode_attention_triton(q, k_cache, v_cache, lengths, scale=None, num_splits: int | None = None,
-                            max_len: int | None = None):
+# torch.ops.minite.decode_attention (no autograd): CUDA-graph decoding keeps the split-K kernels in its graph.
+@register_op("decode_attention")
+def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
+                            scale: float | None = None, num_splits: int | None = None,
+                            max_len: int | None = None) -> torch.Tensor:
     """Launch partial + merge. q (B, H, D); caches (B, KVH, T_max, D) contiguous; lengths (B,) int on q's device.
     max_len: an upper bound of lengths known on the host (the cache keeps one), default T_max."""
     B, H, D = q.shape

@@ -14,9 +14,9 @@ the forward GEMM, split accumulation in dgrad and wgrad (gradients are summed ov
 FP8 MMA also wants both operands K-contiguous ("TN"): the launcher makes K-contiguous copies of strided
 operands (1 byte per element, a cheap transpose) instead of letting the kernel stream a transposed tile.
 
-There is no autograd here: fp8 operands have no gradient. ``minite.nn.Linear`` (layers/linear.py) wires three
-of these GEMMs (forward, dgrad, wgrad) into an autograd Function. Sections 4 and 6 of a concept file (Function,
-Module) therefore live there.
+There is no autograd here: fp8 operands have no gradient. kernels/fp8_linear.py wires three of these GEMMs
+(forward, dgrad, wgrad) into an autograd Function, and ``minite.nn.Linear`` (layers/linear.py) is its module:
+sections 4 and 6 of this concept live there.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 from minite._triton import tl, triton
 from minite.backend import resolve_backend
 from minite.formats.fp8 import Float8Tensor
-from minite.kernels._common import launchable, use_op
+from minite.kernels._common import launchable, op, register_op
 
 __all__ = ["fp8_gemm", "fp8_gemm_ref", "fp8_gemm_fwd", "ACCUMULATE"]
 
@@ -130,10 +130,11 @@ def _k_major(t: torch.Tensor, k_dim: int) -> torch.Tensor:
     return out.t() if k_dim == 0 else out                              # t's shape, unit stride along k_dim
 
 
+@register_op("fp8_gemm")  # torch.ops.minite.fp8_gemm, for torch.compile
 def fp8_gemm_raw(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
                  out_dtype: torch.dtype, split_acc: bool) -> torch.Tensor:
     """(M, K) @ (K, N) fp8 data with fp32 per-tensor scale_inv (1-element tensors) -> (M, N) of `out_dtype`.
-    Plain tensors only, so ``torch.library`` can register it (see kernels/_library.py)."""
+    Plain tensors only, so ``torch.library`` can register it as an op."""
     (M, K), N = a.shape, b.shape[1]
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
@@ -152,8 +153,7 @@ def fp8_gemm_raw(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_
 
 def fp8_gemm_fwd(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, accumulate: str = "split") -> torch.Tensor:
     """Launch the kernel: (M, K) @ (K, N) -> (M, N) of `out_dtype`. Operands may be strided views."""
-    fn = torch.ops.minite.fp8_gemm if use_op("fp8_gemm") else fp8_gemm_raw
-    return fn(a.data, b.data, a.scale_inv, b.scale_inv, out_dtype, accumulate == "split")
+    return op("fp8_gemm", fp8_gemm_raw)(a.data, b.data, a.scale_inv, b.scale_inv, out_dtype, accumulate == "split")
 
 
 # ------------------------------------------------------------------------------------- 5. functional API

@@ -17,10 +17,11 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch import Tensor
 
 from minite._triton import interpreting, tl, triton
 from minite.backend import resolve_backend
-from minite.kernels._common import launchable, op
+from minite.kernels._common import launchable, op, register_autograd, register_op
 
 __all__ = ["lora_linear_ref", "lora_linear", "LoRALinearFunction", "lora_fwd", "lora_bwd"]
 
@@ -183,7 +184,9 @@ def _f32(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 or (t.dtype == torch.bfloat16 and interpreting())
 
 
-def lora_fwd(x2, weight, lora_A, lora_B, scaling, blocks=None):
+@register_op("lora_fwd", eager_only=("blocks",))  # torch.ops.minite.lora_fwd, for torch.compile (section 4)
+def lora_fwd(x2: Tensor, weight: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float,
+             blocks: tuple[int, int, int, int] | None = None) -> tuple[Tensor, Tensor]:
     """x2 (N, K), unit column stride -> (y (N, O) in x's dtype, g = x A^T (N, r) fp32)."""
     (N, K), (O, R) = x2.shape, lora_B.shape
     y = torch.empty((N, O), dtype=x2.dtype, device=x2.device)
@@ -196,7 +199,9 @@ def lora_fwd(x2, weight, lora_A, lora_B, scaling, blocks=None):
     return y, g
 
 
-def lora_bwd(dy, x2, weight, lora_A, lora_B, g, scaling, blocks=None):
+@register_op("lora_bwd", eager_only=("blocks",))
+def lora_bwd(dy: Tensor, x2: Tensor, weight: Tensor, lora_A: Tensor, lora_B: Tensor, g: Tensor, scaling: float,
+             blocks: tuple[int, int, int, int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """dy (N, O) -> (dx (N, K), dA (r, K), dB (O, r)); g = x A^T from the forward."""
     (N, K), (O, R) = x2.shape, lora_B.shape
     dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
@@ -208,7 +213,8 @@ def lora_bwd(dy, x2, weight, lora_A, lora_B, g, scaling, blocks=None):
             dy, weight, lora_A, lora_B, dx, dg, N, K, O, R, float(scaling), dy.stride(0),
             BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=BR, F32=_f32(x2))
     else:
-        dx.zero_(), dg.zero_()
+        dx.zero_()
+        dg.zero_()
     launchable(_lora_bwd_dadb_kernel)[(triton.cdiv(K, BN) + triton.cdiv(O, BN),)](
         x2, dy, g, dg, dA, dB, N, K, O, R, float(scaling), x2.stride(0), dy.stride(0),
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_R=BR, F32=_f32(x2))
@@ -222,24 +228,40 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 class LoRALinearFunction(torch.autograd.Function):
+    """Its setup_ctx and backward are also the gradient of torch.ops.minite.lora_fwd (x2 (N, K) -> y, g): one formula.
+    `blocks`: tile sizes (BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R) forced by a test, else the heuristic's."""
+
     @staticmethod
     def forward(ctx, x, weight, lora_A, lora_B, scaling, blocks=None):
         x2 = _rows(x)
         w, a, b = weight.contiguous(), lora_A.contiguous(), lora_B.contiguous()
         fwd = op("lora_fwd", lora_fwd) if blocks is None else functools.partial(lora_fwd, blocks=blocks)
         y, g = fwd(x2, w, a, b, scaling)  # torch.ops.minite.lora_fwd under torch.compile
-        ctx.save_for_backward(x2, w, a, b, g)  # g = x A^T: (N, r), a sliver next to x
-        ctx.scaling, ctx.blocks, ctx.x_shape = scaling, blocks, x.shape
+        LoRALinearFunction.setup_ctx(ctx, (x2, w, a, b, scaling), (y, g))
+        ctx.blocks = blocks
+        ctx.x_shape = x.shape
         return y.view(*x.shape[:-1], w.shape[0])
 
     @staticmethod
-    def backward(ctx, dy):
+    def setup_ctx(ctx, inputs, output):
+        x2, w, a, b, scaling = inputs
+        ctx.save_for_backward(x2, w, a, b, output[1])  # g = x A^T: (N, r), a sliver next to x
+        ctx.scaling = scaling
+        ctx.blocks = None
+        ctx.x_shape = x2.shape
+
+    @staticmethod
+    def backward(ctx, dy, _dg=None):
         x2, w, a, b, g = ctx.saved_tensors
         dy2 = _rows(dy)
         bwd = op("lora_bwd", lora_bwd) if ctx.blocks is None else functools.partial(lora_bwd, blocks=ctx.blocks)
         dx, dA, dB = bwd(dy2, x2, w, a, b, g, ctx.scaling)
         dW = (dy2.t().float() @ x2.float()).to(w.dtype) if ctx.needs_input_grad[1] else None  # only if unfrozen
+        # One gradient per input of the Function (blocks last); the op has no `blocks`: autograd drops a trailing None.
         return dx.view(ctx.x_shape), dW, dA, dB, None, None
+
+
+register_autograd("lora_fwd", LoRALinearFunction.backward, setup_context=LoRALinearFunction.setup_ctx)
 
 
 # -------------------------------------------------------------------------------------------- 5. functional

@@ -10,12 +10,21 @@ programs per SM walks a chunk of rows, writes dx and ONE partial of dw (db) per 
 from __future__ import annotations
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from minite import _validate as _v
 from minite._triton import tl, triton
 from minite.backend import resolve_backend
-from minite.kernels._common import compute_dtype, launchable, op, row_launch, sm_count, tl_compute_dtype
+from minite.kernels._common import (
+    compute_dtype,
+    launchable,
+    op,
+    register_autograd,
+    register_op,
+    row_launch,
+    sm_count,
+    tl_compute_dtype,
+)
 
 __all__ = ["rmsnorm_ref", "layernorm_ref", "rmsnorm_fwd", "rmsnorm_bwd", "layernorm_fwd", "layernorm_bwd",
            "RMSNormFunction", "LayerNormFunction", "rmsnorm", "layernorm", "RMSNorm", "LayerNorm"]
@@ -176,38 +185,49 @@ def _norm_bwd(dy, x, weight, mean, rstd, *, n_programs: int | None = None):
     return dx.view(x.shape), dw, db
 
 
-def rmsnorm_fwd(x, weight, eps: float = 1e-6):
+@register_op("rmsnorm_fwd")  # torch.ops.minite.rmsnorm_fwd, for torch.compile (section 4)
+def rmsnorm_fwd(x: Tensor, weight: Tensor, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
     """-> (y, rstd)"""
     y, _, rstd = _norm_fwd(x, weight, None, eps)
     return y, rstd
 
 
-def rmsnorm_bwd(dy, x, weight, rstd, *, n_programs: int | None = None):
+@register_op("rmsnorm_bwd", eager_only=("n_programs",))
+def rmsnorm_bwd(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, *,
+                n_programs: int | None = None) -> tuple[Tensor, Tensor]:
     """-> (dx, dw)"""
     dx, dw, _ = _norm_bwd(dy, x, weight, None, rstd, n_programs=n_programs)
     return dx, dw
 
 
-def layernorm_fwd(x, weight, bias, eps: float = 1e-5):
+@register_op("layernorm_fwd")
+def layernorm_fwd(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> tuple[Tensor, Tensor, Tensor]:
     """-> (y, mean, rstd)"""
     return _norm_fwd(x, weight, bias, eps)
 
 
-def layernorm_bwd(dy, x, weight, mean, rstd, *, n_programs: int | None = None):
+@register_op("layernorm_bwd", eager_only=("n_programs",))
+def layernorm_bwd(dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, *,
+                  n_programs: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """-> (dx, dw, db)"""
     return _norm_bwd(dy, x, weight, mean, rstd, n_programs=n_programs)
 
 
 # ------------------------------------------------------------------------------------------ 4. autograd
+# Each Function's setup_ctx and backward are also the gradient of its torch.ops.minite.*_fwd op: one formula.
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
         y, rstd = op("rmsnorm_fwd", rmsnorm_fwd)(x, weight, eps)  # torch.ops.minite.* under torch.compile
-        ctx.save_for_backward(x, weight, rstd)
+        RMSNormFunction.setup_ctx(ctx, (x, weight, eps), (y, rstd))
         return y
 
     @staticmethod
-    def backward(ctx, dy):
+    def setup_ctx(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0], inputs[1], output[1])  # x, weight, rstd
+
+    @staticmethod
+    def backward(ctx, dy, _drstd=None):  # the op also returns rstd, which gets no gradient
         x, weight, rstd = ctx.saved_tensors
         dx, dw = op("rmsnorm_bwd", rmsnorm_bwd)(dy, x, weight, rstd)
         return dx, dw, None
@@ -217,14 +237,22 @@ class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
         y, mean, rstd = op("layernorm_fwd", layernorm_fwd)(x, weight, bias, eps)
-        ctx.save_for_backward(x, weight, mean, rstd)
+        LayerNormFunction.setup_ctx(ctx, (x, weight, bias, eps), (y, mean, rstd))
         return y
 
     @staticmethod
-    def backward(ctx, dy):
+    def setup_ctx(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0], inputs[1], output[1], output[2])  # x, weight, mean, rstd
+
+    @staticmethod
+    def backward(ctx, dy, _dmean=None, _drstd=None):
         x, weight, mean, rstd = ctx.saved_tensors
         dx, dw, db = op("layernorm_bwd", layernorm_bwd)(dy, x, weight, mean, rstd)
         return dx, dw, db, None
+
+
+register_autograd("rmsnorm_fwd", RMSNormFunction.backward, setup_context=RMSNormFunction.setup_ctx)
+register_autograd("layernorm_fwd", LayerNormFunction.backward, setup_context=LayerNormFunction.setup_ctx)
 
 
 # ------------------------------------------------------------------------------------------ 5. functional

@@ -18,7 +18,7 @@ from torch import nn
 from minite import _validate as _v
 from minite._triton import tl, triton
 from minite.backend import resolve_backend
-from minite.kernels._common import compute_dtype, launchable, op, tl_compute_dtype
+from minite.kernels._common import compute_dtype, launchable, op, register_autograd, register_op, tl_compute_dtype
 
 __all__ = ["rope_cos_sin", "rope_ref", "rope_fwd", "rope_bwd", "RoPEFunction", "rope", "RotaryEmbedding"]
 
@@ -83,7 +83,8 @@ def _rope_kernel(X_ptr, Y_ptr, Cos_ptr, Sin_ptr, T, H,
 
 
 # ------------------------------------------------------------------------------------------ 3. launchers
-def _launch(x, cos, sin, layout: str, sign: int):
+@register_op("rope")  # torch.ops.minite.rope, for torch.compile (section 4): the forward (sign 1) and backward (-1)
+def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str, sign: int) -> torch.Tensor:
     if x.stride(-1) != 1:
         x = x.contiguous()  # D must have unit stride; any (b, h, t) strides are fine (e.g. a qkv split)
     cos = cos if cos.stride(-1) == 1 else cos.contiguous()
@@ -106,29 +107,40 @@ def _launch(x, cos, sin, layout: str, sign: int):
 
 
 def rope_fwd(x, cos, sin, *, layout: str = "bhtd"):
-    """y = rotate(x, +t theta). Under torch.compile: torch.ops.minite.rope (kernels/_library.py)."""
+    """y = rotate(x, +t theta). Under torch.compile: torch.ops.minite.rope."""
     return op("rope", _launch)(x, cos, sin, layout, 1)
 
 
-def rope_bwd(dy, cos, sin, *, layout: str = "bhtd"):
-    """dx = rotate(dy, -t theta): the transpose of a rotation is its inverse."""
-    return op("rope", _launch)(dy, cos, sin, layout, -1)
+def rope_bwd(dy, cos, sin, *, layout: str = "bhtd", sign: int = 1):
+    """dx = rotate(dy, -sign t theta): the transpose of a rotation is its inverse (sign: the forward's)."""
+    return op("rope", _launch)(dy, cos, sin, layout, -sign)
 
 
 # ------------------------------------------------------------------------------------------ 4. autograd
 class RoPEFunction(torch.autograd.Function):
-    """Differentiable in x only: cos/sin are a fixed cache (buffers), they get no gradient."""
+    """Differentiable in x only: cos/sin are a fixed cache (buffers), they get no gradient. Its setup_ctx and
+    backward are also the gradient of torch.ops.minite.rope(x, cos, sin, layout, sign): one formula."""
 
     @staticmethod
     def forward(ctx, x, cos, sin, layout):
+        RoPEFunction.setup_ctx(ctx, (x, cos, sin, layout, 1), None)  # the forward rotates by +t theta
+        return rope_fwd(x, cos, sin, layout=layout)
+
+    @staticmethod
+    def setup_ctx(ctx, inputs, output):
+        _, cos, sin, layout, sign = inputs
         ctx.save_for_backward(cos, sin)
         ctx.layout = layout
-        return rope_fwd(x, cos, sin, layout=layout)
+        ctx.sign = sign
 
     @staticmethod
     def backward(ctx, dy):
         cos, sin = ctx.saved_tensors
-        return rope_bwd(dy, cos, sin, layout=ctx.layout), None, None, None
+        # Five gradients, one per input of the op; the Function has four (autograd drops a trailing None).
+        return rope_bwd(dy, cos, sin, layout=ctx.layout, sign=ctx.sign), None, None, None, None
+
+
+register_autograd("rope", RoPEFunction.backward, setup_context=RoPEFunction.setup_ctx)
 
 
 # ------------------------------------------------------------------------------------------ 5. functional

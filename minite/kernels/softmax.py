@@ -1,9 +1,12 @@
 """Row softmax (chapter 00): y = exp(x - max(x)) / sum(exp(x - max(x))) along one dimension.
 
 The template every concept file copies (DESIGN.md §2): reference -> kernels -> launchers -> autograd.Function ->
-functional -> Module. The kernels run one program per row. A row of at most ``MAX_BLOCK_SIZE`` columns is read
-once and written once (the fused minimum: 2 passes over memory, where naive PyTorch makes about 8). Longer rows
-are walked in blocks with an online max/sum, so any row length works (then x is read twice).
+functional -> Module. The launchers are also the torch.compile ops ``torch.ops.minite.softmax_fwd/_bwd``
+(``@register_op``), and the Function's setup_ctx and backward are the forward op's gradient (``register_autograd``).
+
+The kernels run one program per row. A row of at most ``MAX_BLOCK_SIZE`` columns is read once and written once
+(the fused minimum: 2 passes over memory, where naive PyTorch makes about 8). Longer rows are walked in blocks
+with an online max/sum, so any row length works (then x is read twice).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from torch import nn
 
 from minite._triton import tl, triton
 from minite.backend import resolve_backend
-from minite.kernels._common import launchable, op, row_launch, tl_compute_dtype
+from minite.kernels._common import launchable, op, register_autograd, register_op, row_launch, tl_compute_dtype
 
 __all__ = ["softmax_ref", "softmax_fwd", "softmax_bwd", "SoftmaxFunction", "softmax", "Softmax", "MAX_BLOCK_SIZE"]
 
@@ -143,6 +146,7 @@ def _from_rows(t2d: torch.Tensor, shape_moved: torch.Size, dim: int) -> torch.Te
     return t2d.view(shape_moved).movedim(-1, dim)
 
 
+@register_op("softmax_fwd")  # torch.ops.minite.softmax_fwd, for torch.compile (section 4)
 def softmax_fwd(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Launch the forward kernel: softmax of `x` along `dim`, same shape and dtype as `x`."""
     x2 = _as_rows(x, dim)  # (N, C)
@@ -157,6 +161,7 @@ def softmax_fwd(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return _from_rows(y2, x.movedim(dim, -1).shape, dim)
 
 
+@register_op("softmax_bwd")
 def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Launch the backward kernel: dx = y * (dy - sum(dy * y, dim)), same shape and dtype as `y`."""
     y2, dy2 = _as_rows(y, dim), _as_rows(dy.to(y.dtype), dim)  # (N, C) each
@@ -173,19 +178,27 @@ def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int = -1) -> torch.Tenso
 
 # ------------------------------------------------------------------------------------------ 4. autograd
 class SoftmaxFunction(torch.autograd.Function):
-    """Triton forward and backward; saves only the output y (the backward needs y, not x)."""
+    """Triton forward and backward; saves only the output y (the backward needs y, not x). Its setup_ctx and
+    backward are also the gradient of torch.ops.minite.softmax_fwd (registered below): one formula."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
         y = op("softmax_fwd", softmax_fwd)(x, dim)  # torch.ops.minite.softmax_fwd under torch.compile
-        ctx.save_for_backward(y)
-        ctx.dim = dim
+        SoftmaxFunction.setup_ctx(ctx, (x, dim), y)
         return y
+
+    @staticmethod
+    def setup_ctx(ctx, inputs, output):
+        ctx.save_for_backward(output)  # y
+        ctx.dim = inputs[1]
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         (y,) = ctx.saved_tensors
         return op("softmax_bwd", softmax_bwd)(y, dy, ctx.dim), None  # no gradient for `dim`
+
+
+register_autograd("softmax_fwd", SoftmaxFunction.backward, setup_context=SoftmaxFunction.setup_ctx)
 
 
 # ------------------------------------------------------------------------------------------ 5. functional

@@ -2,20 +2,20 @@
 
     h = silu(gate) * up,   silu(g) = g * sigmoid(g)        gate, up: (..., H)
 
-The GPT's MLP is ``down(swiglu(gate(x), up(x)))``. Eager PyTorch runs ``F.silu(gate) * up`` as two kernels and
-autograd keeps *three* (N, H) tensors for the backward (gate, silu(gate), up). The fused kernel reads gate and up
-once, writes h once, and its backward recomputes silu(gate) from the saved inputs, so only gate and up are kept.
+The GPT's MLP is ``down(swiglu(gate(x), up(x)))`` (``minite.nn.SwiGLU``, in minite/layers/mlp.py). Eager PyTorch
+runs ``F.silu(gate) * up`` as two kernels and autograd keeps *three* (N, H) tensors for the backward (gate,
+silu(gate), up). The fused kernel reads gate and up once, writes h once, and its backward recomputes silu(gate)
+from the saved inputs, so only gate and up are kept.
 """
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from minite._triton import interpreting, tl, triton
 from minite.backend import resolve_backend
-from minite.kernels._common import _acc, compute_dtype, launchable, op, row_launch
+from minite.kernels._common import _acc, compute_dtype, launchable, op, register_autograd, register_op, row_launch
 
-__all__ = ["swiglu_ref", "swiglu", "SwiGLUFunction", "SwiGLU", "swiglu_fwd", "swiglu_bwd"]
+__all__ = ["swiglu_ref", "swiglu", "SwiGLUFunction", "swiglu_fwd", "swiglu_bwd"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -77,6 +77,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
+@register_op("swiglu_fwd")  # torch.ops.minite.swiglu_fwd, for torch.compile (section 4)
 def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Launch the forward kernel. gate, up: (..., H) same shape/dtype -> y (..., H), contiguous."""
     g, u = _rows(gate), _rows(up)  # (N, H) each
@@ -89,11 +90,13 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return y.view(gate.shape)
 
 
+@register_op("swiglu_bwd")
 def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the backward kernel: (dy, gate, up) -> (dgate, dup), each shaped like gate (contiguous)."""
     d, g, u = _rows(dy), _rows(gate), _rows(up)  # (N, H) each
     N, H = g.shape
-    dg, du = torch.empty((N, H), dtype=g.dtype, device=g.device), torch.empty((N, H), dtype=u.dtype, device=u.device)
+    dg = torch.empty((N, H), dtype=g.dtype, device=g.device)
+    du = torch.empty((N, H), dtype=u.dtype, device=u.device)
     if dg.numel():
         bs = _block_size(H)
         launchable(_swiglu_bwd_kernel)[(N, triton.cdiv(H, bs))](
@@ -103,15 +106,24 @@ def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[
 
 # ------------------------------------------------------------------------------------ 4. autograd.Function
 class SwiGLUFunction(torch.autograd.Function):
+    """Its setup_ctx and backward are also the gradient of torch.ops.minite.swiglu_fwd: one formula."""
+
     @staticmethod
     def forward(ctx, gate, up):
-        ctx.save_for_backward(gate, up)  # only the inputs: silu(gate) is recomputed in the backward
+        SwiGLUFunction.setup_ctx(ctx, (gate, up), None)
         return op("swiglu_fwd", swiglu_fwd)(gate, up)  # torch.ops.minite.swiglu_fwd under torch.compile
+
+    @staticmethod
+    def setup_ctx(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)  # only the inputs: silu(gate) is recomputed in the backward
 
     @staticmethod
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
         return op("swiglu_bwd", swiglu_bwd)(dy, gate, up)
+
+
+register_autograd("swiglu_fwd", SwiGLUFunction.backward, setup_context=SwiGLUFunction.setup_ctx)
 
 
 # -------------------------------------------------------------------------------------------- 5. functional
@@ -140,31 +152,5 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None) 
 
 
 # ----------------------------------------------------------------------------------------------- 6. Module
-class SwiGLU(nn.Module):
-    """The gated MLP: down(silu(gate(x)) * up(x)); x (..., dim) -> (..., dim) through a (..., hidden) middle.
-    ``fused=True`` computes gate and up with one (dim -> 2 * hidden) projection ``gate_up`` (one GEMM instead of
-    two; the kernel reads the two halves as strided views): the GPT's MLP is this module."""
-
-    def __init__(self, dim: int, hidden: int, bias: bool = False, backend: str | None = None, *,
-                 fused: bool = False):
-        super().__init__()
-        from minite.layers.linear import Linear  # lazy: layers may import kernels
-
-        if fused:
-            self.gate_up = Linear(dim, 2 * hidden, bias=bias)  # (dim) -> (2 * hidden): [gate | up]
-        else:
-            self.gate = Linear(dim, hidden, bias=bias)  # (dim) -> (hidden)
-            self.up = Linear(dim, hidden, bias=bias)  # (dim) -> (hidden)
-        self.down = Linear(hidden, dim, bias=bias)  # (hidden) -> (dim)
-        self.dim, self.hidden, self.backend, self.fused = dim, hidden, backend, fused
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            gate, up = self.gate_up(x).split(self.hidden, dim=-1)  # (..., hidden) each, strided views
-        else:
-            gate, up = self.gate(x), self.up(x)
-        return self.down(swiglu(gate, up, backend=self.backend))
-
-    def extra_repr(self) -> str:
-        return f"dim={self.dim}, hidden={self.hidden}, fused={self.fused}, backend={self.backend!r}"
-
+# The module that uses this op is the gated MLP, down(swiglu(gate(x), up(x))): it holds Linear layers, so it lives
+# one floor up, in minite/layers/mlp.py (minite.nn.SwiGLU).

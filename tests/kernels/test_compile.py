@@ -1,21 +1,26 @@
 """minite's kernels inside torch.compile: custom-op registration (opcheck) and fullgraph=True per op.
 
-On CUDA every op is registered as ``torch.ops.minite.*`` (kernels/_library.py) and the autograd Functions call it
-while torch.compile traces, so ``fullgraph=True`` compiles with the Triton kernels in the graph. Under the CPU
-interpreter nothing is registered (``wrap_triton`` refuses interpreted kernels) and the eager path runs; there
-the tests check that backend resolution itself does not break a graph (reference path, fullgraph=True).
+On CUDA every op is registered as ``torch.ops.minite.*`` (``@register_op`` in each concept file, kernels/_common.py)
+and the autograd Functions call it while torch.compile traces, so ``fullgraph=True`` compiles with the Triton
+kernels in the graph. Under the CPU interpreter nothing is registered (``wrap_triton`` refuses interpreted kernels)
+and the eager path runs; there the tests check that backend resolution itself does not break a graph (reference
+path, fullgraph=True), and that every declared op has the schema its registration would get.
 """
 import pytest
 import torch
 
 import minite
-from minite.kernels import _library
-from minite.kernels._common import REGISTERED, use_op
+from minite.kernels import _common
+from minite.kernels._common import ENABLED, REGISTERED, use_op
 from minite.testing import dtype_tols
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 OPS = ["softmax_fwd", "softmax_bwd", "rmsnorm_fwd", "rmsnorm_bwd", "layernorm_fwd", "layernorm_bwd", "rope",
        "swiglu_fwd", "swiglu_bwd", "cross_entropy_fwd", "cross_entropy_bwd", "fp8_gemm"]
+OTHER_OPS = ["linear_cross_entropy", "fp8_quantize_update", "fp8_linear_mm", "attention_fwd", "attention_bwd",
+             "decode_attention", "lora_fwd", "lora_bwd"]  # test_compile_fused.py, test_compile_attention.py
+WITH_GRAD = {"softmax_fwd", "rmsnorm_fwd", "layernorm_fwd", "rope", "swiglu_fwd", "cross_entropy_fwd",
+             "linear_cross_entropy", "fp8_linear_mm", "attention_fwd", "lora_fwd"}
 
 
 def _randn(*shape, seed=0, dtype=torch.float32, device="cpu", requires_grad=False):
@@ -25,9 +30,24 @@ def _randn(*shape, seed=0, dtype=torch.float32, device="cpu", requires_grad=Fals
 
 def test_registration_matches_the_platform():
     # Registered exactly when real (not interpreted) Triton kernels can run; never outside torch.compile.
-    assert _library.ENABLED == (minite.HAS_TRITON and not minite.interpreting())
-    assert (set(OPS) <= REGISTERED) if _library.ENABLED else not REGISTERED
+    assert ENABLED == (minite.HAS_TRITON and not minite.interpreting())
+    assert (set(OPS) <= REGISTERED) if ENABLED else not REGISTERED
     assert not use_op("softmax_fwd"), "eager calls must skip the dispatcher"
+
+
+def test_every_op_is_declared_with_its_schema_and_gradient():
+    # What registration gets on CUDA, checked on any machine (the concept modules declare their ops on import):
+    # every op, a schema inferred from its launcher (Python-only parameters left out) and one gradient formula
+    # per differentiable op, shared with its autograd.Function.
+    schemas = {name: torch.library.infer_schema(body, mutates_args=m) for name, (body, m) in _common.OPS.items()}
+    assert sorted(schemas) == sorted(OPS + OTHER_OPS)
+    assert set(_common.FORMULAS) == WITH_GRAD
+    assert schemas["rmsnorm_bwd"] == "(Tensor dy, Tensor x, Tensor weight, Tensor rstd) -> (Tensor, Tensor)"
+    assert schemas["lora_fwd"] == "(Tensor x2, Tensor weight, Tensor lora_A, Tensor lora_B, float scaling) -> " \
+                                  "(Tensor, Tensor)"  # no `blocks`: a test's tile sizes
+    assert schemas["cross_entropy_bwd"].endswith("float label_smoothing) -> Tensor")  # no `out` buffer
+    assert "Tensor(a1!) amax_history, Tensor(a2!) scale" in schemas["fp8_quantize_update"]
+    assert not [s for s in schemas.values() if "=" in s]  # no defaults: compiled callers pass every argument
 
 
 @pytest.mark.parametrize("how", ["argument", "context"])
@@ -85,7 +105,10 @@ def test_fullgraph_compile_matches_eager(name):
         for t in inputs:
             t.grad = None
         y = f(*inputs)
-        y.float().pow(2).sum().backward() if y.dim() else y.backward()
+        if y.dim():
+            y.float().pow(2).sum().backward()
+        else:
+            y.backward()
         outs.append((y.detach(), [t.grad.clone() for t in inputs]))
     (y0, g0), (y1, g1) = outs
     tols = dtype_tols(torch.bfloat16)

@@ -1,9 +1,9 @@
 """Attention (forward, backward, varlen), decode and LoRA as custom ops, so torch.compile(fullgraph=True) keeps
 their Triton kernels in the graph (the H100 of 2026-11-25: Dynamo traced into them, and the compiled GPT crashed).
 
-On the CPU the minite:: triton_ops cannot exist (wrap_triton refuses interpreted kernels), so the same wrappers
-and autograd formulas are registered as CPU custom ops (``register_reference_ops``) and checked here: opcheck
-(schema, fake impl against the interpreted kernels, autograd registration, AOT dispatch), and fullgraph=True
+On the CPU the minite:: triton_ops cannot exist (wrap_triton refuses interpreted kernels), so the same op bodies
+and autograd formulas are registered as CPU custom ops (``register_reference_ops``, conftest.py) and checked here:
+opcheck (schema, fake impl against the interpreted kernels, autograd registration, AOT dispatch), and fullgraph=True
 forward + every gradient against the PyTorch reference. On CUDA the real minite:: ops get the same checks.
 A static check makes sure every launch inside a registered op goes through ``launchable`` (wrap_triton while
 compiling): the fp8 quantize launch did not, and opcheck crashed on the H100 with "Cannot access data pointer of
@@ -16,8 +16,7 @@ import pytest
 import torch
 
 import minite
-from minite.kernels import _library
-from minite.kernels._common import REGISTERED
+from minite.kernels._common import ENABLED, REGISTERED
 from minite.kernels.attention import attention_ref
 from minite.kernels.lora import lora_linear_ref
 from minite.testing import dtype_tols
@@ -34,7 +33,7 @@ def _randn(*shape, seed=0, scale=1.0, dtype=torch.float32, device="cpu", require
 
 
 def test_ops_registered_exactly_when_enabled():
-    assert (set(OPS) <= REGISTERED) if _library.ENABLED else not (set(OPS) & REGISTERED)
+    assert (set(OPS) <= REGISTERED) if ENABLED else not (set(OPS) & REGISTERED)
 
 
 def test_every_kernel_launch_can_be_traced():
@@ -49,15 +48,8 @@ def test_every_kernel_launch_can_be_traced():
     assert not bare, "launch through launchable(kernel)[grid](...):\n" + "\n".join(bare)
 
 
-@pytest.fixture
-def ref_ops(device):
-    if device.type != "cpu" or not minite.interpreting():
-        pytest.skip("the CPU reference ops run the kernels under the interpreter; CUDA checks the minite:: ops")
-    return getattr(torch.ops, _library.register_reference_ops())
-
-
-def _ops(device):
-    return torch.ops.minite if device.type == "cuda" else getattr(torch.ops, _library.register_reference_ops())
+def _ops(device, reference_ops):
+    return torch.ops.minite if device.type == "cuda" else reference_ops()
 
 
 def _attn_inputs(device, dtype=torch.float32, varlen=False):
@@ -98,10 +90,10 @@ def _cases(ops, device):
 @pytest.mark.triton
 @pytest.mark.parametrize("case", ["attention_fwd", "attention_fwd_varlen", "attention_bwd", "attention_bwd_varlen",
                                   "decode_attention", "lora_fwd", "lora_bwd"])
-def test_opcheck(case, device):
+def test_opcheck(case, device, reference_ops):
     if device.type == "cpu" and not minite.interpreting():
         pytest.skip("no Triton here")
-    ops = _ops(device)
+    ops = _ops(device, reference_ops)
     torch.library.opcheck(getattr(ops, case.replace("_varlen", "")), _cases(ops, device)[case])
 
 

@@ -1,4 +1,4 @@
-"""The fused linear-CE and the FP8 Linear inside torch.compile (kernels/_library.py).
+"""The fused linear-CE and the FP8 Linear inside torch.compile (kernels/cross_entropy.py, kernels/fp8_linear.py).
 
 Both were graph breaks: ``linear_cross_entropy`` (chunked loop of GEMMs + CE kernels) and ``minite.nn.Linear``
 under FP8, whose delayed scaling updates amax histories and scales. They are now custom ops:
@@ -6,9 +6,9 @@ under FP8, whose delayed scaling updates amax histories and scales. They are now
 update as in-place tensor mutations declared in ``mutates_args``) and ``fp8_linear_mm`` (the fprop GEMM; its
 backward quantizes dy and mutates the grad_output state, a forward input AOTAutograd lets the backward mutate).
 
-On the CPU, where the ``minite::`` ops are not registered (the interpreter), ``register_reference_ops`` registers
-the same wrappers and autograd formulas as CPU custom ops in ``minite_ref::`` (they run the interpreted kernels):
-opcheck and torch.compile(fullgraph=True, backend="aot_eager") run on them here. The CUDA tests check the real
+On the CPU, where the ``minite::`` ops are not registered (the interpreter), the ``ref_ops`` fixture (conftest.py)
+registers the same op bodies and autograd formulas as CPU custom ops in ``minite_ref::`` (they run the interpreted
+kernels): opcheck and torch.compile(fullgraph=True, backend="aot_eager") run on them here. The CUDA tests check the real
 ``minite::`` triton_ops the same way, against eager.
 """
 import pytest
@@ -17,9 +17,8 @@ import torch
 import minite
 from minite.formats.autocast import fp8_autocast
 from minite.formats.recipe import CurrentScaling, DelayedScaling
-from minite.kernels import _library
-from minite.kernels._common import REGISTERED
-from minite.layers import linear as LIN
+from minite.kernels import fp8_linear as LIN
+from minite.kernels._common import ENABLED, REGISTERED
 from minite.testing import dtype_tols
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -38,26 +37,13 @@ def _targets(n, v, seed, device):
     return t.to(device)
 
 
-def _ns_ops(ns):
-    return getattr(torch.ops, ns)
-
-
-@pytest.fixture
-def ref_ops(device):
-    # CPU custom ops that launch the kernels on CPU tensors: only where the suite runs on the interpreter (on a
-    # CUDA machine the minite:: triton_ops are checked instead, by the CUDA tests below).
-    if device.type != "cpu" or not minite.interpreting():
-        pytest.skip("the CPU reference ops run the kernels under the interpreter; CUDA checks the minite:: ops")
-    return _ns_ops(_library.register_reference_ops())
-
-
 def test_new_ops_registered_exactly_when_enabled():
-    assert (set(NEW_OPS) <= REGISTERED) if _library.ENABLED else not (set(NEW_OPS) & REGISTERED)
+    assert (set(NEW_OPS) <= REGISTERED) if ENABLED else not (set(NEW_OPS) & REGISTERED)
     assert not LIN._graph_ops("triton"), "eager calls must take FP8LinearFunction"
 
 
-def test_quantize_update_schema_declares_the_state_mutation():
-    ops = _ns_ops("minite" if _library.ENABLED else _library.register_reference_ops())
+def test_quantize_update_schema_declares_the_state_mutation(reference_ops):
+    ops = torch.ops.minite if ENABLED else reference_ops()
     schema = str(ops.fp8_quantize_update.default._schema)
     assert "Tensor(a1!) amax_history" in schema and "Tensor(a2!) scale" in schema, schema
     assert "(Tensor x," in schema, schema  # x is read only

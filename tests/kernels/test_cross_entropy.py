@@ -177,7 +177,8 @@ def test_linear_ce_under_no_grad_skips_the_gradient_work(backend, monkeypatch, d
             seen[name] += 1
             return real(*a, **k)
         monkeypatch.setattr(CE, name, wrapper)
-    counted("cross_entropy_bwd"), counted("_ce_chunk_torch")
+    counted("cross_entropy_bwd")
+    counted("_ce_chunk_torch")
     real_fwd = CE.linear_cross_entropy_fwd
 
     def fwd(*a, **k):

@@ -66,7 +66,10 @@ def test_backward_is_inverse_rotation(device):
 
 @pytest.mark.triton
 def test_strided_input_from_qkv_split(device):
-    B, T, H, D = 2, 5, 3, 8
+    B = 2
+    T = 5
+    H = 3
+    D = 8
     qkv = _randn(B, T, 3 * H * D, seed=3, device=device)
     q = qkv.view(B, T, 3, H, D)[:, :, 0].transpose(1, 2)  # (B, H, T, D) view, not contiguous
     cos, sin = rope_cos_sin(T, D, device=device)
@@ -154,7 +157,10 @@ def test_bad_inputs():
 def test_gpu_large_shape_both_layouts(layout):
     # A realistic attention shape (too slow for the interpreter): output and grad x vs the reference. Speed is
     # measured by benchmarks/, never asserted in a test.
-    B, H, T, D = 4, 16, 1024, 128
+    B = 4
+    H = 16
+    T = 1024
+    D = 128
     cos, sin = rope_cos_sin(T, D, device="cuda")
     shape = (B, H, T, D) if layout == "bhtd" else (B, T, H, D)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to("cuda", torch.bfloat16)

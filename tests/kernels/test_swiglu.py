@@ -3,7 +3,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minite.kernels.swiglu import SwiGLU, _rows, swiglu, swiglu_bwd, swiglu_ref
+from minite.kernels.swiglu import _rows, swiglu, swiglu_bwd, swiglu_ref
+from minite.nn import SwiGLU
 from minite.testing import assert_close, check_op
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

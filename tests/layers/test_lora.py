@@ -103,7 +103,10 @@ def test_fused_strided_input_and_batch_dims(device):
 
 
 def test_lora_linear_bad_inputs():
-    x, W, A, B = rand(4, 8), rand(6, 8), rand(2, 8), rand(6, 2)
+    x = rand(4, 8)
+    W = rand(6, 8)
+    A = rand(2, 8)
+    B = rand(6, 2)
     with pytest.raises(ValueError, match=r"lora_A \(2, 7\) \(r, K\)"):
         lora_linear(x, W, A[:, :7], B)
     with pytest.raises(ValueError, match="share dtype"):

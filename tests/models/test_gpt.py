@@ -68,7 +68,10 @@ def test_tied_lm_head():
 
 def test_gqa_matches_mha_with_repeated_kv_heads():
     torch.manual_seed(0)
-    C, H, KVH, T = 32, 4, 2, 8
+    C = 32
+    H = 4
+    KVH = 2
+    T = 8
     D = C // H
     gqa = CausalSelfAttention(C, H, KVH, max_seq_len=T)
     assert gqa.qkv.weight.shape == ((H + 2 * KVH) * D, C)
@@ -91,7 +94,8 @@ def test_attention_is_causal():
     idx2[0, 10:] = (idx2[0, 10:] + 1) % 65  # change the future
     h = []
     m.norm_f.register_forward_hook(lambda mod, inp, out: h.append(out))
-    m(idx, idx), m(idx2, idx2)
+    m(idx, idx)
+    m(idx2, idx2)
     assert_close(h[0][:, :10], h[1][:, :10], name="past positions")
     assert not torch.allclose(h[0][:, 10:], h[1][:, 10:])
 
