@@ -39,7 +39,8 @@ Dropout is random: ``checkpoint`` saves the CPU and CUDA RNG states before the f
 recompute, and no random op is ever saved, so the recomputed masks are the forward's masks bit for bit.
 
 The Triton kernels. In eager mode minite's autograd Functions launch Triton kernels directly, outside the
-dispatcher (minite/kernels/_library.py registers them as custom ops only for torch.compile on CUDA), so a
+dispatcher (each concept file's @register_op, kernels/_common.py, registers them as custom ops only for
+torch.compile on CUDA), so a
 dispatch-level policy sees only the ``torch.empty`` that allocates a kernel's output, never the kernel. Those
 outputs are recomputed: the Function's forward runs again in the backward and relaunches its kernel, which writes a
 freshly allocated buffer, so values stay exact; with the Triton attention that is Megatron's choice (attention is
