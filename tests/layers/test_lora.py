@@ -308,7 +308,7 @@ def test_print_trainable_parameters(capsys):
                                                f"trainable%: {100 * t / n:.4f}")
 
 
-def test_fp8_composition(device):
+def test_fp8_composition(device, ft_cfg, tiny_run):
     # Inside fp8_autocast the base GEMMs run in FP8 (bit-identical to fp8_linear with the same states) and the
     # adapter in bf16; gradients reach only lora_A / lora_B.
     torch.manual_seed(0)
@@ -333,36 +333,35 @@ def test_fp8_composition(device):
 
 
 # ----------------------------------------------------------------------------------------- the CLI fine-tune
-TINY = {"model.n_layer": 1, "model.n_head": 2, "model.n_embd": 16, "model.block_size": 16, "model.backend": "torch",
-        "train.batch_size": 4, "train.max_iters": 12, "train.eval_interval": 4, "train.eval_iters": 2,
-        "train.warmup_iters": 2, "train.log_interval": 1, "train.threads": 1, "train.progress": False,
-        "train.sample_tokens": 0, "train.lr": 1e-2}
-
-
 @pytest.fixture
-def base_ckpt(tmp_path, make_corpus):
+def base_ckpt(tmp_path, make_corpus, tiny_run):
     """A tiny char-level base trained on one generated corpus; returns the path of its checkpoint."""
     from minite.config import make_config
     from minite.train import train
     make_corpus(tmp_path / "base.txt", n_chars=6000, seed=0, marks=".")
-    train(make_config("cpu", {**TINY, "data.path": str(tmp_path / "base.txt"), "data.data_dir": str(tmp_path / "d"),
+    train(make_config("cpu", {**tiny_run, "data.path": str(tmp_path / "base.txt"), "data.data_dir": str(tmp_path / "d"),
                               "train.out_dir": str(tmp_path / "base")}))
     return tmp_path / "base" / "ckpt.pt"
 
 
-def _ft_cfg(tmp_path, base, data, out, **over):
+@pytest.fixture
+def ft_cfg(tmp_path, tiny_run):
+    """``ft_cfg(base, data, out, **overrides)``: a LoRA fine-tune of `base` on `data` into tmp_path/out."""
     from minite.config import make_config
-    o = {**TINY, "train.init_from": str(base), "data.path": str(data), "data.data_dir": str(tmp_path / "d"),
-         "train.out_dir": str(tmp_path / out), "lora.r": 4, "train.max_iters": 10, "train.eval_interval": 5,
-         "model.n_layer": 3, **over}  # model.* is taken from the base: n_layer=3 here must be ignored
-    return make_config("cpu", o)
+
+    def build(base, data, out, **over):
+        o = {**tiny_run, "train.init_from": str(base), "data.path": str(data), "data.data_dir": str(tmp_path / "d"),
+             "train.out_dir": str(tmp_path / out), "lora.r": 4, "train.max_iters": 10, "train.eval_interval": 5,
+             "model.n_layer": 3, **over}  # model.* is taken from the base (the API has no flags to refuse)
+        return make_config("cpu", o)
+    return build
 
 
-def test_cli_lora_finetune_saves_adapters_only(tmp_path, make_corpus, base_ckpt, capsys):
+def test_cli_lora_finetune_saves_adapters_only(tmp_path, make_corpus, base_ckpt, capsys, tiny_run):
     from minite.train import load_checkpoint, main
     make_corpus(tmp_path / "new.txt", n_chars=6000, seed=5, marks=".")  # the same characters, another text
     base_before = {k: v.clone() for k, v in load_checkpoint(base_ckpt)["model"].items()}
-    args = [f"--{k}={v}" for k, v in TINY.items()] + [
+    args = [f"--{k}={v}" for k, v in tiny_run.items()] + [
         "--init_from", str(base_ckpt), "--lora.r=4", "--lora.target_modules=qkv,down", "--data",
         str(tmp_path / "new.txt"), "--data.data_dir", str(tmp_path / "d"), "--out_dir", str(tmp_path / "ft"),
         "--train.max_iters=10", "--train.eval_interval=5"]
@@ -382,18 +381,18 @@ def test_cli_lora_finetune_saves_adapters_only(tmp_path, make_corpus, base_ckpt,
     assert val[-1] < val[0]  # better than the base on the new text's val split
 
 
-def test_cli_lora_finetune_resumes_exactly(tmp_path, make_corpus, base_ckpt):
+def test_cli_lora_finetune_resumes_exactly(tmp_path, make_corpus, base_ckpt, ft_cfg):
     from minite.train import load_checkpoint, train
 
     class Interrupt(Exception):
         pass
     make_corpus(tmp_path / "new.txt", n_chars=6000, seed=5, marks=".")
-    full = train(_ft_cfg(tmp_path, base_ckpt, tmp_path / "new.txt", "full", **{"lora.dropout": 0.1}))
+    full = train(ft_cfg(base_ckpt, tmp_path / "new.txt", "full", **{"lora.dropout": 0.1}))
 
     def crash(step, loss):
         if step == 7:
             raise Interrupt
-    cfg = _ft_cfg(tmp_path, base_ckpt, tmp_path / "new.txt", "cut", **{"lora.dropout": 0.1})
+    cfg = ft_cfg(base_ckpt, tmp_path / "new.txt", "cut", **{"lora.dropout": 0.1})
     with pytest.raises(Interrupt):
         train(cfg, callback=crash)
     resumed = train(cfg, resume=True, resume_overrides={"train.out_dir": str(tmp_path / "cut")})
@@ -404,22 +403,22 @@ def test_cli_lora_finetune_resumes_exactly(tmp_path, make_corpus, base_ckpt):
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
 
 
-def test_cli_finetune_vocab_errors(tmp_path, make_corpus, base_ckpt):
+def test_cli_finetune_vocab_errors(tmp_path, make_corpus, base_ckpt, ft_cfg):
     from minite.config import ConfigError
     from minite.data import DataError
     from minite.train import train
     make_corpus(tmp_path / "other.txt", n_chars=3000, seed=1, marks="!?")  # '!' and '?' are not in the base vocab
     with pytest.raises(DataError, match=r"has 2 characters that the base model's char vocabulary \(\d+ symbols\) "
                        r"has no id for: '!\?' .*use a byte-level base"):
-        train(_ft_cfg(tmp_path, base_ckpt, tmp_path / "other.txt", "x"))
-    s = train(_ft_cfg(tmp_path, base_ckpt, tmp_path / "other.txt", "y", **{"data.unknown_chars": ".",
+        train(ft_cfg(base_ckpt, tmp_path / "other.txt", "x"))
+    s = train(ft_cfg(base_ckpt, tmp_path / "other.txt", "y", **{"data.unknown_chars": ".",
                                                                             "train.max_iters": 2}))
     assert s["steps"] == 2  # '!' and '?' became '.'
     with pytest.raises(ConfigError, match=r"--lora.r > 0 adapts a trained model: give its checkpoint with "
                        r"--init_from"):
-        train(_ft_cfg(tmp_path, "", tmp_path / "other.txt", "z"))
+        train(ft_cfg("", tmp_path / "other.txt", "z"))
     with pytest.raises(ConfigError, match=r"entry 'wq' matches no module of GPT"):
-        train(_ft_cfg(tmp_path, base_ckpt, tmp_path / "other.txt", "z", **{"data.unknown_chars": "drop",
+        train(ft_cfg(base_ckpt, tmp_path / "other.txt", "z", **{"data.unknown_chars": "drop",
                                                                            "lora.target_modules": "wq"}))
 
 
