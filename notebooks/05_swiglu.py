@@ -342,17 +342,18 @@ else:
 # %% [markdown]
 # ## 7. Where it runs in the GPT
 #
-# `minite/models/gpt.py`'s MLP computes gate and up with **one** projection (`C -> 2H`, one matmul), splits it into
-# two strided views and hands them to this chapter's `swiglu` (the strided case of step 2: no copy), then applies
-# the down projection. `minite.nn.SwiGLU(dim, hidden)` packages the same computation as a module:
+# The GPT's MLP (`minite/layers/mlp.py`, used by every block of `minite/models/gpt.py`) computes gate and up with
+# **one** projection (`C -> 2H`, one matmul), splits it into two strided views and hands them to this chapter's
+# `swiglu` (the strided case of step 2: no copy), then applies the down projection. `minite.nn.SwiGLU(dim, hidden)`
+# is that module:
 
 # %%
 import minite
 from minite.nn import SwiGLU
-gpt = pathlib.Path(minite.__file__).parent / "models" / "gpt.py"
-lines = gpt.read_text().splitlines() if gpt.exists() else []
-print("\n".join(f"gpt.py:{i}: {ln.strip()}" for i, ln in enumerate(lines, 1) if "swiglu(" in ln))
-mlp = SwiGLU(64, 176)
+mlp_py = pathlib.Path(minite.__file__).parent / "layers" / "mlp.py"
+lines = mlp_py.read_text().splitlines() if mlp_py.exists() else []
+print("\n".join(f"layers/mlp.py:{i}: {ln.strip()}" for i, ln in enumerate(lines, 1) if "swiglu(" in ln))
+mlp = SwiGLU(64, 176, fused=True)  # as the GPT builds it (models/gpt.py: MLP)
 print(mlp)
 x = torch.randn(2, 5, 64, generator=gen)
 print(tuple(mlp(x).shape))
