@@ -20,14 +20,15 @@ class SwiGLU(nn.Module):
     two; the kernel reads the two halves as strided views): the GPT's MLP is this module."""
 
     def __init__(self, dim: int, hidden: int, bias: bool = False, backend: str | None = None, *,
-                 fused: bool = False):
+                 fused: bool = False, device=None, dtype=None):
         super().__init__()
+        where = {"bias": bias, "device": device, "dtype": dtype}
         if fused:
-            self.gate_up = Linear(dim, 2 * hidden, bias=bias)  # (dim) -> (2 * hidden): [gate | up]
+            self.gate_up = Linear(dim, 2 * hidden, **where)  # (dim) -> (2 * hidden): [gate | up]
         else:
-            self.gate = Linear(dim, hidden, bias=bias)  # (dim) -> (hidden)
-            self.up = Linear(dim, hidden, bias=bias)  # (dim) -> (hidden)
-        self.down = Linear(hidden, dim, bias=bias)  # (hidden) -> (dim)
+            self.gate = Linear(dim, hidden, **where)  # (dim) -> (hidden)
+            self.up = Linear(dim, hidden, **where)  # (dim) -> (hidden)
+        self.down = Linear(hidden, dim, **where)  # (hidden) -> (dim)
         self.dim = dim
         self.hidden = hidden
         self.backend = backend
@@ -37,7 +38,8 @@ class SwiGLU(nn.Module):
         if self.fused:
             gate, up = self.gate_up(x).split(self.hidden, dim=-1)  # (..., hidden) each, strided views
         else:
-            gate, up = self.gate(x), self.up(x)
+            gate = self.gate(x)
+            up = self.up(x)
         return self.down(swiglu(gate, up, backend=self.backend))
 
     def extra_repr(self) -> str:

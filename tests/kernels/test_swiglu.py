@@ -156,3 +156,11 @@ def test_module_state_dict_keys_and_round_trip():
     assert not torch.allclose(a(x), b(x))  # different init: the round trip below has something to do
     b.load_state_dict(a.state_dict())
     assert torch.equal(a(x), b(x))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_module_takes_device_and_dtype_like_rmsnorm(fused):
+    # was (issue 26): nn.SwiGLU had no device/dtype arguments while nn.RMSNorm does
+    m = SwiGLU(6, 10, fused=fused, device="meta", dtype=torch.bfloat16)
+    assert {(p.device.type, p.dtype) for p in m.parameters()} == {("meta", torch.bfloat16)}
+    assert len(list(m.parameters())) == (2 if fused else 3)
