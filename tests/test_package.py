@@ -16,3 +16,17 @@ def test_wheel_installs_in_a_fresh_venv_and_runs_a_kernel():
                          timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "softmax kernel ok" in out.stdout and "/venv/" in out.stdout, out.stdout
+
+
+def test_imports_stay_light_and_the_facades_are_whole():
+    # issue 22: importing one part loads only what it uses (was: minite.parallel.dims loaded 33 minite modules);
+    # issue 26: the LoRA API from one facade, as PEFT's
+    code = ("import sys, minite.parallel.dims, minite.errors; "
+            "print(sorted(m for m in sys.modules if m.startswith('minite')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert eval(out) == ["minite", "minite._triton", "minite.backend", "minite.errors", "minite.parallel",
+                         "minite.parallel.dims"]
+    import minite
+    import minite.layers.lora as L
+    assert set(minite.lora.__all__) == set(L.__all__)
+    assert all(getattr(minite.lora, n) is getattr(L, n) for n in L.__all__)
