@@ -71,8 +71,10 @@ def run_config(name: str, world: int, flags: list[str], steps: int, tmp: Path, t
     args = [*BASE, f"--data.data_dir={tmp / 'data'}", f"--out_dir={out_dir}", f"--train.max_iters={steps}",
             f"--train.eval_interval={steps}", *flags]
     preset, overrides, _ = parse_cli(args)
+    cfg = make_config(preset, overrides)
     try:  # the layout check minite.train runs first, here before any process starts
-        check_layout(make_config(preset, overrides), world)
+        check_layout(cfg.parallel, cfg.model, world=world, seq_len=cfg.data.block_size or cfg.model.block_size,
+                     batch_size=cfg.train.batch_size, lora_r=cfg.lora.r)
     except ParallelError as e:
         print(f"  skipped {name}: {e}", flush=True)
         return {"status": "rejected", "message": str(e)}
@@ -141,7 +143,8 @@ def plot(results: dict, device: str) -> None:
             pts = sorted((int(k), v) for k, v in r["losses"].items())  # JSON keys are strings
             ax.plot(*zip(*pts), label=n, lw=1, alpha=0.8)
         ax.set(xlabel="step", ylabel="train loss (global batch)", title="loss curves (they overlap)")
-        ax.legend(fontsize=6), ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+        ax.grid(alpha=0.3)
         names = list(ok)
         ax = fig.add_subplot(1, 3, 2)
         res = [max(ok[n]["resident_bytes_per_rank"]) / 2**20 for n in names]
@@ -149,11 +152,14 @@ def plot(results: dict, device: str) -> None:
         ax.barh(names, res, label="resident (params, AdamW state, buffers)")
         ax.barh(names, tr, left=res, label="transient (activations, grads, temporaries)")
         ax.set(xlabel="MiB per rank (max over ranks)", title="peak tensor memory per rank")
-        ax.invert_yaxis(), ax.legend(fontsize=6, loc="lower right"), ax.grid(alpha=0.3, axis="x")
+        ax.invert_yaxis()
+        ax.legend(fontsize=6, loc="lower right")
+        ax.grid(alpha=0.3, axis="x")
         ax = fig.add_subplot(1, 3, 3)
         ax.barh(names, [ok[n]["step_ms"] for n in names], color=["C0" if ok[n]["world"] < 4 else "C3" for n in names])
         ax.set(xlabel="median step ms (red: 4 ranks on 2 cores)", title="step time (wall clock)")
-        ax.invert_yaxis(), ax.grid(alpha=0.3, axis="x")
+        ax.invert_yaxis()
+        ax.grid(alpha=0.3, axis="x")
     common.save_plot("scale", device, draw)
 
 

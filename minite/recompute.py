@@ -72,7 +72,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from minite.config import ConfigError
+from minite.errors import ConfigError
 
 __all__ = ["MODES", "apply_recompute", "recompute_mode", "selective_policy", "SAVE_OPS", "measure"]
 

@@ -14,6 +14,8 @@ which is all tensor and sequence parallelism need (Megatron's f and g, the SP ga
 A group of size 1 (or None: no process group) makes all of them the identity, so the parallel layers with tp=1 are
 the dense ones. Groups are passed in (``ParallelDims``); nothing here is global but the optional byte log.
 
+``clip_grad_norm_`` clips sharded gradients by the norm of the whole model's (one all-reduce of one number).
+
 Bytes: ``with CommLog() as log:`` records (op, payload bytes, group size, ring bytes sent per rank) for every call.
 A ring all-reduce sends 2(n-1)/n of the payload per rank, an all-gather or reduce-scatter (n-1)/n of the full
 tensor. gloo implements reduce_scatter as an all-reduce (twice the traffic): the log counts what the algorithm
@@ -27,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["size", "rank", "all_reduce", "all_gather", "reduce_scatter", "all_gather_into", "reduce_scatter_into",
-           "send", "recv", "broadcast", "CommLog", "copy_to_parallel", "reduce_from_parallel",
+           "send", "recv", "broadcast", "CommLog", "clip_grad_norm_", "copy_to_parallel", "reduce_from_parallel",
            "scatter_to_sequence", "gather_from_sequence", "reduce_scatter_to_sequence", "gather_split",
            "CopyToParallel", "ReduceFromParallel", "ScatterToSequence", "GatherFromSequence",
            "ReduceScatterToSequence", "GatherSplit"]
@@ -142,6 +144,32 @@ def send(t: torch.Tensor, dst: int, group=None):
 
 def recv(t: torch.Tensor, src: int, group=None):
     return dist.irecv(t, src=src, group=group)
+
+
+def clip_grad_norm_(params, max_norm: float, groups=(), *, norm_params=None) -> torch.Tensor:
+    """Clip the gradients of `params` in place to a global norm of max_norm, the norm of the whole model's
+    gradient when each rank holds a shard of it; returns that norm before clipping (fp64, shape (1,)).
+
+    Each rank sums the squares of its gradients in fp64; a parameter carrying ``tp_replicas`` (how many tp ranks
+    hold the same elements: a number, or a tensor of per-row counts) is divided by it, so every element counts
+    once. The sum is all-reduced over each group of `groups` (tp, pp, dp... None: nothing to add), then
+    coef = min(max_norm / (norm + 1e-6), 1) scales every gradient.
+    norm_params: the parameters whose gradients make up the norm, when not all of `params` (a pipeline's last
+    stage leaves out its copy of the tied embedding and clips it with the rest, as Megatron does)."""
+    params = [p for p in params if p.grad is not None]
+    counted = params if norm_params is None else [p for p in norm_params if p.grad is not None]
+    device = params[0].grad.device if params else torch.device("cpu")
+    sq = torch.zeros(1, dtype=torch.float64, device=device)
+    for p in counted:
+        replicas = torch.as_tensor(getattr(p, "tp_replicas", 1), dtype=torch.float64, device=p.grad.device)
+        sq += (p.grad.double() ** 2 / replicas).sum()
+    for group in groups:
+        all_reduce(sq, group)
+    norm = sq.sqrt()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        p.grad.mul_(coef.to(p.grad.dtype))
+    return norm
 
 
 def _split(x: torch.Tensor, group, dim: int) -> torch.Tensor:

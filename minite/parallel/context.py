@@ -10,19 +10,20 @@ into 2*cp chunks, rank r holding chunks r and 2*cp-1-r: the diagonal step is a p
 block from a lower rank is seen (non-causally) through its first half, one from a higher rank by my second half.
 Backward: the block gradients use the FINAL O and LSE (Delta = rowsum(dO * O), P = exp(S - LSE)), so dQ adds up
 locally and the dK/dV partials travel with the ring, home after cp hops.
+With a ``trace.Recorder`` active, each forward block call reports a "cp_block" event (the score entries it computed)
+and each wait of the ring a "cp_wait" event: the lesson's work per rank and overlap.
 """
 from __future__ import annotations
 
 import functools
 import math
-import time
 
 import torch
 import torch.distributed as dist
 
 from minite.backend import resolve_backend
 from minite.kernels.attention import attention, attention_bwd
-from minite.parallel import comm
+from minite.parallel import comm, trace
 
 __all__ = ["lse_merge", "positions", "shard", "unshard", "check_length", "cp_attention", "ring_attention",
            "allgather_attention", "RingAttention", "AllGatherAttention"]
@@ -35,20 +36,25 @@ def lse_merge(o1, lse1, o2, lse2):
         lse = log(e^lse1 + e^lse2),   o = e^(lse1 - lse) o1 + e^(lse2 - lse) o2
     A row that saw no key in either part keeps lse = -inf and o = 0 (never NaN)."""
     m = torch.maximum(lse1.float(), lse2.float())
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # both -inf: shift by 0, not by -inf (NaN)
-    a, b = torch.exp(lse1.float() - m), torch.exp(lse2.float() - m)  # (..., T), each in [0, 1]
+    # both -inf: shift by 0, not by -inf (NaN)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    a = torch.exp(lse1.float() - m)  # (..., T), in [0, 1]
+    b = torch.exp(lse2.float() - m)
     s = a + b
     lse = torch.where(s > 0, m + torch.log(s), torch.full_like(s, NEG_INF))
     s = torch.where(s > 0, s, torch.ones_like(s))
-    return o1.float() * (a / s)[..., None] + o2.float() * (b / s)[..., None], lse
+    o = o1.float() * (a / s)[..., None] + o2.float() * (b / s)[..., None]
+    return o, lse
 
 
 # ----------------------------------------------------------------------------------- the layout
 def check_length(T: int, cp: int, balanced: bool = True) -> None:
     n = 2 * cp if balanced else cp
     if T % n:
-        raise ValueError(f"context parallelism: sequence length T={T} must be divisible by "
-                         f"{'2*cp' if balanced else 'cp'}={n} (cp={cp}{', load-balanced chunks' if balanced else ''})")
+        what = "2*cp" if balanced else "cp"
+        why = ", load-balanced chunks" if balanced else ""
+        raise ValueError(f"context parallelism: sequence length T={T} must be divisible by {what}={n} "
+                         f"(cp={cp}{why})")
 
 
 def positions(T: int, cp: int, rank: int, balanced: bool = True) -> torch.Tensor:
@@ -56,8 +62,11 @@ def positions(T: int, cp: int, rank: int, balanced: bool = True) -> torch.Tensor
     check_length(T, cp, balanced)
     if not balanced:
         return torch.arange(rank * T // cp, (rank + 1) * T // cp)
-    c, j = T // (2 * cp), 2 * cp - 1 - rank  # chunk size, my second chunk
-    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange(j * c, (j + 1) * c)])
+    c = T // (2 * cp)  # chunk size
+    j = 2 * cp - 1 - rank  # my second chunk
+    first = torch.arange(rank * c, (rank + 1) * c)
+    second = torch.arange(j * c, (j + 1) * c)
+    return torch.cat([first, second])
 
 
 def shard(x: torch.Tensor, cp: int, rank: int, dim: int = 1, balanced: bool = True) -> torch.Tensor:
@@ -67,8 +76,10 @@ def shard(x: torch.Tensor, cp: int, rank: int, dim: int = 1, balanced: bool = Tr
 
 def unshard(parts: list[torch.Tensor], dim: int = 1, balanced: bool = True) -> torch.Tensor:
     """Inverse of shard: every rank's part (in rank order) back into the global sequence order."""
-    cp, cat = len(parts), torch.cat(parts, dim=dim)
-    perm = torch.cat([positions(cat.shape[dim], cp, r, balanced) for r in range(cp)]).to(cat.device)
+    cp = len(parts)
+    cat = torch.cat(parts, dim=dim)
+    T = cat.shape[dim]
+    perm = torch.cat([positions(T, cp, r, balanced) for r in range(cp)]).to(cat.device)
     return cat.index_select(dim, torch.argsort(perm))
 
 
@@ -81,34 +92,50 @@ def _block_fwd(q, k, v, causal, scale, backend):
 
 def _block_bwd(do, q, k, v, o, lse, causal, scale, backend):
     """Gradients of one block given the FINAL o and lse. The Triton launcher, or the same math in PyTorch."""
-    if backend == "triton":  # the launcher assumes contiguous o and lse (it makes only do, q, k, v contiguous)
+    if backend == "triton":
+        # the launcher assumes contiguous o and lse (it makes only do, q, k, v contiguous)
         return attention_bwd(do, q, k, v, o.contiguous(), lse.contiguous(), causal, scale)
     B, H, Tq, D = q.shape
-    KVH, Tk, G = k.shape[1], k.shape[2], H // k.shape[1]
+    KVH, Tk = k.shape[1], k.shape[2]
+    G = H // KVH  # query heads per kv head
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
-    kr, vr = k.to(ct).repeat_interleave(G, 1), v.to(ct).repeat_interleave(G, 1)  # (B, H, Tk, D)
+    kr = k.to(ct).repeat_interleave(G, 1)  # (B, H, Tk, D)
+    vr = v.to(ct).repeat_interleave(G, 1)
     s = q.to(ct) @ kr.transpose(-1, -2) * scale  # (B, H, Tq, Tk)
-    keep = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq if causal else Tk)  # bottom-right
-    p = torch.where(keep & torch.isfinite(lse)[..., None], torch.exp(s - lse.to(ct)[..., None]), 0.0)
-    do_, delta = do.to(ct), (do.to(ct) * o.to(ct)).sum(-1, keepdim=True)  # Delta = rowsum(dO * O)
+    # the causal mask is bottom-right aligned (the chapter-07 kernel's convention)
+    keep = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq if causal else Tk)
+    keep = keep & torch.isfinite(lse)[..., None]  # a row that saw no key has no probabilities
+    p = torch.where(keep, torch.exp(s - lse.to(ct)[..., None]), 0.0)
+    do_ = do.to(ct)
+    delta = (do_ * o.to(ct)).sum(-1, keepdim=True)  # Delta = rowsum(dO * O)
     ds = p * (do_ @ vr.transpose(-1, -2) - delta)  # dS = P * (dP - Delta)
-    dq, dk = ds @ kr * scale, (ds.transpose(-1, -2) @ q.to(ct) * scale).view(B, KVH, G, Tk, D).sum(2)
-    dv = (p.transpose(-1, -2) @ do_).view(B, KVH, G, Tk, D).sum(2)  # GQA: dK, dV summed over the group
+    dq = ds @ kr * scale
+    # GQA: dK and dV summed over the query heads of each kv head
+    dk = (ds.transpose(-1, -2) @ q.to(ct) * scale).view(B, KVH, G, Tk, D).sum(2)
+    dv = (p.transpose(-1, -2) @ do_).view(B, KVH, G, Tk, D).sum(2)
     return dq, dk, dv
 
 
 def _plan(step, r, n, causal, balanced, Tl):
     """What rank r computes with the block that left rank (r - step) % n `step` hops ago:
     (query rows, key rows, causal) or None (the block is entirely in the future of my queries)."""
-    src, full = (r - step) % n, slice(0, Tl)
+    src = (r - step) % n
+    full = slice(0, Tl)
     if not causal:
         return full, full, False
     if step == 0:
-        return full, full, True  # my own block: local order follows global order, a plain causal mask is right
+        # my own block: local order follows global order, a plain causal mask is right
+        return full, full, True
     if balanced:
         h = Tl // 2
         return (full, slice(0, h), False) if src < r else (slice(h, Tl), full, False)
     return (full, full, False) if src < r else None
+
+
+def _scores(q, nq: int, nk: int, causal: bool) -> int:
+    """Score entries one kernel call computes for nq queries over nk keys (the visible ones, bottom-right causal)."""
+    seen = nq * (nk - nq) + nq * (nq + 1) // 2 if causal else nq * nk
+    return q.shape[0] * q.shape[1] * seen
 
 
 def _ring(buf, group):
@@ -116,20 +143,16 @@ def _ring(buf, group):
     Ordered isend/irecv, never batch_isend_irecv (it hangs on gloo)."""
     n, r = comm.size(group), comm.rank(group)
     recv = torch.empty_like(buf)
-    return recv, [comm.send(buf, dist.get_global_rank(group, (r + 1) % n), group),
-                  comm.recv(recv, dist.get_global_rank(group, (r - 1) % n), group)]
+    send = comm.send(buf, dist.get_global_rank(group, (r + 1) % n), group)
+    receive = comm.recv(recv, dist.get_global_rank(group, (r - 1) % n), group)
+    return recv, [send, receive]
 
 
 def _wait(pending):
-    [w.wait() for w in pending[1]]
-    return pending[0]
-
-
-def _tally(stats, q, nq, nk, causal):
-    # Score entries this rank's kernel calls compute: nq x nk, or under a bottom-right causal mask the visible ones
-    if stats is not None:
-        seen = nq * (nk - nq) + nq * (nq + 1) // 2 if causal else nq * nk
-        stats["scores"] = stats.get("scores", 0) + q.shape[0] * q.shape[1] * seen
+    buf, works = pending
+    for work in works:
+        work.wait()
+    return buf
 
 
 # ----------------------------------------------------------------------------------- ring attention
@@ -137,24 +160,29 @@ class RingAttention(torch.autograd.Function):
     """forward: cp ring steps of flash attention + LSE merge / backward: cp ring steps, dK/dV travelling home."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, balanced, backend, stats):
+    def forward(ctx, q, k, v, group, causal, scale, balanced, backend):
         n, r, Tl = comm.size(group), comm.rank(group), q.shape[2]
-        o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # running output (B, H, T/cp, D), fp32
-        lse = torch.full(q.shape[:3], NEG_INF, device=q.device)  # running LSE: no key seen yet
+        # the running output (B, H, T/cp, D) and LSE (B, H, T/cp), fp32: no key seen yet
+        o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], NEG_INF, device=q.device)
         kv = torch.stack([k, v]).contiguous()  # (2, B, KVH, Tl, D): one message per step
         for step in range(n):
-            pending, t0 = _ring(kv, group) if step < n - 1 else None, time.perf_counter()  # next block on the wire
+            # the block I hold goes on to the next rank (and the next arrives) while I compute
+            pending = _ring(kv, group) if step < n - 1 else None
             plan = _plan(step, r, n, causal, balanced, Tl)
             if plan is not None:
                 qs, ks, c = plan
-                _tally(stats, q, len(range(Tl)[qs]), len(range(Tl)[ks]), c)
-                ob, lb = _block_fwd(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], c, scale, backend)
-                o[:, :, qs], lse[:, :, qs] = lse_merge(o[:, :, qs], lse[:, :, qs], ob, lb)
-            t1, kv = time.perf_counter(), _wait(pending) if pending else kv
-            if stats is not None:  # seconds computing, then seconds still blocked on the transfer (not hidden)
-                stats.setdefault("steps", []).append((t1 - t0, time.perf_counter() - t1))
+                k_blk, v_blk = kv[0][:, :, ks], kv[1][:, :, ks]
+                scores = _scores(q, len(range(Tl)[qs]), len(range(Tl)[ks]), c)
+                with trace.span("cp_block", q.device, step=step, scores=scores):
+                    ob, lb = _block_fwd(q[:, :, qs], k_blk, v_blk, c, scale, backend)
+                    o[:, :, qs], lse[:, :, qs] = lse_merge(o[:, :, qs], lse[:, :, qs], ob, lb)
+            if pending is not None:
+                with trace.span("cp_wait", q.device, step=step):  # what the compute did not hide
+                    kv = _wait(pending)
         out = o.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)  # O(T/cp) per rank: no other rank's K/V is kept
+        # O(T/cp) per rank: no other rank's K/V is kept
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (group, causal, scale, balanced, backend)
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -164,24 +192,30 @@ class RingAttention(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         group, causal, scale, balanced, backend = ctx.args
         n, r, Tl = comm.size(group), comm.rank(group), q.shape[2]
-        do, dq = do.contiguous(), torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv, dkv_pending = torch.stack([k, v]).contiguous(), None
+        do = do.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v]).contiguous()
+        dkv_pending = None
         for step in range(n):
             pending = _ring(kv, group) if step < n - 1 else None
-            dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)  # my part for this block
+            # my part of this block's dK, dV
+            dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
             plan = _plan(step, r, n, causal, balanced, Tl)
             if plan is not None:
                 qs, ks, c = plan
-                g = _block_bwd(do[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], o[:, :, qs],
-                               lse[:, :, qs], c, scale, backend)
+                k_blk, v_blk = kv[0][:, :, ks], kv[1][:, :, ks]
+                g = _block_bwd(do[:, :, qs], q[:, :, qs], k_blk, v_blk, o[:, :, qs], lse[:, :, qs], c, scale,
+                               backend)
                 dq[:, :, qs] += g[0].float()
                 dkv[:, :, :, ks] += torch.stack(g[1:]).float()
             if dkv_pending is not None:  # what the ranks before me added to this block
                 dkv += _wait(dkv_pending)
-            dkv_pending = _ring(dkv, group)  # on to the next rank; the last hop brings each block home
+            # on to the next rank; the last hop brings each block home
+            dkv_pending = _ring(dkv, group)
             kv = _wait(pending) if pending else kv
         dkv = _wait(dkv_pending)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+        dk, dv = dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------- all-gather K/V
@@ -197,17 +231,21 @@ class AllGatherAttention(torch.autograd.Function):
     """forward: all-gather K/V, attend to the causal prefix / backward: dK/dV reduce-scattered to their owners."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, balanced, backend, stats):
+    def forward(ctx, q, k, v, group, causal, scale, balanced, backend):
         n, r, Tl = comm.size(group), comm.rank(group), q.shape[2]
         perm = torch.cat([positions(Tl * n, n, i, balanced) for i in range(n)]).to(q.device)
         kv = comm.all_gather(torch.stack([k, v]).contiguous(), group, dim=3)  # (2, B, KVH, T, D), ranks' order
         kv = kv.index_select(3, torch.argsort(perm))  # global order
-        o, lse = torch.empty_like(q), torch.empty(q.shape[:3], device=q.device)
+        o = torch.empty_like(q)
+        lse = torch.empty(q.shape[:3], device=q.device)
         for qs, nk, c in _pieces(r, n, Tl, causal, balanced):
-            _tally(stats, q, len(range(Tl)[qs]), nk, c)
-            ob, lse[:, :, qs] = _block_fwd(q[:, :, qs], kv[0][:, :, :nk], kv[1][:, :, :nk], c, scale, backend)
+            k_pre, v_pre = kv[0][:, :, :nk], kv[1][:, :, :nk]  # the keys my rows see
+            scores = _scores(q, len(range(Tl)[qs]), nk, c)
+            with trace.span("cp_block", q.device, step=0, scores=scores):
+                ob, lse[:, :, qs] = _block_fwd(q[:, :, qs], k_pre, v_pre, c, scale, backend)
             o[:, :, qs] = ob.to(q.dtype)
-        ctx.save_for_backward(q, kv, o, lse, perm)  # the gathered K/V stay until backward: cp x the K/V memory
+        # the gathered K/V stay until backward: cp x the K/V memory
+        ctx.save_for_backward(q, kv, o, lse, perm)
         ctx.args = (group, causal, scale, balanced, backend)
         ctx.mark_non_differentiable(lse)
         return o, lse
@@ -217,32 +255,37 @@ class AllGatherAttention(torch.autograd.Function):
         q, kv, o, lse, perm = ctx.saved_tensors
         group, causal, scale, balanced, backend = ctx.args
         n, r, Tl = comm.size(group), comm.rank(group), q.shape[2]
-        dq, dkv = torch.zeros_like(q), torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        dq = torch.zeros_like(q)
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
         for qs, nk, c in _pieces(r, n, Tl, causal, balanced):
-            g = _block_bwd(do[:, :, qs].contiguous(), q[:, :, qs], kv[0][:, :, :nk], kv[1][:, :, :nk], o[:, :, qs],
-                           lse[:, :, qs], c, scale, backend)
+            k_pre, v_pre = kv[0][:, :, :nk], kv[1][:, :, :nk]
+            g = _block_bwd(do[:, :, qs].contiguous(), q[:, :, qs], k_pre, v_pre, o[:, :, qs], lse[:, :, qs], c,
+                           scale, backend)
             dq[:, :, qs] = g[0].to(q.dtype)
             dkv[:, :, :, :nk] += torch.stack(g[1:]).float()
-        dkv = comm.reduce_scatter(dkv.index_select(3, perm), group, dim=3)  # ranks' order: my chunks of the sum
-        return dq, dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None, None, None, None, None
+        # back in the ranks' order: each rank keeps its chunks of the sum
+        dkv = comm.reduce_scatter(dkv.index_select(3, perm), group, dim=3)
+        dk, dv = dkv[0].to(kv.dtype), dkv[1].to(kv.dtype)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def cp_attention(q, k, v, group, *, variant: str = "ring", causal: bool = True, scale: float | None = None,
-                 balanced: bool = True, backend: str | None = None, return_lse: bool = False, stats=None):
+                 balanced: bool = True, backend: str | None = None, return_lse: bool = False):
     """Attention of my query shard q (B, H, T/cp, D) over the keys of every rank of `group`, k/v (B, KVH, T/cp, D)
     (GQA), by the "ring" or the "allgather" variant; the shards are ``shard(x, cp, rank, balanced=...)``.
-    -> o (B, H, T/cp, D) [, lse (B, H, T/cp) fp32]. stats: a dict that collects the score entries computed."""
+    -> o (B, H, T/cp, D) [, lse (B, H, T/cp) fp32]."""
     fn = {"ring": RingAttention, "allgather": AllGatherAttention}[variant]
     if q.dim() != 4 or k.dim() != 4 or q.shape[2] != k.shape[2]:
         raise ValueError(f"cp attention: q {tuple(q.shape)} and k {tuple(k.shape)} must be (B, heads, T/cp, D) "
                          "shards of the same tokens")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    check_length(q.shape[2] * comm.size(group), comm.size(group), balanced and causal)
+    n = comm.size(group)
+    check_length(q.shape[2] * n, n, balanced and causal)
     be = resolve_backend(q, backend)
-    if comm.size(group) == 1:  # one rank: the plain kernel
+    if n == 1:  # one rank: the plain kernel
         out = attention(q, k, v, causal=causal, scale=scale, return_lse=True, backend=be)
     else:
-        out = fn.apply(q, k, v, group, causal, scale, balanced and causal, be, stats)
+        out = fn.apply(q, k, v, group, causal, scale, balanced and causal, be)
     return out if return_lse else out[0]
 
 

@@ -67,8 +67,14 @@ class CPGPT(nn.Module):
     def __init__(self, model: GPT | TPGPT, group, *, variant: str = "ring", balanced: bool = True):
         super().__init__()
         self.inner = type(model)  # GPT or TPGPT: its forward, generate, num_params run on these same modules
-        self.config, self.backend, self.cp_group, self.balanced = model.config, model.backend, group, balanced
-        self.wte, self.drop, self.blocks, self.norm_f = model.wte, model.drop, model.blocks, model.norm_f
+        self.config = model.config
+        self.backend = model.backend
+        self.cp_group = group
+        self.balanced = balanced
+        self.wte = model.wte  # the wrapped model's own modules: the same parameters, the same state_dict names
+        self.drop = model.drop
+        self.blocks = model.blocks
+        self.norm_f = model.norm_f
         if isinstance(model, TPGPT):  # TP x CP: TPAttention keeps its heads, takes my positions and the ring
             self.group, self.sp = model.group, model.sp  # the tp group, as TPGPT's methods expect
             for b in self.blocks:

@@ -12,16 +12,18 @@ every rank takes the step single-process AdamW would take on the whole batch. Wh
 ``allreduce_grads`` is the naive baseline (after backward). ``DataParallel`` is the real one: parameters live in
 flat buffers cut into *units* (one per transformer block, plus a root unit for the rest), a gradient hook counts
 each unit's gradients and launches the complete unit's collective asynchronously while backward goes on with
-earlier layers (overlap). Stage >= 1 pairs it with ``zero.ShardedAdamW``.
+earlier layers (overlap). Stage >= 1 pairs it with ``zero.ShardedAdamW``. Under ``no_sync()`` a backward only
+accumulates (gradient accumulation's early micro-batches); each reduction reports to ``trace`` (the lesson's
+timeline) when a recorder is active.
 """
 from __future__ import annotations
 
-import time
+import contextlib
 
 import torch
 from torch import nn
 
-from minite.parallel import comm
+from minite.parallel import comm, trace
 
 __all__ = ["allreduce_grads", "DataParallel", "Unit"]
 
@@ -61,16 +63,16 @@ class DataParallel:
     """Data parallelism over `group` at ZeRO `stage` 0-3 (0: bucketed DDP). Call ``finish()`` after backward.
 
     units: the modules that form a unit each (default: ``model.blocks``); every other parameter joins the root.
-    sync: set False on the micro-batches of gradient accumulation that must not communicate yet.
     """
 
-    def __init__(self, model: nn.Module, group, stage: int = 0, units: list[nn.Module] | None = None,
-                 timeline: bool = False):
+    def __init__(self, model: nn.Module, group, stage: int = 0, units: list[nn.Module] | None = None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
         self.model, self.group, self.stage = model, group, stage
         self.W, self.r = comm.size(group), comm.rank(group)
-        self.sync, self.pending, self.events, self.done = True, [], [] if timeline else None, True
+        self.pending = []  # (work, buffer, trace row) of each reduction in flight
+        self.done = True  # no backward in progress: finish() has nothing to do
+        self._sync = True  # False under no_sync(): backward accumulates, nothing is reduced
         mods = list(model.blocks) if units is None else list(units)
         owner = {id(p): i for i, m in enumerate(mods) for p in m.parameters()}
         named = list(model.named_parameters())
@@ -145,24 +147,32 @@ class DataParallel:
             out.register_hook(lambda g: (self._gather(u), g)[1])  # gathered again just before its backward
         self._free(u)
 
-    def _event(self, kind: str, name: str, t0: float, t1: float) -> None:  # the per-rank timeline
-        if self.events is not None:
-            self.events.append({"kind": kind, "unit": name, "t0": t0, "t1": t1})
-
     # ------------------------------------------------------------------ gradient reduction
+    @contextlib.contextmanager
+    def no_sync(self):
+        """``with dp.no_sync():`` the backwards run inside only accumulate their gradients (the early
+        micro-batches of gradient accumulation); the first backward outside reduces the sum (torch DDP's)."""
+        before, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = before
+
     def _grad_ready(self, u: Unit) -> None:
-        if self.sync and self.done:  # first gradient of this backward: finish() runs when the backward ends (DDP)
+        if not self._sync:
+            return
+        if self.done:  # first gradient of this backward: finish() runs when the backward ends (DDP)
             self.done = False
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
         u.ready += 1
-        if not self.sync or u.ready < len(u.params):
+        if u.ready < len(u.params):
             return
         self._poll()
         self._launch(u)
 
     def _launch(self, u: Unit) -> None:
         i = self.units.index(u)
-        t0 = time.perf_counter()
+        row = trace.begin("dp_comm", unit=u.name)
         if self.stage <= 1:
             full = self.flat_grad[self._unit_off[i]:self._unit_off[i] + u.numel]
             for (_, p), o in zip(u.params, u.offsets):  # .grad may have been replaced (zero_grad(set_to_none))
@@ -182,13 +192,12 @@ class DataParallel:
         else:
             so = self.shard_off[i]
             work = comm.reduce_scatter_into(self.shard_grad[so:so + u.shard_numel], full, self.group, async_op=True)
-        self.pending.append([u.name, work, full, t0, None])
-        self._event("ready", u.name, t0, t0)
+        self.pending.append((work, full, row))
 
-    def _poll(self) -> None:
-        for item in self.pending:
-            if item[4] is None and (item[1] is None or item[1].is_completed()):
-                item[4] = time.perf_counter()
+    def _poll(self) -> None:  # the lesson's timeline: when each reduction in flight is seen complete
+        for work, _, row in self.pending:
+            if row is not None and (work is None or work.is_completed()):
+                trace.end(row)
 
     def finish(self) -> None:
         """Wait for every reduction (launching units whose hooks did not fire), then average over W. Runs by
@@ -199,10 +208,10 @@ class DataParallel:
         for u in self.units:
             if u.ready < len(u.params) and any(p.grad is not None for _, p in u.params):
                 self._launch(u)
-        for name, work, _, t0, t1 in self.pending:
+        for work, _, row in self.pending:
             if work is not None:
                 work.wait()
-            self._event("comm", name, t0, t1 or time.perf_counter())
+            trace.end(row)
         self.pending = []
         for u in self.units:
             u.ready = 0
@@ -228,9 +237,10 @@ class DataParallel:
             comm.all_gather_into(self.flat_param[uo:uo + u.numel], self.shard_param.detach()[so:so + u.shard_numel],
                                  self.group)
 
-    def shard_mask(self, fn) -> torch.Tensor:
-        """A per-element vector over my shard: fn(name, param) for the elements of each parameter (0 padding)."""
-        out = torch.zeros_like(self.shard_grad)
+    def shard_mask(self, fn, padding: float = 0.0) -> torch.Tensor:
+        """A per-element vector over my shard: fn(name, param) for the elements of each parameter (a number, or a
+        tensor that broadcasts to the parameter's shape), `padding` on the padding."""
+        out = torch.full_like(self.shard_grad, padding)
         for u, so in zip(self.units, self.shard_off):
             params = dict(u.params)
             for name, lo, hi, slo, shi in u.pieces(self.r):

@@ -101,9 +101,23 @@ class ParallelDims:
             if not isinstance(v, int) or v < 1:
                 raise ParallelError(f"parallel degree {a}={v!r} must be a positive integer")
 
+    @classmethod
+    def from_config(cls, p, world: int) -> "ParallelDims":
+        """The degrees of a ``ParallelConfig`` (not built: no group yet) for a run of `world` processes;
+        a ParallelError naming the numbers when world != dp*tp*pp*cp."""
+        dims = cls(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp)
+        if world != dims.size:
+            raise ParallelError(dims._world_mismatch(world))
+        return dims
+
     @property
     def size(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
+
+    def _world_mismatch(self, world: int) -> str:
+        hint = "launch with torchrun --nproc-per-node N" if world == 1 else f"launch {self.size} processes"
+        return (f"world size {world} != dp*tp*pp*cp = {self.dp}*{self.tp}*{self.pp}*{self.cp} = {self.size} "
+                f"({hint}, or change the degrees)")
 
     def build(self, rank: int | None = None, world: int | None = None, timeout_s: float = 120.0) -> "ParallelDims":
         """Create every group (a collective call: all ranks call it, in the same order). Returns self.
@@ -111,8 +125,7 @@ class ParallelDims:
         if rank is None:
             rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         if world != self.size:
-            raise ParallelError(f"world size {world} != dp*tp*pp*cp = {self.dp}*{self.tp}*{self.pp}*{self.cp} "
-                                f"= {self.size}; launch {self.size} processes or change the degrees")
+            raise ParallelError(self._world_mismatch(world))
         self.rank, self.world = rank, world
         grid = torch.arange(world).view(self.pp, self.dp, self.cp, self.tp)
         for name, axes in (("pp", (0,)), ("dp", (1,)), ("cp", (2,)), ("tp", (3,)), ("dp_cp", (1, 2))):
@@ -176,36 +189,42 @@ class ParallelDims:
             raise ParallelError("cannot shard this GPT: " + "; ".join(errs))
 
 
-def check_layout(cfg, world: int) -> None:
-    """Reject a run configuration (minite.config.RunConfig) whose parallel layout cannot work, naming every number,
-    before any process group exists: degrees vs the world size, tp vs heads / MLP / vocabulary, pp vs layers,
-    cp and sp vs the sequence, dp and micro-batches vs the global batch, and the combinations not built here."""
-    p, errs = cfg.parallel, []
+def check_layout(p, model, *, world: int, seq_len: int, batch_size: int, lora_r: int = 0) -> None:
+    """Reject a parallel layout that cannot work, naming every number, before any process group exists.
+
+    p: the run's ParallelConfig; model: its GPTConfig; world: the processes launched; seq_len: the training
+    sequence length T; batch_size: the global batch; lora_r: the LoRA rank (0: no LoRA). Checked: the degrees
+    against the world size, tp against heads / MLP / vocabulary, pp against layers, cp and sp against the
+    sequence, dp and micro-batches against the global batch, and the combinations not built here."""
+    errs = []
     dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp)
     if world != dims.size:
-        hint = "launch with torchrun --nproc-per-node N" if world == 1 else "launch that many processes"
-        errs.append(f"world size {world} != dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {dims.size} ({hint}, or "
-                    "change the degrees)")
+        errs.append(dims._world_mismatch(world))
     try:
-        dims.check_model(cfg.model)
+        dims.check_model(model)
     except ParallelError as e:
         errs.append(str(e).removeprefix("cannot shard this GPT: "))
-    T, B = cfg.data.block_size or cfg.model.block_size, cfg.train.batch_size
+    T = seq_len
+    B = batch_size
     if p.cp > 1 and T % (2 * p.cp):  # context parallelism cuts each sequence into 2*cp load-balanced chunks
         errs.append(f"context parallelism: sequence length T={T} must be divisible by 2*cp={2 * p.cp}")
     elif p.sp and p.tp > 1 and (T // p.cp) % p.tp:
-        errs.append(f"sequence parallelism with cp={p.cp}, tp={p.tp}: T/cp = {T}/{p.cp} = {T // p.cp} tokens per cp "
-                    f"rank must be divisible by tp={p.tp}")
+        errs.append(f"sequence parallelism with cp={p.cp}, tp={p.tp}: T/cp = {T}/{p.cp} = {T // p.cp} tokens "
+                    f"per cp rank must be divisible by tp={p.tp}")
+    microbatches = p.microbatches or p.pp
     if B % p.dp:
         errs.append(f"train.batch_size={B} (the global batch) is not divisible by dp={p.dp}")
-    elif p.pp > 1 and (B // p.dp) % (p.microbatches or p.pp):
-        errs.append(f"the batch of {B // p.dp} sequences per dp rank does not split into "
-                    f"{p.microbatches or p.pp} micro-batches (--parallel.microbatches)")
-    for bad, why in ((p.pp > 1 and p.zero > 0, f"pp={p.pp} with zero={p.zero} (use zero=0: the pipeline averages "
-                                               "gradients over dp itself)"),
-                     (p.zero == 3 and p.tp > 1, f"zero=3 with tp={p.tp} (use zero 0-2 with tp)"),
-                     (cfg.lora.r > 0 and dims.size > 1, f"LoRA (lora.r={cfg.lora.r}) under a parallel layout "
-                                                        "(fine-tune in one process)")):
+    elif p.pp > 1 and (B // p.dp) % microbatches:
+        errs.append(f"the batch of {B // p.dp} sequences per dp rank does not split into {microbatches} "
+                    "micro-batches (--parallel.microbatches)")
+    unsupported = [
+        (p.pp > 1 and p.zero > 0, f"pp={p.pp} with zero={p.zero} (use zero=0: the pipeline averages gradients "
+                                  "over dp itself)"),
+        (p.zero == 3 and p.tp > 1, f"zero=3 with tp={p.tp} (use zero 0-2 with tp)"),
+        (lora_r > 0 and dims.size > 1, f"LoRA (lora.r={lora_r}) under a parallel layout (fine-tune in one "
+                                       "process)"),
+    ]
+    for bad, why in unsupported:
         if bad:
             errs.append(f"{why} is not supported")
     if errs:

@@ -1,7 +1,8 @@
 """Launch ``torchrun`` as a subprocess (tests and notebook cells): output captured, a hard timeout, one thread.
 
-    res = torchrun(2, ["-m", "minite.parallel.checks", "dp", "--out", d])   # subprocess.CompletedProcess
+    res = torchrun(2, ["-m", "minite.parallel.workers", "dp", "--out", d])   # subprocess.CompletedProcess
     res.returncode, res.stdout (stdout and stderr, merged)
+    results(d)                                                              # {rank: {result: {"ok": ...}}}
 
 Notebooks cannot mp.spawn a function defined in a cell (it cannot be pickled from __main__): the workers live in
 ``minite/`` and the cell shows what rank 0 wrote. Child stderr is captured here, never left to leak into the
@@ -20,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["torchrun", "results", "report", "worker_device", "worker_env", "workers_note", "triton_skipped"]
+__all__ = ["torchrun", "results", "worker_device", "worker_env", "workers_note", "triton_skipped"]
 COVERED = "the Triton path in workers is covered by the CPU-only run"
 
 
@@ -87,20 +88,6 @@ def torchrun(nproc: int, args: list[str], *, timeout: float = 180.0, env: dict |
 
 
 def results(out_dir: str | os.PathLike) -> dict[int, dict]:
-    """{rank: {check: result}} from the rank<r>.json files minite.parallel.checks wrote."""
+    """{rank: {result: {...}}} from the rank<r>.json files the workers (minite.parallel.workers) wrote."""
     import json
     return {int(p.stem[4:]): json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("rank*.json"))}
-
-
-def report(out_dir: str | os.PathLike, rank: int, res: dict, keep_group: bool = False) -> int:
-    """A check worker's end: write rank<r>.json (what ``results`` reads), leave the process group together
-    (unless keep_group), and return the exit code (0 when every check is ok or skipped)."""
-    import json
-
-    import torch.distributed as dist
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(res, indent=1))
-    if dist.is_initialized() and not keep_group:
-        dist.barrier()
-        dist.destroy_process_group()
-    return 0 if all(v.get("ok") or "skipped" in v for v in res.values()) else 1

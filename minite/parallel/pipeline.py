@@ -8,20 +8,23 @@ the last). ``PipelineGPT.step(x, y)`` cuts the batch into m micro-batches and ru
 ``isend``/``irecv`` (never ``batch_isend_irecv``: it hangs on gloo). Sends are non-blocking and receives wait, so any
 schedule whose dependencies are acyclic cannot deadlock. The tied embedding lives on both end stages; their two
 gradients are summed after the backward (Megatron's embedding group), so both copies take the same AdamW step.
-Each step records per-rank events (kind, micro-batch, start, end) and the peak bytes of activations that autograd
-held (saved tensors, counted by storage, parameters excluded), the measurements of the lesson.
+With a ``trace.Recorder`` active, each step reports a "pp" event (F or B, micro-batch, start, end; a forward also
+the bytes of activations autograd saved for its backward): the lesson's timeline and memory per stage.
 """
 from __future__ import annotations
+
+import contextlib
+import itertools
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from minite.models.gpt import GPT
-from minite.parallel import comm
+from minite.parallel import comm, trace
 from minite.parallel.dims import ParallelError
 from minite.parallel.pipeline_schedule import SCHEDULES, check_schedule
-from minite.parallel.pipeline_stage import Stage, _now, _PendingGrads, my_tokens, partition
+from minite.parallel.pipeline_stage import Stage, _PendingGrads, my_tokens, partition
 from minite.parallel.sequence import gather_dense
 
 __all__ = ["partition", "Stage", "PipelineGPT"]
@@ -30,13 +33,16 @@ __all__ = ["partition", "Stage", "PipelineGPT"]
 class PipelineGPT(nn.Module):
     """My stage of a GPT under pipeline parallelism (dims.pp stages). ``step(x, y)`` runs one schedule over the
     global batch (the same x, y on every rank) and accumulates this stage's gradients; ``forward(x, y)`` does the
-    same behind minite.train's ``loss.backward()``."""
+    same behind minite.train's ``loss.backward()``. Under ``no_sync()`` the gradients are not averaged over dp."""
 
     def __init__(self, dense: GPT, dims, microbatches: int = 0, schedule="1f1b"):
         """dense: the dense GPT, or the TPGPT / CPGPT built from it (each stage keeps its layers' shards)."""
         super().__init__()
-        p, s = dims.pp, dims.pp_rank
-        self.config, self.dims, self.p, self.s = dense.config, dims, p, s
+        p, s = dims.pp, dims.pp_rank  # stages, and mine
+        self.config = dense.config
+        self.dims = dims
+        self.p = p
+        self.s = s
         if isinstance(schedule, str) and schedule not in SCHEDULES or microbatches < 0:
             raise ParallelError(f"pipeline schedule {schedule!r} (one of {sorted(SCHEDULES)}), microbatches="
                                 f"{microbatches} (>= 1, or 0 for pp={p})")
@@ -47,12 +53,15 @@ class PipelineGPT(nn.Module):
         for name, q in self.stage.named_parameters():  # the dense name of every parameter (TP shards have theirs)
             if not hasattr(q, "dense_name"):
                 q.dense_name, q.dense_index, q.tp_replicas = name, (None, None), 1
-        self.group, self.tp_group, self.cp_group, self.sync = dims.group("pp"), dims.group("tp"), dims.group("cp"), True
+        self.group = dims.group("pp")
+        self.tp_group = dims.group("tp")
+        self.cp_group = dims.group("cp")
         self.dp_group = dims.group("dp_cp" if dims.cp > 1 else "dp")  # the replicas of my stage's weights
         self.ends = (dims.ranks.get("pp", [0])[0], dims.ranks.get("pp", [0])[-1])  # global ranks, first and last
         self.act_dtype = next(dense.parameters()).dtype
-        self.events, self.mb_bytes, self.peak_act_bytes, self._pending = [], [], 0, None
+        self._pending = None  # the schedule's gradients, until the returned loss's backward adds them
         self._anchor = torch.zeros((), requires_grad=True)
+        self._sync = True  # False under no_sync(): gradients accumulate, not averaged over dp
 
     # ------------------------------------------------------------------ the schedule
     def _chunks(self, x, y, m):
@@ -85,45 +94,31 @@ class PipelineGPT(nn.Module):
         xs, ys = self._chunks(x, y, m)
         steps = list(self.schedule(self.p, m, self.s))
         check_schedule(steps, m, self.s)
-        prev, nxt = self.dims.neighbour("pp", -1), self.dims.neighbour("pp", 1)
-        pptr = {q.untyped_storage().data_ptr() for q in [*params, *st.buffers()]}  # weights are not activations
-        ins, outs, nbytes, sends, loss = {}, {}, {}, [], torch.zeros((), dtype=torch.float64, device=x.device)
-        live = peak = 0
-        self.events, self.mb_bytes = [], []  # (kind, i, start, end) per step; activation bytes per forward
+        prev = self.dims.neighbour("pp", -1)
+        nxt = self.dims.neighbour("pp", 1)
+        ins, outs, sends = {}, {}, []
+        loss = torch.zeros((), dtype=torch.float64, device=x.device)
         for kind, i in steps:
             if kind == "F":
                 inp = xs[i] if first else self._recv(xs[i], prev).requires_grad_()
-                seen = {}
-
-                def pack(t):
-                    ptr = t.untyped_storage().data_ptr()
-                    if ptr not in pptr:
-                        seen[ptr] = t.untyped_storage().nbytes()
-                    return t
-                t0 = _now(x)
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                weights = itertools.chain(st.parameters(), st.buffers())  # not activations
+                with trace.span("pp", x.device, step="F", mb=i) as row, trace.saved_bytes(row, weights):
                     out = st(inp, ys[i] if last else None)
-                self.events.append(("F", i, t0, _now(x)))
                 if last:
                     loss += out.detach().double() / m
                 else:
                     sends.append((comm.send(out.detach(), nxt, self.group), out))
-                ins[i], outs[i], nbytes[i] = inp, out, sum(seen.values())
-                live += nbytes[i]
-                self.mb_bytes.append(nbytes[i])
-                peak = max(peak, live)
+                ins[i] = inp
+                outs[i] = out
             else:
                 grad = torch.full_like(outs[i], 1.0 / m) if last else self._recv(xs[i], nxt)
-                t0 = _now(x)
-                torch.autograd.backward(outs.pop(i), grad)
-                self.events.append(("B", i, t0, _now(x)))
+                with trace.span("pp", x.device, step="B", mb=i):
+                    torch.autograd.backward(outs.pop(i), grad)
                 inp = ins.pop(i)
                 if not first:
                     sends.append((comm.send(inp.grad, prev, self.group), inp.grad))
-                live -= nbytes.pop(i)
         for work, _ in sends:
             work.wait()
-        self.peak_act_bytes = peak
         self._sync_tied()
         fresh = [q.grad if q.grad is not None else torch.zeros_like(q) for q in params]
         for q, g in zip(params, kept):
@@ -144,13 +139,23 @@ class PipelineGPT(nn.Module):
         work.wait()
         w.grad = mine + other
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """``with pipe.no_sync():`` the backwards run inside accumulate this stage's gradients without averaging
+        them over the dp replicas (gradient accumulation's early micro-batches); the next backward outside does."""
+        before, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = before
+
     def _accumulate(self, grads, scale: float = 1.0):
         params = list(self.stage.parameters())
         for q, g in zip(params, grads):
             g = g if scale == 1.0 else g * scale
             q.grad = g.clone() if q.grad is None else q.grad + g
         n = comm.size(self.dp_group)
-        if self.sync and n > 1:  # pp x dp: average the (accumulated) gradients over the dp replicas of my stage
+        if self._sync and n > 1:  # pp x dp: average the (accumulated) gradients over the dp replicas of my stage
             flat = torch.cat([q.grad.reshape(-1) for q in params])
             comm.all_reduce(flat, self.dp_group)
             for q, g in zip(params, (flat / n).split([q.numel() for q in params])):
@@ -171,7 +176,9 @@ class PipelineGPT(nn.Module):
             x = torch.nn.functional.pad(x, (0, pad))
         m = max(d for d in range(1, m + 1) if x.shape[0] % d == 0)
         xs, ys = self._chunks(x, y, m)
-        prev, nxt, outs, sends = self.dims.neighbour("pp", -1), self.dims.neighbour("pp", 1), [], []
+        prev = self.dims.neighbour("pp", -1)
+        nxt = self.dims.neighbour("pp", 1)
+        outs, sends = [], []
         for i in range(m):
             out = st(xs[i] if st.first else self._recv(xs[i], prev), ys[i] if st.last else None, last)
             if st.last:
@@ -208,25 +215,21 @@ class PipelineGPT(nn.Module):
     def _shared(self, q) -> bool:  # the last stage's copy of the tied embedding (counted once, on stage 0)
         return self.p > 1 and self.stage.last and q is self.stage.wte.weight
 
-    def _over_stages(self, per_param) -> torch.Tensor:
-        """sum over the whole model of per_param(q) (a tensor shaped like q): tp-replicated elements counted once."""
+    def num_params(self) -> int:
+        """Parameters of the whole model: summed over the stages and tp ranks, each element counted once."""
         qs = [q for q in self.stage.parameters() if not self._shared(q)]
-        total = sum((per_param(q) / torch.as_tensor(q.tp_replicas, dtype=torch.float64, device=q.device)).sum()
+        total = sum((torch.ones_like(q, dtype=torch.float64) / torch.as_tensor(q.tp_replicas, device=q.device)).sum()
                     for q in qs).reshape(1)
         comm.all_reduce(total, self.group)
         comm.all_reduce(total, self.tp_group)
-        return total
-
-    def num_params(self) -> int:
-        return round(float(self._over_stages(lambda q: torch.ones_like(q, dtype=torch.float64))))
+        return round(float(total))
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        qs = [q for q in self.stage.parameters() if q.grad is not None]
-        norm = self._over_stages(lambda q: q.grad.double() ** 2 if q.grad is not None else 0 * q.double()).sqrt()
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for q in qs:
-            q.grad.mul_(coef.to(q.grad.dtype))
-        return norm
+        """Clip by the norm of the whole model's gradient, over every stage and tp rank (the tied embedding's copy
+        on the last stage is clipped, not counted: stage 0 counts it)."""
+        params = list(self.stage.parameters())
+        counted = [q for q in params if not self._shared(q)]
+        return comm.clip_grad_norm_(params, max_norm, [self.group, self.tp_group], norm_params=counted)
 
     def dense_state_dict(self) -> dict:
         """The dense GPT's state dict, every stage's tensors gathered on every rank (collective)."""

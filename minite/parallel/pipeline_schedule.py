@@ -56,7 +56,10 @@ def simulate(schedule, p: int, m: int, t_f: float = 1.0, t_b: float = 2.0) -> di
     """{stage: [(kind, i, start, end)]}: each step starts when its stage is free and its input has arrived
     (F i on stage s after F i on s-1; B i on s after B i on s+1); communication takes no time."""
     plans = {s: list(schedule(p, m, s)) for s in range(p)}
-    done, free, out, pos = {}, [0.0] * p, {s: [] for s in range(p)}, [0] * p
+    done = {}  # (kind, i, stage) -> when it ended
+    free = [0.0] * p  # when each stage is next free
+    out = {s: [] for s in range(p)}
+    pos = [0] * p  # each stage's next step
     while any(pos[s] < len(plans[s]) for s in range(p)):
         progressed = False
         for s in range(p):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import time
 
 import torch
 from torch import nn
@@ -60,7 +59,10 @@ class Stage(nn.Module):
     def __init__(self, model: nn.Module, layers: range, first: bool, last: bool):
         super().__init__()
         own = copy.deepcopy if isinstance(model, GPT) else (lambda m: m)
-        self.first, self.last, self.layers, self.backend = first, last, layers, model.backend
+        self.first = first
+        self.last = last
+        self.layers = layers
+        self.backend = model.backend
         tp = isinstance(model, TPGPT) or getattr(model, "inner", None) is TPGPT  # TPGPT, or CPGPT over one
         self.tp_head = TPGPT.head if tp else None  # the vocab-parallel head, run on this stage's modules
         self.group, self.sp = getattr(model, "group", None), getattr(model, "sp", False)  # what that head reads
@@ -86,13 +88,6 @@ class Stage(nn.Module):
             return F.linear(x[:, [last], :], self.wte.weight)  # (b, 1, V_pad): generation needs the last position
         logits = F.linear(x, self.wte.weight)  # (b, T, V_pad)
         return cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1), backend=self.backend)
-
-
-def _now(x: torch.Tensor) -> float:
-    """Wall-clock seconds (one clock for every rank of a node); on CUDA after the queued kernels have run."""
-    if x.is_cuda:
-        torch.cuda.synchronize(x.device)
-    return time.time()
 
 
 class _PendingGrads(torch.autograd.Function):

@@ -24,29 +24,7 @@ from minite.models.gpt import GPT
 from minite.parallel import comm
 from minite.parallel.tensor import TPMLP, TPAttention, VocabParallelEmbedding, tag, vocab_parallel_cross_entropy
 
-__all__ = ["TPBlock", "TPGPT", "activation_bytes", "sp_column_linear", "gather_dense"]
-
-
-class _SPColumnLinear(torch.autograd.Function):
-    """forward: all-gather x along T, then x W^T / backward: all-gather x again, reduce-scatter dx (Megatron SP)."""
-
-    @staticmethod
-    def forward(ctx, x_local, weight, bias, group):
-        ctx.group, ctx.has_bias = group, bias is not None
-        ctx.save_for_backward(x_local, weight)  # the sequence shard, not the gathered (B, T, C): 1/tp of the bytes
-        return F.linear(comm.all_gather(x_local, group, 1), weight, bias)
-
-    @staticmethod
-    def backward(ctx, g):
-        x_local, weight = ctx.saved_tensors
-        x = comm.all_gather(x_local, ctx.group, 1)  # gathered again (on GPUs Megatron overlaps this with dx)
-        dx = comm.reduce_scatter(g @ weight, ctx.group, 1)
-        dw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-        return dx, dw, g.reshape(-1, g.shape[-1]).sum(0) if ctx.has_bias else None, None
-
-
-def sp_column_linear(x_local, weight, bias, group):
-    return _SPColumnLinear.apply(x_local, weight, bias, group)
+__all__ = ["TPBlock", "TPGPT", "activation_bytes", "gather_dense"]
 
 
 def _norm(dense: nn.Module, group, name: str, sequence_parallel: bool) -> nn.Module:
@@ -88,7 +66,10 @@ class TPGPT(nn.Module):
     def __init__(self, dense: GPT, group, *, sequence_parallel: bool = False):
         super().__init__()
         cfg, n = dense.config, comm.size(group)
-        self.config, self.group, self.sp, self.backend = cfg, group, sequence_parallel and n > 1, dense.backend
+        self.config = cfg
+        self.group = group
+        self.sp = sequence_parallel and n > 1
+        self.backend = dense.backend
         if sequence_parallel and n > 1 and cfg.block_size % n:
             raise ValueError(f"sequence parallelism needs T divisible by tp={n}; block_size={cfg.block_size}")
         self.wte = VocabParallelEmbedding(dense.wte, group, sequence_parallel=self.sp)

@@ -5,7 +5,8 @@ reduce-scattered; AdamW state exists for the shard only; the rank steps its shar
 parameters are all-gathered back (stage 3 gathers them lazily at the next forward). Weight decay is decoupled and
 applied with a per-element mask (matrices and embeddings decay, norm gains do not), which is exactly what
 torch.optim.AdamW does with two parameter groups. Clipping needs the *global* norm: every rank sums the squares of
-its shard, one all-reduce adds them up (each element is counted once, because the shards do not overlap).
+its shard, one all-reduce adds them up (each element is counted once, because the shards do not overlap; an
+element that tensor parallelism replicates is divided by its ``tp_replicas``, as ``comm.clip_grad_norm_`` does).
 
 A checkpoint is saved sharded (one file per rank, each element tagged by parameter name and range) and can be
 loaded at another world size: a rank reads the pieces that overlap its new shard.
@@ -25,28 +26,28 @@ __all__ = ["ShardedAdamW", "memory_per_rank", "bytes_per_step"]
 class ShardedAdamW:
     """AdamW on my shard of a ``DataParallel`` at stage >= 1. ``param_groups[0]["lr"]`` is settable as usual.
 
-    norm_weight(name, p): how much each element counts in the global norm (1/tp for a parameter replicated on
-    the tp ranks, so that summing over tp counts it once); tp_group: where that sum runs (None without TP)."""
+    tp_group: with tensor parallelism, the group over which the global norm also sums (None without TP); the
+    parameters' ``tp_replicas`` tags say how often each element is held there."""
 
     def __init__(self, dp: DataParallel, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, decay=lambda name, p: p.dim() >= 2, norm_weight=None, tp_group=None):
+                 weight_decay: float = 0.0, decay=lambda name, p: p.dim() >= 2, tp_group=None):
         if dp.stage < 1:
             raise ValueError("ShardedAdamW needs DataParallel stage >= 1 (stage 0 uses torch.optim.AdamW)")
         self.dp, self.weight_decay, self.tp_group = dp, weight_decay, tp_group
         self.inner = torch.optim.AdamW([dp.shard_param], lr=lr, betas=betas, eps=eps, weight_decay=0.0)
         self.param_groups = self.inner.param_groups
         self.decay_mask = dp.shard_mask(lambda n, p: float(decay(n, p)))
-        self.norm_weight = dp.shard_mask(norm_weight or (lambda n, p: 1.0))
+        # how many tp ranks hold each element of my shard (1 on the padding): the norm counts it once
+        dp.shard_param.tp_replicas = dp.shard_mask(lambda n, p: getattr(p, "tp_replicas", 1), padding=1.0)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the gradient to a global norm of max_norm, from the shards; returns the norm before clipping."""
-        sq = (self.dp.shard_grad.double() ** 2 * self.norm_weight).sum().reshape(1)
-        comm.all_reduce(sq, self.dp.group)
-        comm.all_reduce(sq, self.tp_group)
-        norm = sq.sqrt().float()
-        if max_norm > 0:
-            self.dp.shard_grad.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-        return norm
+        shard = self.dp.shard_param
+        shard.grad = self.dp.shard_grad  # my reduced gradient, as step() hands it to AdamW
+        try:
+            return comm.clip_grad_norm_([shard], max_norm, [self.dp.group, self.tp_group])
+        finally:
+            shard.grad = None
 
     @torch.no_grad()
     def step(self) -> None:

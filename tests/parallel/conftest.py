@@ -1,15 +1,36 @@
-"""Shared by the distributed tests: a small corpus for the CLI-curve tests (test_cli.py, test_graduation.py,
-test_context.py, test_pipeline.py), the command line that trains the reference's curve under torchrun, the reading
-of the workers' reports, and a summary line saying where the workers ran (minite.parallel.launch decides)."""
+"""Shared by the distributed tests: the torchrun launch of the workers (minite.parallel.workers) and the reading
+of their reports; for the CLI-curve tests (test_cli.py, test_graduation.py, test_context.py, test_pipeline.py) a
+small corpus, the flags of a tiny run, the command line that trains the reference's curve under torchrun and the
+curve it logged; and a summary line saying where the workers ran (minite.parallel.launch decides)."""
+import json
+
 import pytest
 import torch
 
 from minite._triton import HAS_TRITON
 from minite.config import make_config
-from minite.parallel.launch import worker_device, worker_env, workers_note
+from minite.parallel.launch import results, torchrun, worker_device, worker_env, workers_note
 
 PRESET = "cpu"  # named on both sides: minite.train's default preset is "gpu" wherever CUDA is available
+FLAGS = {"model.n_layer": 2, "model.n_head": 4, "model.n_kv_head": 2, "model.n_embd": 32, "model.mlp_hidden": 64,
+         "model.block_size": 16, "model.backend": "torch", "train.batch_size": 8, "train.max_iters": 20,
+         "train.log_interval": 1, "train.eval_interval": 10, "train.eval_iters": 2, "train.warmup_iters": 2,
+         "train.lr": 1e-2, "train.sample_tokens": 0, "train.progress": False, "train.threads": 1,
+         "train.precision": "fp32", "train.compile": "off"}  # train.device: launch.worker_device (train_cli)
 _ran = []  # a distributed test ran: say where the workers ran (for every world size the tests use)
+
+
+@pytest.fixture(scope="session")
+def workers(tmp_path_factory):
+    """workers(world, *argv, timeout=240) -> {rank: report}: torchrun `world` workers running ``argv`` (check
+    names and options of minite.parallel.workers) into a fresh directory; every rank must have reported."""
+    def launch(world: int, *argv: str, timeout: float = 240) -> dict:
+        out = tmp_path_factory.mktemp(f"workers{world}")
+        res = torchrun(world, ["-m", "minite.parallel.workers", *argv, "--out", str(out)], timeout=timeout)
+        got = results(out)
+        assert sorted(got) == list(range(world)), f"missing rank reports (rc {res.returncode}):\n{res.stdout[-3000:]}"
+        return got
+    return launch
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +57,23 @@ def train_cli(flags: dict, nproc: int):
 @pytest.fixture(scope="session")
 def cli():
     return train_cli
+
+
+@pytest.fixture(scope="session")
+def flags():
+    """The flags of a tiny 20-step run (2 layers, global batch 8); a test updates what it changes."""
+    return dict(FLAGS)
+
+
+def logged_curve(out) -> tuple[list[float], list[float]]:
+    """(train losses, val losses) in the order minite.train logged them to out/log.jsonl."""
+    rows = [json.loads(r) for r in (out / "log.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r], [r["val_loss"] for r in rows if "val_loss" in r]
+
+
+@pytest.fixture(scope="session")
+def curve():
+    return logged_curve
 
 
 def expect_ok(reports: dict, name: str) -> None:

@@ -5,8 +5,6 @@ train.batch_size is the global batch and rank 0 logs the global-batch loss, so t
 device with the same preset (conftest.train_cli): on an H100 the command line took the "gpu" preset (dropout 0.1)
 while the reference took "cpu", and the curves were 0.158 apart.
 """
-import json
-
 import pytest
 
 from minite.models.gpt import GPT, GPTConfig
@@ -15,11 +13,6 @@ from minite.train import load_checkpoint, train
 
 pytestmark = pytest.mark.distributed
 
-FLAGS = {"model.n_layer": 2, "model.n_head": 4, "model.n_kv_head": 2, "model.n_embd": 32, "model.mlp_hidden": 64,
-         "model.block_size": 16, "model.backend": "torch", "train.batch_size": 8, "train.max_iters": 20,
-         "train.log_interval": 1, "train.eval_interval": 10, "train.eval_iters": 2, "train.warmup_iters": 2,
-         "train.lr": 1e-2, "train.sample_tokens": 0, "train.progress": False, "train.threads": 1,
-         "train.precision": "fp32", "train.compile": "off"}  # train.device: launch.worker_device (conftest.train_cli)
 LAYOUTS = {  # name: (processes, flags)
     "dp2": (2, ["--parallel.dp=2"]),
     "dp2_zero3": (2, ["--parallel.dp=2", "--parallel.zero=3"]),
@@ -30,13 +23,8 @@ LAYOUTS = {  # name: (processes, flags)
 }
 
 
-def _curve(out):
-    rows = [json.loads(r) for r in (out / "log.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r], [r["val_loss"] for r in rows if "val_loss" in r]
-
-
 @pytest.fixture(scope="module")
-def setup(corpus, cli):
+def setup(corpus, cli, flags, curve):
     """(directory, data flags, reference(nproc)): the one-process curve on the device of `nproc` workers."""
     d, data = corpus
     curves = {}
@@ -44,21 +32,21 @@ def setup(corpus, cli):
     def reference(nproc):
         dev = worker_device(nproc)
         if dev not in curves:
-            train(cli({**FLAGS, **data, "train.out_dir": str(d / f"single_{dev}")}, nproc)[0])
-            curves[dev] = _curve(d / f"single_{dev}")
+            train(cli({**flags, **data, "train.out_dir": str(d / f"single_{dev}")}, nproc)[0])
+            curves[dev] = curve(d / f"single_{dev}")
         return curves[dev]
     return d, data, reference
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_cli_matches_single_process(setup, cli, layout):
+def test_cli_matches_single_process(setup, cli, flags, curve, layout):
     d, data, reference = setup
     out = d / layout
-    nproc, flags = LAYOUTS[layout]
+    nproc, extra = LAYOUTS[layout]
     loss1, val1 = reference(nproc)
-    res = torchrun(nproc, [*cli({**FLAGS, **data, "train.out_dir": str(out)}, nproc)[1], *flags], timeout=180)
+    res = torchrun(nproc, [*cli({**flags, **data, "train.out_dir": str(out)}, nproc)[1], *extra], timeout=180)
     assert res.returncode == 0, res.stdout[-3000:]
-    loss, val = _curve(out)
+    loss, val = curve(out)
     assert len(loss) == 20 and len(val) == 3
     assert max(abs(a - b) for a, b in zip(loss, loss1)) < 1e-4, (loss, loss1)
     assert max(abs(a - b) for a, b in zip(val, val1)) < 1e-4, (val, val1)

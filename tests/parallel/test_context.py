@@ -1,14 +1,12 @@
 """Chapter 13: context parallelism. Single-process pieces (LSE merge, layout, work balance, cp=1 identity), then
-one torchrun launch per world size (2 and 4) running every check of minite.parallel.checks_cp, and the CLI run
+one torchrun launch per world size (2 and 4) running chapter 13's checks (minite.parallel.workers), and the CLI run
 ``torchrun --nproc-per-node 2 -m minite.train --parallel.cp=2`` against the one-process loss curve."""
-import json
-
 import pytest
 import torch
 
 from minite.ops import attention
 from minite.parallel import context as cx
-from minite.parallel.launch import results, torchrun
+from minite.parallel.launch import torchrun
 
 
 def _randn(*shape, seed=0):
@@ -63,14 +61,15 @@ def test_length_not_divisible_is_rejected_with_numbers():
 
 def _work(cp, balanced):
     """Score entries per rank, from the ring's own plan (the same rule the kernel calls follow)."""
-    Tl, out = 16, []
+    Tl = 16
+    out = []
     for r in range(cp):
-        stats = {}
+        scores = 0
         for step in range(cp):
             plan = cx._plan(step, r, cp, True, balanced, Tl)
             if plan is not None:
-                cx._tally(stats, torch.empty(1, 1), len(range(Tl)[plan[0]]), len(range(Tl)[plan[1]]), plan[2])
-        out.append(stats["scores"])
+                scores += cx._scores(torch.empty(1, 1), len(range(Tl)[plan[0]]), len(range(Tl)[plan[1]]), plan[2])
+        out.append(scores)
     return out
 
 
@@ -108,23 +107,14 @@ TRITON = ["triton_ring_causal_balanced", "triton_allgather_causal_balanced"]
 GPT_CHECKS = ["gpt_ring_5_steps", "gpt_allgather_5_steps"]
 
 
-def _launch(world, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"cp_world{world}")
-    res = torchrun(world, ["-m", "minite.parallel.checks_cp", "attn", "triton", "gpt", "--timeout", "60",
-                           "--out", str(out)], timeout=300)  # Triton checks: skipped on a GPU machine
-    got = results(out)
-    assert sorted(got) == list(range(world)), f"missing rank reports (rc {res.returncode}):\n{res.stdout[-3000:]}"
-    return got
+@pytest.fixture(scope="module")
+def world2(workers):
+    return workers(2, "cp_attn", "cp_triton", "cp_gpt", timeout=300)  # Triton checks: skipped on a GPU machine
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory):
-    return _launch(2, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def world4(tmp_path_factory):
-    return _launch(4, tmp_path_factory)
+def world4(workers):
+    return workers(4, "cp_attn", "cp_triton", "cp_gpt", timeout=300)
 
 
 @pytest.mark.distributed
@@ -135,32 +125,21 @@ def test_cp_equals_one_process(request, check, world, name):
 
 
 # ----------------------------------------------------------------------------------- the CLI
-FLAGS = {"model.n_layer": 2, "model.n_head": 4, "model.n_kv_head": 2, "model.n_embd": 32, "model.mlp_hidden": 64,
-         "model.block_size": 16, "model.backend": "torch", "train.batch_size": 4, "train.max_iters": 20,
-         "train.log_interval": 1, "train.eval_interval": 10, "train.eval_iters": 2, "train.warmup_iters": 2,
-         "train.lr": 1e-2, "train.sample_tokens": 0, "train.progress": False, "train.threads": 1,
-         "train.precision": "fp32", "train.compile": "off"}  # train.device: launch.worker_device (conftest.train_cli)
-
-
-def _curve(out):
-    rows = [json.loads(r) for r in (out / "log.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r], [r["val_loss"] for r in rows if "val_loss" in r]
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", ["cp2", "dp2_cp2"])
-def test_cli_cp_matches_single_process(corpus, cli, layout):
+def test_cli_cp_matches_single_process(corpus, cli, flags, curve, layout):
     """torchrun -m minite.train --parallel.cp=2 (and dp=2 x cp=2 on 4 ranks): the one-process curve, 20 steps, on
     the workers' device with the same preset (conftest.train_cli)."""
     from minite.train import train
     d, data = corpus
+    flags = {**flags, "train.batch_size": 4, **data}
     extra, world = (["--parallel.cp=2"], 2) if layout == "cp2" else (["--parallel.dp=2", "--parallel.cp=2"], 4)
-    ref, _ = cli({**FLAGS, **data, "train.out_dir": str(d / f"single_{layout}")}, world)
+    ref, _ = cli({**flags, "train.out_dir": str(d / f"single_{layout}")}, world)
     train(ref)
-    loss1, val1 = _curve(d / f"single_{layout}")
-    res = torchrun(world, [*cli({**FLAGS, **data, "train.out_dir": str(d / layout)}, world)[1], *extra], timeout=180)
+    loss1, val1 = curve(d / f"single_{layout}")
+    res = torchrun(world, [*cli({**flags, "train.out_dir": str(d / layout)}, world)[1], *extra], timeout=180)
     assert res.returncode == 0, res.stdout[-3000:]
-    loss, val = _curve(d / layout)
+    loss, val = curve(d / layout)
     assert len(loss) == 20 and len(val) == 3
     assert max(abs(a - b) for a, b in zip(loss, loss1)) < 1e-4, (loss, loss1)
     assert max(abs(a - b) for a, b in zip(val, val1)) < 1e-4, (val, val1)

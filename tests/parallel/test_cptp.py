@@ -1,38 +1,29 @@
 """Context x tensor (+ sequence) parallelism: ``CPGPT(TPGPT(dense))`` on a tp2 x cp2 grid equals the dense GPT
 (loss, every gradient slice by the parameters' tags, state dict, num_params, generate, 5 AdamW steps): one torchrun
-launch of minite.parallel.checks_cptp for the torch cases, one for the Triton kernels. The CLI curves of tp2_cp2
-(+sp) are in test_cli.py. Bad layouts are rejected before any process group, naming the numbers."""
+launch of the cp_tp, cp_sp, cp_sp_kv1 checks (minite.parallel.workers) on the torch ops, one of cp_sp_triton for
+the Triton kernels. The CLI curves of tp2_cp2 (+sp) are in test_cli.py. Bad layouts are rejected before any process
+group, naming the numbers."""
 import pytest
 
 from minite.config import make_config
 from minite.parallel.dims import ParallelError
-from minite.parallel.launch import results, torchrun
 from minite.parallel.runtime import setup_parallel
 
 CHECKS = ["state", "num_params", "loss", "grads", "generate", "5_steps"]
 
 
-def _launch(tmp_path_factory, cases):
-    out = tmp_path_factory.mktemp("cptp")
-    res = torchrun(4, ["-m", "minite.parallel.checks_cptp", "--tp", "2", "--out", str(out), "--cases", *cases],
-                   timeout=300)  # sp_triton: skipped on a GPU machine (no interpreter, CPU tensors)
-    got = results(out)
-    assert sorted(got) == [0, 1, 2, 3], f"missing rank reports (rc {res.returncode}):\n{res.stdout[-3000:]}"
-    return got
+@pytest.fixture(scope="module")
+def torch_cases(workers):
+    return workers(4, "cp_tp", "cp_sp", "cp_sp_kv1", "--tp", "2", timeout=300)
 
 
 @pytest.fixture(scope="module")
-def torch_cases(tmp_path_factory):
-    return _launch(tmp_path_factory, ["tp", "sp", "sp_kv1"])
-
-
-@pytest.fixture(scope="module")
-def triton_cases(tmp_path_factory):
-    return _launch(tmp_path_factory, ["sp_triton"])
+def triton_cases(workers):  # skipped on a GPU machine (no interpreter, CPU tensors)
+    return workers(4, "cp_sp_triton", "--tp", "2", timeout=300)
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", [f"{c}_{k}" for c in ("tp", "sp", "sp_kv1") for k in CHECKS])
+@pytest.mark.parametrize("name", [f"{c}_{k}" for c in ("cp_tp", "cp_sp", "cp_sp_kv1") for k in CHECKS])
 def test_tp2_cp2_equals_dense(torch_cases, check, name):
     check(torch_cases, name)
 
@@ -40,7 +31,7 @@ def test_tp2_cp2_equals_dense(torch_cases, check, name):
 @pytest.mark.distributed
 @pytest.mark.triton
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [f"sp_triton_{k}" for k in ("state", "loss", "grads")])
+@pytest.mark.parametrize("name", [f"cp_sp_triton_{k}" for k in ("state", "loss", "grads")])
 def test_tp2_cp2_sp_triton_equals_dense(triton_cases, check, name):
     check(triton_cases, name)
 

@@ -175,18 +175,20 @@ def _no_interpreter(monkeypatch):
 def test_check_workers_skip_triton_without_the_interpreter(monkeypatch, check):
     from types import SimpleNamespace
 
-    from minite.parallel import checks_cp, checks_cptp, checks_tp
+    from minite.parallel import workers
+    from minite.parallel.workers import context, tensor
     _no_interpreter(monkeypatch)
     dims = ParallelDims().build(0, 1)
-    res = checks_tp.check_vce(dims, SimpleNamespace(device="cpu"))  # forced backend="triton" raised here before
+    args = SimpleNamespace(device="cpu")
+    res = tensor.check_vce(dims, args)  # forced backend="triton" raised here before
     assert "skipped" in res["vce_triton"] and res["vce_torch"]["ok"]
-    res.update(checks_cp.check_triton(None, 1, 0, SimpleNamespace(device="cpu")))
-    res.update(checks_cptp.check_case(dims, "sp_triton", *checks_cptp.CASES["sp_triton"]))
+    res.update(context.check_triton(dims, args))
+    res.update(context.check_cptp(dims, args, "cp_sp_triton"))
     for name in ["triton_ring_causal_balanced", "triton_allgather_causal_balanced",
-                 *[f"sp_triton_{k}" for k in ("state", "loss", "grads")]]:  # what test_context / test_cptp read
+                 *[f"cp_sp_triton_{k}" for k in ("state", "loss", "grads")]]:  # what test_context / test_cptp read
         assert "covered by the CPU-only run" in res[name]["skipped"], name
-    assert launch.report(tmp := Path(tempfile.mkdtemp()), 0, res) == 0  # a skip is no failure
-    assert launch.report(tmp, 0, {**res, "bad": {"ok": False}}) == 1
+    assert workers.report(tmp := Path(tempfile.mkdtemp()), 0, res) == 0  # a skip is no failure
+    assert workers.report(tmp, 0, {**res, "bad": {"ok": False}}) == 1
     _gpus(monkeypatch, 1)  # a GPU machine: the test reads the skip as a skip
     with pytest.raises(pytest.skip.Exception, match="torch reference ops"):
         check({0: res}, "vce_triton")

@@ -1,16 +1,17 @@
 """Chapters 10-11 on real torch.distributed (gloo on CPU), world 2 and 4, as torchrun launches. The workers run the
 CE kernel in the interpreter on a CPU-only machine; on a GPU machine (no interpreter) they skip it (launch.worker_env).
 
-One launch per world size runs every check (minite.parallel.checks) and each rank reports per check; the tests
-below read those reports. World 2 also saves a ZeRO-1 checkpoint that world 4 loads (a different world size).
+One launch per world size runs every check (minite.parallel.workers, conftest's `workers`) and each rank reports
+per check; the tests below read those reports. World 2 also saves a ZeRO-1 checkpoint that world 4 loads (a
+different world size).
 """
 import pytest
 
-from minite.parallel.launch import results, torchrun
+from minite.parallel.launch import torchrun
 
 pytestmark = pytest.mark.distributed
 
-DP = ["naive", "zero0", "zero1", "zero2", "zero3", "fsdp2"]
+DP = ["naive", "zero0", "zero1", "zero2", "zero3", "fsdp2", *[f"no_sync_zero{stage}" for stage in range(4)]]
 TP = [f"{m}_{c}" for m in ("tp", "sp") for c in ("logits", "loss", "input_grad", "weight_grads", "5_steps")] + \
     ["vce_triton", "vce_torch"]
 
@@ -20,23 +21,17 @@ def ckpt_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("zero_ckpt")
 
 
-def _launch(world, tmp_path_factory, ckpt_dir, *extra):
-    out = tmp_path_factory.mktemp(f"world{world}")
-    res = torchrun(world, ["-m", "minite.parallel.checks", "dp", "fsdp2", "tp", "sp", "vce", "zero_ckpt",
-                           "--ckpt", str(ckpt_dir), "--out", str(out), *extra], timeout=240)
-    got = results(out)
-    assert sorted(got) == list(range(world)), f"missing rank reports (rc {res.returncode}):\n{res.stdout[-3000:]}"
-    return got
+CHECKS = ["dp", "no_sync", "fsdp2", "tp", "sp", "vce", "zero_ckpt"]
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory, ckpt_dir):
-    return _launch(2, tmp_path_factory, ckpt_dir)
+def world2(workers, ckpt_dir):
+    return workers(2, *CHECKS, "--ckpt", str(ckpt_dir))
 
 
 @pytest.fixture(scope="module")
-def world4(tmp_path_factory, ckpt_dir, world2):  # loads the checkpoint world 2 saved
-    return _launch(4, tmp_path_factory, ckpt_dir, "--ckpt_load")
+def world4(workers, ckpt_dir, world2):  # loads the checkpoint world 2 saved
+    return workers(4, *CHECKS, "--ckpt", str(ckpt_dir), "--ckpt_load")
 
 
 @pytest.mark.parametrize("name", DP + TP)
@@ -52,7 +47,7 @@ def test_world4(world4, check, name):
 def test_bytes_per_step_match_formula(world2, world4):
     """Measured bytes per step (CommLog, ring algorithm) against zero.bytes_per_step (padding aside)."""
     from minite.models.gpt import GPT, GPTConfig
-    from minite.parallel.checks import TINY
+    from minite.parallel.workers.common import TINY
     from minite.parallel.zero import bytes_per_step
     model = GPT(GPTConfig(**TINY))
     n, root = model.num_params(), model.wte.weight.numel() + model.norm_f.weight.numel()
@@ -68,7 +63,7 @@ def test_bytes_per_step_match_formula(world2, world4):
 @pytest.mark.parametrize("how", ["raise", "kill"])
 def test_dead_rank_ends_the_run_naming_it(tmp_path, how):
     """Rank 1 raises / is SIGKILLed while rank 0 waits in an all-reduce: the launch fails (no hang), names rank 1."""
-    res = torchrun(2, ["-m", "minite.parallel.checks", "die", "--die", how, "--timeout", "30", "--out",
+    res = torchrun(2, ["-m", "minite.parallel.workers", "die", "--die", how, "--timeout", "30", "--out",
                        str(tmp_path)], timeout=90)
     assert res.returncode != 0
     assert "rank      : 1" in res.stdout and "Root Cause" in res.stdout, res.stdout[-2000:]
@@ -77,7 +72,7 @@ def test_dead_rank_ends_the_run_naming_it(tmp_path, how):
 
 def test_hung_rank_times_out_and_is_named(tmp_path):
     """Rank 1 is alive but silent: rank 0's all-reduce times out (5 s) and a monitored barrier names rank 1."""
-    res = torchrun(2, ["-m", "minite.parallel.checks", "die", "--die", "hang", "--timeout", "5", "--out",
+    res = torchrun(2, ["-m", "minite.parallel.workers", "die", "--die", "hang", "--timeout", "5", "--out",
                        str(tmp_path)], timeout=90)
     assert res.returncode != 0
     assert "Ranks 1 failed to pass monitoredBarrier" in res.stdout, res.stdout[-2000:]

@@ -20,11 +20,6 @@ from minite.train import load_checkpoint, train
 
 pytestmark = pytest.mark.distributed
 
-FLAGS = {"model.n_layer": 4, "model.n_head": 4, "model.n_kv_head": 2, "model.n_embd": 32, "model.mlp_hidden": 64,
-         "model.block_size": 16, "model.backend": "torch", "train.batch_size": 8, "train.max_iters": 20,
-         "train.log_interval": 1, "train.eval_interval": 10, "train.eval_iters": 2, "train.warmup_iters": 2,
-         "train.lr": 1e-2, "train.sample_tokens": 0, "train.progress": False, "train.threads": 1,
-         "train.precision": "fp32", "train.compile": "off"}  # train.device: launch.worker_device (conftest.train_cli)
 WORLD4 = {"tp2_pp2_sp_recompute_full": ["--parallel.tp=2", "--parallel.pp=2", "--parallel.sp=True",
                                          "--train.recompute=full"],
           "dp2_tp2_zero1_recompute_selective": ["--parallel.dp=2", "--parallel.tp=2", "--parallel.zero=1",
@@ -36,7 +31,13 @@ WORLD4 = {"tp2_pp2_sp_recompute_full": ["--parallel.tp=2", "--parallel.pp=2", "-
 TOL = 1e-4
 
 
-def _curve(out) -> dict[int, float]:
+@pytest.fixture(scope="module")
+def flags4(flags):
+    """conftest's tiny run with 4 layers (pp=2 gets 2 each)."""
+    return {**flags, "model.n_layer": 4}
+
+
+def _curve(out) -> dict[int, float]:  # by step: a resumed run's log holds both jobs' steps
     rows = [json.loads(r) for r in (out / "log.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
@@ -48,14 +49,14 @@ def _close(curve, ref, steps):
 
 
 @pytest.fixture(scope="module")
-def setup(corpus, cli):
+def setup(corpus, cli, flags4):
     """(directory, run(nproc, out, **over) -> (config, torchrun args), reference(nproc) -> the one-process curve
     on the device of `nproc` workers)."""
     d, data = corpus
     curves = {}
 
     def run(nproc, out, **over):
-        return cli({**FLAGS, **data, "train.out_dir": str(out), **over}, nproc)
+        return cli({**flags4, **data, "train.out_dir": str(out), **over}, nproc)
 
     def reference(nproc):
         dev = worker_device(nproc)
@@ -120,8 +121,8 @@ def test_resume_single_process_checkpoint_under_dp2_zero2(setup):
     ({"parallel.pp": 2, "parallel.zero": 1}, ["pp=2 with zero=1"]),
     ({"parallel.pp": 2, "parallel.microbatches": 3}, ["8 sequences per dp rank does not split into 3"]),
 ])
-def test_bad_layout_is_rejected_with_its_numbers(tmp_path, over, words):
-    cfg = make_config("cpu", {**FLAGS, **over, "train.out_dir": str(tmp_path)})
+def test_bad_layout_is_rejected_with_its_numbers(tmp_path, flags4, over, words):
+    cfg = make_config("cpu", {**flags4, **over, "train.out_dir": str(tmp_path)})
     with pytest.raises(ParallelError) as e:
         train(cfg)
     for w in words:
@@ -129,6 +130,6 @@ def test_bad_layout_is_rejected_with_its_numbers(tmp_path, over, words):
     assert not torch.distributed.is_initialized()
 
 
-def test_stop_at_is_checked():
+def test_stop_at_is_checked(flags4):
     with pytest.raises(ConfigError, match=r"stop_at=30.*max_iters=20"):
-        make_config("cpu", {**FLAGS, "train.stop_at": 30})
+        make_config("cpu", {**flags4, "train.stop_at": 30})

@@ -6,13 +6,12 @@ global clipping, AdamW, consolidated state dict), the peak activation memory per
 test trains 20 steps with ``--parallel.pp=2`` and compares the curve with one process.
 """
 import itertools
-import json
 
 import pytest
 import torch
 
 from minite.models.gpt import GPT, GPTConfig
-from minite.parallel.launch import results, torchrun
+from minite.parallel.launch import torchrun
 from minite.parallel.pipeline_schedule import SCHEDULES, afab, bubble_fraction, check_schedule, one_f_one_b, simulate
 
 CHECKS = [f"grads_{s}_m{m}" for s in SCHEDULES for m in (1, 2, 3, 4, 6)] + \
@@ -67,23 +66,14 @@ def test_partition_balances_parameters():
 
 
 # ------------------------------------------------------------------ distributed
-def _launch(world, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"pp{world}")
-    res = torchrun(world, ["-m", "minite.parallel.checks_pp", "grads", "reject", "train", "memory",
-                           "--out", str(out)], timeout=240)
-    got = results(out)
-    assert sorted(got) == list(range(world)), f"missing rank reports (rc {res.returncode}):\n{res.stdout[-3000:]}"
-    return got
+@pytest.fixture(scope="module")
+def world2(workers):
+    return workers(2, "pp_grads", "pp_reject", "pp_train", "pp_memory")
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory):
-    return _launch(2, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def world4(tmp_path_factory):
-    return _launch(4, tmp_path_factory)
+def world4(workers):
+    return workers(4, "pp_grads", "pp_reject", "pp_train", "pp_memory")
 
 
 @pytest.mark.distributed
@@ -97,37 +87,26 @@ def test_pipeline_matches_dense(request, world, name):
 @pytest.mark.distributed
 def test_dead_stage_ends_the_run_naming_it(tmp_path):
     """Stage 1 raises while stage 0 waits for its gradient: the launch fails (no hang) and names rank 1."""
-    res = torchrun(2, ["-m", "minite.parallel.checks_pp", "die", "--timeout", "30", "--out", str(tmp_path)],
+    res = torchrun(2, ["-m", "minite.parallel.workers", "pp_die", "--timeout", "30", "--out", str(tmp_path)],
                    timeout=90)
     assert res.returncode != 0
     assert "rank      : 1" in res.stdout and "dies on purpose" in res.stdout, res.stdout[-2000:]
     assert not list(tmp_path.glob("rank*.json"))
 
 
-FLAGS = {"model.n_layer": 4, "model.n_head": 4, "model.n_kv_head": 2, "model.n_embd": 32, "model.mlp_hidden": 64,
-         "model.block_size": 16, "model.backend": "torch", "train.batch_size": 8, "train.max_iters": 20,
-         "train.log_interval": 1, "train.eval_interval": 10, "train.eval_iters": 2, "train.warmup_iters": 2,
-         "train.lr": 1e-2, "train.sample_tokens": 0, "train.progress": False, "train.threads": 1,
-         "train.precision": "fp32", "train.compile": "off"}  # train.device: launch.worker_device (conftest.train_cli)
-
-
-def _curve(out):
-    rows = [json.loads(r) for r in (out / "log.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r], [r["val_loss"] for r in rows if "val_loss" in r]
-
-
 @pytest.mark.distributed
-def test_cli_pp2_matches_single_process(corpus, cli):
+def test_cli_pp2_matches_single_process(corpus, cli, flags, curve):
     """The one-process curve, on the workers' device with the same preset (conftest.train_cli)."""
     from minite.train import load_checkpoint, train
     d, data = corpus
-    train(cli({**FLAGS, **data, "train.out_dir": str(d / "single_pp")}, 2)[0])
-    loss1, val1 = _curve(d / "single_pp")
+    flags = {**flags, "model.n_layer": 4, **data}
+    train(cli({**flags, "train.out_dir": str(d / "single_pp")}, 2)[0])
+    loss1, val1 = curve(d / "single_pp")
     out = d / "pp2"
-    args = cli({**FLAGS, **data, "train.out_dir": str(out), "train.sample_tokens": 8}, 2)[1]
+    args = cli({**flags, "train.out_dir": str(out), "train.sample_tokens": 8}, 2)[1]
     res = torchrun(2, [*args, "--parallel.pp=2", "--parallel.microbatches=4"], timeout=180)
     assert res.returncode == 0, res.stdout[-3000:]
-    loss, val = _curve(out)
+    loss, val = curve(out)
     assert len(loss) == 20 and len(val) == 3
     assert max(abs(a - b) for a, b in zip(loss, loss1)) < 1e-4, (loss, loss1)
     assert max(abs(a - b) for a, b in zip(val, val1)) < 1e-4, (val, val1)

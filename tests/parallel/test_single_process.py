@@ -30,6 +30,52 @@ def test_world_size_must_be_the_product():
         ParallelDims(tp=0)
 
 
+def test_dims_from_config_and_the_layout_check():
+    from minite.config import make_config
+    from minite.parallel.dims import check_layout
+    p = make_config("cpu", {"parallel.dp": 2, "parallel.pp": 2}).parallel
+    dims = ParallelDims.from_config(p, 4)
+    assert (dims.dp, dims.tp, dims.pp, dims.cp, dims.groups) == (2, 1, 2, 1, {})  # degrees only: no group yet
+    with pytest.raises(ParallelError, match=r"world size 3 != dp\*tp\*pp\*cp = 2\*1\*2\*1 = 4"):
+        ParallelDims.from_config(p, 3)
+    model = GPTConfig(**TINY)
+    check_layout(p, model, world=4, seq_len=16, batch_size=8)
+    with pytest.raises(ParallelError) as e:
+        check_layout(p, model, world=4, seq_len=16, batch_size=5, lora_r=4)
+    for words in ("batch_size=5 (the global batch) is not divisible by dp=2", "LoRA (lora.r=4)"):
+        assert words in str(e.value)
+
+
+def test_clip_grad_norm_counts_each_element_once():
+    from minite.parallel.comm import clip_grad_norm_
+    ref, tp1 = _gpt(), _gpt()
+    for m in (ref, tp1):
+        m(*_batch())[1].backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    got = clip_grad_norm_(tp1.parameters(), 0.1, [None])
+    assert got.dtype == torch.float64 and float(got) == pytest.approx(float(want), rel=1e-6)
+    for p, q in zip(ref.parameters(), tp1.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=0)
+    w = tp1.norm_f.weight  # held by 2 tp ranks: counted half on each
+    norm = float(clip_grad_norm_([w], 1e9))
+    w.tp_replicas = 2
+    assert float(clip_grad_norm_([w], 1e9)) == pytest.approx(norm / 2 ** 0.5)
+
+
+def test_trace_records_only_under_a_recorder():
+    from minite.parallel import trace
+    from minite.parallel.pipeline import PipelineGPT
+    pipe = PipelineGPT(_gpt(), ParallelDims().build(), 2, "1f1b")
+    x, y = _batch()
+    pipe.step(x, y)  # nothing recorded, and nothing kept on the model
+    assert not any(hasattr(pipe, a) for a in ("events", "mb_bytes", "peak_act_bytes", "sync"))
+    with trace.Recorder() as rec:
+        pipe.step(x, y)
+    steps = [(r["step"], r["mb"]) for r in rec.rows("pp")]
+    assert steps == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
+    assert all(r["saved_bytes"] > 0 and r["t1"] >= r["t0"] for r in rec.rows("pp") if r["step"] == "F")
+
+
 @pytest.mark.parametrize("kw, msg", [
     (dict(tp=3), r"n_head=4 is not divisible by tp=3.*n_kv_head=2 and tp=3.*padded vocab 64 is not divisible by tp=3"),
     (dict(tp=8), r"n_head=4 is not divisible by tp=8"),
@@ -53,7 +99,8 @@ def test_tp1_is_the_dense_model(sp):
     x, y = _batch()
     dense, tpm = _gpt(), TPGPT.from_dense(_gpt(), None, sequence_parallel=sp)
     (dl, dloss), (tl, tloss) = dense(x, y), tpm(x, y)
-    dloss.backward(), tloss.backward()
+    dloss.backward()
+    tloss.backward()
     assert torch.equal(dl, tl) and torch.equal(dloss, tloss)
     grads = {n: p.grad for n, p in dense.named_parameters()}
     for p in tpm.parameters():
@@ -85,7 +132,9 @@ def test_dataparallel_world1_matches_plain_adamw(stage, tmp_path):
         [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
          {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}], lr=1e-2)
     for x, y in data:
-        ref(x, y)[1].backward(), opt.step(), opt.zero_grad()
+        ref(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad()
         model(x, y)[1].backward()
         dp.finish()
         zopt.step()
@@ -111,7 +160,8 @@ def test_memory_formulas():
     m = [memory_per_rank(1000, 4, s)["total"] for s in range(4)]
     assert m[0] == 16000 and m[0] > m[1] > m[2] > m[3] == 16000 / 4
     assert memory_per_rank(1000, 1, 3)["total"] == 16000
-    s, b, h, a = 2048, 1, 4096, 32
+    s, b = 2048, 1  # sequence, batch
+    h, a = 4096, 32  # width, heads
     assert activation_bytes(s, b, h, a, t=1) == activation_bytes(s, b, h, a, t=1, sp=True)  # tp=1: the same
     assert activation_bytes(s, b, h, a, t=8, sp=True) == pytest.approx(activation_bytes(s, b, h, a) / 8)
 

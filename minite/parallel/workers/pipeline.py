@@ -1,0 +1,171 @@
+"""Chapter 12's checks: every stage's loss and gradients against the dense GPT (AFAB and 1F1B, several micro-batch
+counts), minite.train's path, the rejections, a dying stage; the lesson's activation memory and timeline per
+stage; the exercise's 1F1B order, run in a real pipeline step."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from minite.parallel import trace
+from minite.parallel.dims import ParallelError
+from minite.parallel.pipeline import PipelineGPT
+from minite.parallel.pipeline_schedule import SCHEDULES, bubble_fraction
+from minite.parallel.workers.common import batches, tiny_gpt
+from minite.parallel.workers.grade import Wrong, graded
+
+B = 12  # sequences: 1, 2, 3, 4, 6 or 12 micro-batches
+TOL = 1e-5
+
+
+def dense_and_batch(batch: int = B, **kw):
+    """The dense 4-layer GPT (kw: other shapes) and one global batch (x, y) of `batch` sequences."""
+    model = tiny_gpt(**{"n_layer": 4, **kw})
+    (x, y), = batches(1, batch, V=model.config.vocab_size)
+    return model, x, y
+
+
+def activation_peak(rows: list[dict]) -> int:
+    """The most bytes of saved activations held at once, from the "pp" events of one schedule (trace)."""
+    held, live, peak = {}, 0, 0
+    for row in rows:
+        if row["step"] == "F":
+            held[row["mb"]] = row["saved_bytes"]
+            live += row["saved_bytes"]
+            peak = max(peak, live)
+        else:
+            live -= held.pop(row["mb"])
+    return peak
+
+
+def compare(dims, schedule, m, model=None, x=None, y=None) -> dict:
+    """Loss and every gradient of my stage vs the dense model's, after one pipeline step with m micro-batches."""
+    if model is None:
+        model, x, y = dense_and_batch()
+    pipe = PipelineGPT(model, dims, m, schedule)
+    with trace.Recorder() as rec:
+        loss = pipe.step(x, y)
+    dense_loss = model(x, y)[1]
+    dense_loss.backward()
+    grads = dict(model.named_parameters())
+    errs = {n: float((q.grad - grads[n].grad).abs().max()) for n, q in pipe.stage.named_parameters()}
+    return {"loss_err": abs(loss - float(dense_loss.detach())), "grad_err": max(errs.values()), "n_grads": len(errs),
+            "layers": [list(r) for r in pipe.layers], "steps": rec.rows("pp")}
+
+
+def check_grads(dims, args) -> dict:
+    out = {}
+    for sched in SCHEDULES:
+        for m in (1, 2, 3, 4, 6):
+            r = compare(dims, sched, m)
+            ok = r["loss_err"] < TOL and r["grad_err"] < TOL and r["n_grads"] > 0
+            out[f"grads_{sched}_m{m}"] = {"ok": ok, **{k: r[k] for k in ("loss_err", "grad_err", "n_grads")}}
+    return out
+
+
+def check_reject(dims, args) -> dict:
+    """pp > n_layer, and a batch that does not split into the micro-batch count, both name their numbers."""
+    msgs = []
+    for make in (lambda: PipelineGPT(dense_and_batch(n_layer=dims.pp - 1)[0], dims),
+                 lambda: PipelineGPT(dense_and_batch()[0], dims, 5).step(*dense_and_batch()[1:])):
+        try:
+            make()
+            msgs.append("no error")
+        except ParallelError as e:
+            msgs.append(str(e))
+    want = [(f"pp={dims.pp}", f"n_layer={dims.pp - 1}"), (f"{B} sequences", "5 equal micro-batches")]
+    return {"reject": {"ok": all(all(w in msg for w in ws) for msg, ws in zip(msgs, want)), "messages": msgs}}
+
+
+def check_train(dims, args, steps: int = 3) -> dict:
+    """minite.train's path: loss = model(x, y)[1]; (loss / 2).backward() twice (grad_accum 2), global clip, AdamW."""
+    model, x, y = dense_and_batch()
+    pipe = PipelineGPT(model, dims, 3, "1f1b")
+    opt_d = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    opt_p = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
+    for _ in range(steps):
+        for half in (slice(0, B // 2), slice(B // 2, B)):
+            (model(x[half], y[half])[1] / 2).backward()
+            (pipe(x[half], y[half])[1] / 2).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        pipe.clip_grad_norm_(0.05)
+        for opt in (opt_d, opt_p):
+            opt.step()
+            opt.zero_grad()
+    full = pipe.dense_state_dict()
+    err = max(float((full[n] - v).abs().max()) for n, v in model.state_dict().items())
+    with torch.no_grad():
+        loss_err = abs(float(pipe(x, y)[1]) - float(model(x, y)[1]))
+    return {"train_3_steps": {"ok": err < 1e-4 and loss_err < 1e-4 and set(full) == set(model.state_dict()),
+                              "param_err": err, "eval_loss_err": loss_err}}
+
+
+def check_die(dims, args) -> dict:
+    """The last stage raises before its first forward while the others wait on receives: the run must end with an
+    error naming that rank (torchrun tears the others down; the collective timeout bounds it otherwise)."""
+    model, x, y = dense_and_batch()
+    pipe = PipelineGPT(model, dims, 4)
+    if dims.pp_rank == dims.pp - 1:
+        raise RuntimeError(f"rank {dims.rank} (stage {dims.pp_rank}) dies on purpose")
+    pipe.step(x, y)
+    return {"pp_die": {"ok": False}}  # not reached
+
+
+# ----------------------------------------------------------------------------------- the lesson's measurements
+def pp_memory(dims, args) -> dict:
+    """Peak activation bytes per stage: AFAB holds all m micro-batches, 1F1B at most p - stage of them."""
+    m = 6
+    out = {}
+    for sched in SCHEDULES:
+        rows = compare(dims, sched, m)["steps"]
+        per_mb = [r["saved_bytes"] for r in rows if r["step"] == "F"]
+        assert min(per_mb) == max(per_mb)
+        peak = activation_peak(rows)
+        held = m if sched == "afab" else min(dims.pp - dims.pp_rank, m)
+        out[f"memory_{sched}"] = {"ok": peak == held * per_mb[0] > 0, "peak_act_bytes": peak,
+                                  "per_microbatch": per_mb[0], "held": held}
+    return out
+
+
+def pp_timeline(dims, args) -> dict:
+    """Per-rank (F or B, micro-batch, start, end) of timed steps per (schedule, m) after a warm-up step, the global
+    batch fixed at max(m) * mb sequences; a wider model than the checks' so that compute, not messages, dominates."""
+    model, x, y = dense_and_batch(n_layer=4 * dims.pp, n_embd=args.width, n_head=4, mlp_hidden=4 * args.width,
+                                  batch=max(args.micro) * args.mb, vocab_size=64)
+    out = {}
+    for sched in SCHEDULES:
+        for m in args.micro:
+            pipe = PipelineGPT(model, dims, m, sched)
+            pipe.step(x, y)  # warm-up
+            runs = []
+            for _ in range(args.repeat):  # the notebook keeps the run with the shortest span (the least disturbed)
+                dist.barrier()
+                with trace.Recorder() as rec:
+                    pipe.step(x, y)
+                runs.append([(r["step"], r["mb"], r["t0"], r["t1"]) for r in rec.rows("pp")])
+            out[f"timeline_{sched}_m{m}"] = {"ok": True, "runs": runs, "bubble_formula": bubble_fraction(dims.pp, m)}
+            model.zero_grad(set_to_none=True)
+    return out
+
+
+# ----------------------------------------------------------------------------------- the exercise
+@graded("one_f_one_b", tol=TOL)
+def grade_one_f_one_b(dims, student) -> float:
+    """A learner's 1F1B: its step order for several (p, m, stage), then a real pipeline step run with it."""
+    want = SCHEDULES["1f1b"]
+    wrong = [(p, m, s) for p in (2, 3, 4) for m in (1, 2, 3, 5, 8) for s in range(p)
+             if [tuple(a) for a in student.one_f_one_b(p, m, s)] != want(p, m, s)]
+    if wrong:  # the same on every rank: skip the real step (a wrong order could wait forever on a receive)
+        raise Wrong(f"wrong step order for (p, m, stage) = {wrong[:3]}")
+    r = compare(dims, lambda p, m, s: [tuple(a) for a in student.one_f_one_b(p, m, s)], 6)
+    return max(r["loss_err"], r["grad_err"])
+
+
+CHECKS = {  # name: (check, the axis of ParallelDims that takes the world)
+    "pp_grads": (check_grads, "pp"),
+    "pp_reject": (check_reject, "pp"),
+    "pp_train": (check_train, "pp"),
+    "pp_die": (check_die, "pp"),
+    "pp_memory": (pp_memory, "pp"),
+    "pp_timeline": (pp_timeline, "pp"),
+    "one_f_one_b": (grade_one_f_one_b, "pp"),
+}
