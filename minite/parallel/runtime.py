@@ -104,7 +104,6 @@ class Parallel:
             return make(model)
         from minite.parallel.zero import ShardedAdamW
         return ShardedAdamW(self.dp, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
-                            norm_weight=lambda n, p: 1.0 / torch.as_tensor(getattr(p, "tp_replicas", 1)),
                             tp_group=self.dims.group("tp"))
 
     @contextlib.contextmanager

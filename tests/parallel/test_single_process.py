@@ -174,4 +174,4 @@ def test_global_batch_is_cut_into_dp_slices():
     assert torch.equal(torch.cat([c[0] for c in cut]), x) and all(c[0].shape == (2, 3) for c in cut)
     with pytest.raises(ParallelError, match="batch_size=6 .* not divisible by dp=4"):
         Parallel(ParallelDims(dp=4).build(rank=0, world=4)).shard_batch(x[:6], y[:6])
-    assert make_config("cpu", {"parallel.zero": "3", "parallel.sp": "true"}).parallel.zero == 3
+    assert make_config("cpu", {"parallel.zero": "3", "parallel.tp": "2", "parallel.sp": "true"}).parallel.zero == 3
