@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers", reason="minite.hf needs trans
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import minite.hf as mhf  # noqa: E402
-from minite.backend import use_backend  # noqa: E402
+from minite import use_backend  # noqa: E402
 from minite.formats import CurrentScaling, fp8_autocast  # noqa: E402
 from minite.hf import MiniteLlamaAttention, MiniteLlamaMLP, from_hf_llama, swap_llama_layers, to_hf_llama  # noqa: E402
 from minite.models.gpt import GPT, GPTConfig  # noqa: E402
