@@ -1,0 +1,320 @@
+"""minite inside Hugging Face (minite/hf.py): a transformers Llama converted to minite's GPT and back, and run in
+place on minite's kernels. Tiny LlamaConfigs with random weights, built here (nothing comes from the Hub)."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers", reason="minite.hf needs transformers (pip install -e '.[hf]')")
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import minite.hf as mhf  # noqa: E402
+from minite import use_backend  # noqa: E402
+from minite.formats import CurrentScaling, fp8_autocast  # noqa: E402
+from minite.hf import MiniteLlamaAttention, MiniteLlamaMLP, from_hf_llama, swap_llama_layers, to_hf_llama  # noqa: E402
+from minite.models.gpt import GPT, GPTConfig  # noqa: E402
+from minite.nn import Linear, RMSNorm, RotaryEmbedding  # noqa: E402
+from minite.testing import assert_close, dtype_tols  # noqa: E402
+
+V = 61  # odd: the GPT pads it to 64
+# Not the defaults (1e-6, 10000): a mapping that dropped either would still give plausible logits.
+TINY = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-5, rope_theta=5e5,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None)
+VARIANTS = {"tied": dict(tie_word_embeddings=True), "untied": dict(tie_word_embeddings=False),
+            "bias": dict(tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
+            "eager": dict(tie_word_embeddings=True, attn_implementation="eager"),  # HF passes float masks
+            "rope_linear": dict(tie_word_embeddings=True, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+            "head_dim_32": dict(tie_word_embeddings=True, head_dim=32)}
+
+
+def llama(device, variant="tied", *, seed=0, **over) -> LlamaForCausalLM:
+    """A random tiny Llama. Weights larger than HF's init (std 0.02) so that logits and greedy tokens differ from
+    one position to the next, and norm weights away from 1 so that swapping two norms shows."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY, **VARIANTS[variant], **over}))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            std = 0.5 if "embed" in name else 0.2
+            p.copy_(torch.randn(p.shape, generator=g) * std + (1.0 if "norm" in name else 0.0))
+    return model.to(device).eval()
+
+
+def ids(device, B=2, T=8, seed=1):
+    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def gpt_logits(gpt, x):
+    """All positions' logits (the GPT returns only the last one without targets), the V real columns."""
+    return gpt(x, x)[0][..., :V]
+
+
+# ------------------------------------------------------------------------------------------ from_hf_llama
+@pytest.mark.triton
+@pytest.mark.parametrize("variant", ["tied", "bias"])
+def test_from_hf_logits_match(device, variant):
+    hf, x = llama(device, variant), ids(device)
+    gpt = from_hf_llama(hf).eval()
+    assert gpt.config.padded_vocab_size == 64 and gpt.config.n_kv_head == 2 and gpt.config.bias == (variant == "bias")
+    assert torch.count_nonzero(gpt.wte.weight[V:]) == 0  # padded rows: zero, never sampled
+    with torch.no_grad():
+        assert_close(gpt_logits(gpt, x), hf(x).logits, name="GPT vs HF logits")
+
+
+@pytest.mark.triton
+def test_from_hf_loss_matches_without_padding(device):
+    # Padded rows enter the GPT's softmax, so the loss equals HF's only with vocab_multiple=1 (then V_pad = V).
+    hf, x = llama(device), ids(device)
+    gpt = from_hf_llama(hf, vocab_multiple=1).eval()
+    with torch.no_grad():
+        _, loss = gpt(x[:, :-1], x[:, 1:])
+        assert_close(loss, hf(x, labels=x).loss, name="GPT vs HF loss")
+
+
+def _interleave(w, n_heads, D):  # rows of each head from rotate-half order to Meta's interleaved order
+    perm = torch.arange(D).view(2, D // 2).t().reshape(-1)  # 0, D/2, 1, D/2 + 1, ...
+    return w.view(n_heads, D, -1)[:, perm].reshape(w.shape)
+
+
+def _mutate(gpt, what):
+    H, KVH, D = gpt.config.n_head, gpt.config.n_kv_head, gpt.config.n_embd // gpt.config.n_head
+    for blk in gpt.blocks:
+        w = blk.attn.qkv.weight.data  # rows [q: H*D | k: KVH*D | v: KVH*D]
+        q, k, v = w[:H * D], w[H * D:(H + KVH) * D], w[(H + KVH) * D:]
+        if what == "qk_permuted":  # what an unneeded (or missing) Meta <-> HF permutation of q/k does
+            q.copy_(_interleave(q.clone(), H, D))
+            k.copy_(_interleave(k.clone(), KVH, D))
+        elif what == "kv_heads_swapped":
+            for t in (k, v):
+                t.copy_(t.clone().view(KVH, D, -1).flip(0).reshape(t.shape))
+        elif what == "gqa_groups":  # query head h reading kv head h % KVH instead of h // (H / KVH)
+            order = torch.arange(H).view(KVH, H // KVH).t().reshape(-1)
+            q.copy_(q.clone().view(H, D, -1)[order].reshape(q.shape))
+            o = blk.attn.proj.weight.data
+            o.copy_(o.clone().view(-1, H, D)[:, order].reshape(o.shape))
+        elif what == "rope_base_default":
+            blk.attn.rotary = RotaryEmbedding(D, gpt.config.block_size, base=10000.0).to(w.device)
+        elif what == "norm_eps_default":
+            blk.norm1.eps = blk.norm2.eps = 1e-6
+        elif what == "norms_swapped":
+            n1 = blk.norm1.weight.data.clone()
+            blk.norm1.weight.data.copy_(blk.norm2.weight.data)
+            blk.norm2.weight.data.copy_(n1)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("what", ["qk_permuted", "kv_heads_swapped", "gqa_groups", "rope_base_default",
+                                  "norm_eps_default", "norms_swapped"])
+def test_a_wrong_mapping_fails_the_logits_check(device, what):
+    # The comparison above can fail: each classic conversion bug moves the logits far outside the tolerance.
+    hf, x = llama(device), ids(device)
+    gpt = from_hf_llama(hf).eval()
+    _mutate(gpt, what)
+    with torch.no_grad(), pytest.raises(AssertionError, match="GPT vs HF logits"):
+        assert_close(gpt_logits(gpt, x), hf(x).logits, name="GPT vs HF logits")
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("variant", ["tied", "bias"])
+def test_round_trip_hf_gpt_hf_is_exact(device, variant):
+    hf = llama(device, variant)
+    back = to_hf_llama(from_hf_llama(hf))
+    assert back.config.tie_word_embeddings and back.lm_head.weight is back.model.embed_tokens.weight
+    a, b = hf.state_dict(), back.state_dict()
+    assert list(a) == list(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.parametrize("variant, over, field", [
+    ("untied", {}, "tie_word_embeddings=False"),
+    ("tied", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ("tied", {"attention_dropout": 0.1}, "attention_dropout=0.1"),
+    ("rope_linear", {}, "rope_type='linear'"),
+    ("tied", {"attention_bias": True}, "attention_bias=True"),  # mlp_bias False: GPTConfig.bias is one switch
+    ("head_dim_32", {}, "head_dim=32"),
+])
+def test_from_hf_refuses_what_does_not_map(variant, over, field):
+    with pytest.raises(ValueError, match=f"minite.hf: {field} cannot be mapped"):
+        from_hf_llama(llama("cpu", variant, **over))
+
+
+def test_refuses_other_models():
+    with pytest.raises(TypeError, match="expected a transformers LlamaForCausalLM"):
+        from_hf_llama(GPT(GPTConfig(vocab_size=V, n_layer=1, n_embd=32, block_size=8)))
+    with pytest.raises(TypeError, match="expected a transformers LlamaForCausalLM, got LlamaModel"):
+        from_hf_llama(llama("cpu").model)
+
+
+# ------------------------------------------------------------------------------------------ to_hf_llama
+@pytest.mark.triton
+def test_save_pretrained_round_trips_a_trained_gpt(device, tmp_path):
+    cfg = GPTConfig(vocab_size=V, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, mlp_hidden=128,
+                    rope_base=5e5, norm_eps=1e-5)
+    torch.manual_seed(0)
+    gpt = GPT(cfg).to(device)
+    opt = torch.optim.AdamW(gpt.parameters(), lr=3e-2)
+    x = ids(device, T=16)
+    with use_backend("torch"):  # training is not under test: the reference ops are quicker in the interpreter
+        for _ in range(4):
+            opt.zero_grad()
+            gpt(x[:, :-1], x[:, 1:])[1].backward()
+            opt.step()
+    gpt.eval()
+    to_hf_llama(gpt).save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path).to(device).eval()
+    with torch.no_grad():
+        assert_close(loaded(x).logits, gpt_logits(gpt, x), name="HF (loaded) vs GPT logits")
+    again = from_hf_llama(loaded)
+    ref = gpt.state_dict()
+    for name, t in again.state_dict().items():
+        assert torch.equal(t[:V] if name == "wte.weight" else t, ref[name][:V] if name == "wte.weight" else ref[name])
+
+
+# ------------------------------------------------------------------------------------------ swap_llama_layers
+def _swapped(hf, **kw):
+    """A swapped deep copy (the original stays HF's reference), after checking that no Parameter was copied."""
+    model = copy.deepcopy(hf)
+    before = {n: (p, p.data_ptr()) for n, p in model.named_parameters()}
+    swap_llama_layers(model, **kw)
+    after = dict(model.named_parameters())
+    assert list(after) == list(before)  # same names: save_pretrained writes an ordinary HF checkpoint
+    for n, (p, ptr) in before.items():
+        assert after[n] is p and after[n].data_ptr() == ptr, n
+    for layer in model.model.layers:
+        assert isinstance(layer.self_attn, MiniteLlamaAttention) and isinstance(layer.mlp, MiniteLlamaMLP)
+        assert isinstance(layer.input_layernorm, RMSNorm) and isinstance(layer.post_attention_layernorm, RMSNorm)
+        assert all(isinstance(getattr(layer.self_attn, f"{n}_proj"), Linear) for n in "qkvo")
+    return model
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_swapped_logits_match(device, variant):
+    hf, x = llama(device, variant), ids(device)
+    sw = _swapped(hf)
+    with torch.no_grad():
+        assert_close(sw(x).logits, hf(x).logits, name="swapped vs HF logits")
+
+
+@pytest.mark.triton
+def test_swapped_per_sequence_positions(device):
+    # Each sequence with its own positions: HF's cos/sin then differ per row, and so must the rotation. (Not a
+    # mere offset per row: RoPE scores depend only on position differences, an offset would change nothing.)
+    hf, x = llama(device), ids(device)
+    pos = torch.arange(x.shape[1], device=device) * torch.tensor([[1], [3]], device=device)  # (B, T)
+    with torch.no_grad():
+        assert_close(_swapped(hf)(x, position_ids=pos).logits, hf(x, position_ids=pos).logits,
+                     name="swapped vs HF logits, per-sequence positions")
+
+
+def _count_calls(monkeypatch):
+    calls = {}
+    for name in ("rope", "attention", "decode_attention", "swiglu"):
+        fn = getattr(mhf, name)
+
+        def counted(*a, _fn=fn, _name=name, **k):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _fn(*a, **k)
+        monkeypatch.setattr(mhf, name, counted)
+    return calls
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_greedy_generate_same_tokens(device, monkeypatch, cache):
+    hf, x = llama(device), ids(device)
+    sw, gpt = _swapped(hf), from_hf_llama(hf).eval()
+    kw = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    ref = hf.generate(x, **kw)
+    calls = _count_calls(monkeypatch)
+    out = sw.generate(x, **kw, **({"cache_implementation": "static"} if cache == "static" else {}))
+    # one prefill (flash kernel) then 5 one-token steps (split-KV decode kernel over HF's cache), per layer
+    assert calls == {"rope": 2 * 6 * 2, "attention": 2, "decode_attention": 5 * 2, "swiglu": 6 * 2}
+    new = ref.sequences[:, x.shape[1]:]
+    assert len(set(new.flatten().tolist())) > 3  # the test model does not just repeat one token
+    assert torch.equal(out.sequences, ref.sequences)
+    for step, (a, b) in enumerate(zip(out.scores, ref.scores)):
+        assert_close(a, b, name=f"scores of new token {step}")
+    assert torch.equal(gpt.generate(x, 6, temperature=0), ref.sequences)
+
+
+@pytest.mark.triton
+def test_swapped_training_step_matches(device):
+    hf, x = llama(device), ids(device)
+    sw = _swapped(hf)
+    for m in (hf, sw):
+        m(x, labels=x).loss.backward()
+    for (n, a), b in zip(hf.named_parameters(), sw.parameters()):
+        assert_close(b.grad, a.grad, name=f"grad {n}")
+
+
+def _fake_fp8(t):
+    """Current scaling to E4M3 and back, in plain PyTorch: scale = 448 / amax, round to nearest, dequantize."""
+    s = 448.0 / t.detach().abs().amax().float()
+    return (t.float() * s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() / s
+
+
+@pytest.mark.triton
+def test_swapped_fp8_autocast(device):
+    hf, x = llama(device), ids(device)
+    sw = _swapped(hf)
+    sim = copy.deepcopy(hf)  # an independent FP8 model: HF's projections on fake-quantized operands
+    for m in sim.model.modules():
+        if type(m) is nn.Linear:
+            m.forward = lambda inp, m=m: nn.functional.linear(_fake_fp8(inp), _fake_fp8(m.weight), m.bias)
+    with torch.no_grad():
+        ref, expect = hf(x).logits, sim(x).logits
+        with fp8_autocast(recipe=CurrentScaling()):
+            out = sw(x).logits
+    linears = [m for m in sw.model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 2 * 7 and all(m.fp8_states is not None for m in linears)  # every projection ran in FP8
+    assert not isinstance(sw.lm_head, Linear)  # the LM head stays in higher precision, as in minite's GPT
+    assert (out - ref).abs().max() > 0.05 * ref.abs().max()  # FP8 did change the numbers (E4M3: 3 mantissa bits)
+    # On the CPU the FP8 GEMM multiplies the fp8 values in fp32, as the simulation does. Loosened on CUDA: the
+    # tensor cores' fprop accumulation keeps ~14 bits ("fast" mode), and 2 layers amplify a flipped fp8 rounding.
+    tol = {} if device.type == "cpu" else dict(atol=5e-2, rtol=5e-2)
+    assert_close(out, expect, name="FP8 swapped vs simulated FP8 logits", **tol)
+
+
+@pytest.mark.triton
+def test_swapped_bf16_error_within_hf_own(device):
+    # In bf16 the swapped model may err against the fp32 model by at most ~2x what HF's own bf16 run errs
+    # (FlagAttention's rule, DESIGN §7), plus the bf16 tolerance.
+    hf, x = llama(device), ids(device)
+    hb = copy.deepcopy(hf).to(torch.bfloat16)
+    sb = _swapped(hb)
+    with torch.no_grad():
+        ref = hf(x).logits
+        e_hf = (hb(x).logits.float() - ref).abs().max()
+        e_sw = (sb(x).logits.float() - ref).abs().max()
+    assert e_sw <= 2 * e_hf + dtype_tols(torch.bfloat16)["atol"], (e_sw, e_hf)
+
+
+@pytest.mark.triton
+def test_swapped_refuses_a_padded_batch(device):
+    hf, x = llama(device), ids(device)
+    mask = torch.ones_like(x)
+    mask[0, :2] = 0  # left padding: minite's attention kernels take no mask
+    with pytest.raises(NotImplementedError, match="not plain causal attention"):
+        _swapped(hf)(x, attention_mask=mask)
+
+
+@pytest.mark.parametrize("over, field", [({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+                                         ({"attention_dropout": 0.1}, "attention_dropout=0.1")])
+def test_swap_refuses_what_it_cannot_run(over, field):
+    with pytest.raises(ValueError, match=f"minite.hf: {field} cannot be mapped"):
+        swap_llama_layers(llama("cpu", **over))
+
+
+def test_swap_refuses_foreign_linears():
+    class LoRA(nn.Linear):
+        pass
+    hf = llama("cpu")
+    q = hf.model.layers[1].self_attn.q_proj
+    hf.model.layers[1].self_attn.q_proj = LoRA(q.in_features, q.out_features, bias=False)
+    with pytest.raises(ValueError, match="layers.1.self_attn.q_proj type='LoRA' cannot be mapped"):
+        swap_llama_layers(hf)
