@@ -557,6 +557,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted: continue from the last checkpoint with --resume", file=sys.stderr)
         return 130
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun rank 0 reports for the run
+        return 0
     s = summary
     print(f"\nval loss {s['val_loss']:.4f} (best {s['best_val_loss']:.4f}) after {s['steps']} steps | "
           f"{s['wall_time_s']:.1f} s wall ({s['train_time_s']:.1f} s training) | {s['tokens_per_s']:,.0f} tokens/s")
