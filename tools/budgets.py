@@ -15,7 +15,13 @@ RULES = [
     ("minite/data.py", 330),                 # corpus preparation: registry, user file, tokenizers, batches
     ("minite/kernels/_library.py", 360),     # (retired by issue 22)
     ("minite/grading.py", 980),              # (split into minite/grading/ by issue 22)
+    # issue 22 wrote the parallel files one statement a line (nanoGPT's style) instead of packing them:
+    ("minite/parallel/tensor.py", 330),      # TP layers, vocab-parallel CE, the SP column linear (from sequence.py)
+    ("minite/parallel/context.py", 300),     # ring and all-gather attention, forward and backward
+    ("minite/parallel/data.py", 280),        # DDP and ZeRO-1/2/3 in one class, its constructor in named steps
+    ("minite/parallel/comm.py", 280),        # every collective, and the one global-norm clip of sharded gradients
     ("minite/parallel/*.py", 250),
+    ("minite/parallel/workers/*.py", 260),   # the torchrun workers, a file per chapter: checks, measurements, task
     ("minite/**/*.py", 300),
 ]
 # Functions that must read top to bottom (issue 22: no function of the training loop over 60 lines).
