@@ -41,8 +41,7 @@
 import os, torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton or minite kernels
-import json, tempfile
-from pathlib import Path
+import tempfile
 import matplotlib.pyplot as plt
 from minite.models.gpt import GPT, GPTConfig
 from minite.parallel.launch import torchrun, results
@@ -68,7 +67,8 @@ def grads(model, x, y):
     model(x, y)[1].backward()
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 
-torch.manual_seed(0); model = GPT(cfg)
+torch.manual_seed(0)
+model = GPT(cfg)
 full = grads(model, x, y)
 W = 4
 avg = sum(grads(model, x[r * 2:(r + 1) * 2], y[r * 2:(r + 1) * 2]) for r in range(W)) / W
@@ -125,16 +125,18 @@ print(f"numbers sent per rank: {sent // 4} = 2(W-1)/W * N = {2 * 3 / 4 * 1200:.0
 #
 # The check: 5 AdamW steps at world 2 from the same seed, parameters compared with single-process AdamW on the
 # full batch; the gradient after the first backward is compared too (AdamW would hide a wrong scale). The same
-# launch trains the GPT under PyTorch's own FSDP2 (`fully_shard`), which works on gloo.
+# launch trains the GPT under PyTorch's own FSDP2 (`fully_shard`), which works on gloo. The workers live in
+# `minite/parallel/workers/` (chapter 10's in `data.py`); each rank writes what it found to `rank<r>.json`.
 
 # %%
 m_dir = tempfile.mkdtemp()  # one launch: the checks, and the measurements of sections 4-6
-res = torchrun(2, ["-m", "minite.parallel.measure", "timeline", "memory", "--checks", "dp", "fsdp2", "--out", m_dir],
+res = torchrun(2, ["-m", "minite.parallel.workers", "dp", "fsdp2", "dp_timeline", "zero_memory", "--out", m_dir],
                timeout=240)
 assert res.returncode == 0, res.stdout[-2000:]
 rank0 = results(m_dir)[0]
 print(f"{'variant':8} {'params vs 1 process':>20} {'grad vs full batch':>19}")
-for k, v in rank0.items():
+for k in ("naive", "zero0", "zero1", "zero2", "zero3", "fsdp2"):
+    v = rank0[k]
     print(f"{k:8} {v['max_err']:>20.1e} {v.get('grad_err', float('nan')):>19.1e}  {'ok' if v['ok'] else 'FAIL'}")
 
 # %% [markdown]
@@ -143,19 +145,19 @@ for k, v in rank0.items():
 # Naive DP waits for the whole backward, then communicates. Bucketed DDP starts the last block's all-reduce while
 # the earlier blocks are still differentiating. Below: one step of a 4-layer GPT on 2 ranks, rank 0's events.
 # On gloo the collectives run on gloo's own threads, so they overlap even on a CPU; on GPUs NCCL kernels run on a
-# separate stream. (Timings on 2 shared CPU cores are noisy: it is the *shape* that matters.)
+# separate stream. (Timings on 2 shared CPU cores are noisy: it is the *shape* that matters.) The worker records
+# them with `minite.parallel.trace`: inside `with trace.Recorder() as rec:` `DataParallel` reports each unit's
+# reduction (launched, seen complete); outside, it records nothing and reads no clock.
 
 # %%
-m2 = json.loads((Path(m_dir) / "measure_rank0.json").read_text())
 fig, ax = plt.subplots(figsize=(9, 2.8), layout="tight")
 for row, name in enumerate(("naive", "bucketed")):
-    tl = m2["timeline"][name]
+    tl = rank0["dp_timeline"][name]
     ax.barh(row + 0.2, tl["backward"][1] * 1e3, left=0, height=0.35, color="tab:blue",
             label="backward" if row == 0 else None)
-    for e in tl["events"]:
-        if e["kind"] == "comm":
-            ax.barh(row - 0.2, max(e["t1"] - e["t0"], 2e-4) * 1e3, left=e["t0"] * 1e3, height=0.35,
-                    color="tab:orange", edgecolor="k", label="all-reduce (in flight)" if row == 0 else None)
+    for e in tl["events"]:  # one per reduction: launched (t0) until seen complete (t1)
+        ax.barh(row - 0.2, max(e["t1"] - e["t0"], 2e-4) * 1e3, left=e["t0"] * 1e3, height=0.35,
+                color="tab:orange", edgecolor="k", label="all-reduce (in flight)" if row == 0 else None)
     ax.axvline(tl["step_end"] * 1e3, ymin=row / 2, ymax=(row + 1) / 2, color="k", ls="--")
 ax.set(yticks=[0, 1], yticklabels=["naive: after backward", "bucketed: from the hooks"], xlabel="ms since step start",
        title="rank 0, world 2, gloo on 2 CPU cores (dashed: gradients ready)")
@@ -167,26 +169,26 @@ plt.show()
 #
 # `zero.memory_per_rank` is the table at the top (this implementation also keeps, at stage 1/2, an fp32 copy of
 # its shard to step, as mixed-precision ZeRO does with its master weights). The measurement counts the storages
-# each rank really holds after one step (`minite.parallel.measure`: the flat parameter and gradient buffers, the
-# shard, AdamW's `exp_avg` and `exp_avg_sq`), at world 1 (here), 2 and 4 (torchrun). ZeRO-3 also holds, briefly,
-# one gathered unit at a time (the largest is printed).
+# each rank really holds after one step (`zero_memory` in `minite/parallel/workers/data.py`: the flat parameter
+# and gradient buffers, the shard, AdamW's `exp_avg` and `exp_avg_sq`), at world 1 (here), 2 and 4 (torchrun).
+# ZeRO-3 also holds, briefly, one gathered unit at a time (the largest is printed).
 
 # %%
-from minite.parallel import measure
+from minite.parallel.workers.data import zero_memory
 from minite.parallel.dims import ParallelDims
-m1 = {"memory": measure.memory(ParallelDims().build())}
 m4_dir = tempfile.mkdtemp()
-res = torchrun(4, ["-m", "minite.parallel.measure", "memory", "--out", m4_dir], timeout=240)
+res = torchrun(4, ["-m", "minite.parallel.workers", "zero_memory", "--out", m4_dir], timeout=240)
 assert res.returncode == 0, res.stdout[-2000:]
-m4 = json.loads((Path(m4_dir) / "measure_rank0.json").read_text())
-N = m2["memory"]["zero0"]["n_params"]
+meas = {1: zero_memory(ParallelDims().build(), None)["zero_memory"],  # world 1: here, in this process
+        2: rank0["zero_memory"],
+        4: results(m4_dir)[0]["zero_memory"]}
+N = meas[2]["zero0"]["n_params"]
 print(f"GPT with N = {N:,} parameters; MB per rank (measured / formula)")
 fig, ax = plt.subplots(figsize=(8, 3.6), layout="tight")
 for stage, c in zip(range(4), ("tab:red", "tab:orange", "tab:green", "tab:blue")):
     ws = [1, 2, 4, 8]
     ax.plot(ws, [memory_per_rank(N, w, stage)["total"] / 1e6 for w in ws], "--", color=c)
-    meas = {1: m1, 2: m2, 4: m4}
-    mb = [meas[w]["memory"][f"zero{stage}"]["total"] / 1e6 for w in (1, 2, 4)]
+    mb = [meas[w][f"zero{stage}"]["total"] / 1e6 for w in (1, 2, 4)]
     ax.plot([1, 2, 4], mb, "o", color=c, label=f"ZeRO-{stage}" if stage else "DDP")
     print(f"  {'DDP   ' if stage == 0 else f'ZeRO-{stage}'}: " + "  ".join(
         f"W={w}: {b:5.2f} / {memory_per_rank(N, w, stage)['total'] / 1e6:5.2f}" for w, b in zip((1, 2, 4), mb)))
@@ -194,7 +196,7 @@ ax.set(xscale="log", xticks=[1, 2, 4, 8], xticklabels=[1, 2, 4, 8], xlabel="worl
        title="params + grads + AdamW state per rank (dots measured, dashes formula)")
 ax.legend()
 plt.show()
-print(f"ZeRO-3's largest gathered unit at W=4: {m4['memory']['zero3']['gathered_unit_peak'] / 1e6:.2f} MB")
+print(f"ZeRO-3's largest gathered unit at W=4: {meas[4]['zero3']['gathered_unit_peak'] / 1e6:.2f} MB")
 
 # %% [markdown]
 # The measured dots sit on the formula (the small excess is padding: each unit is padded to a multiple of $W$).
@@ -207,9 +209,9 @@ print(f"ZeRO-3's largest gathered unit at W=4: {m4['memory']['zero3']['gathered_
 # actually implements `reduce_scatter` as an all-reduce (twice the traffic), so we count, we do not time.
 
 # %%
-for w, m in ((2, m2), (4, m4)):
+for w in (2, 4):
     for stage in range(4):
-        got = m["memory"][f"zero{stage}"]["sent_by_op"]
+        got = meas[w][f"zero{stage}"]["sent_by_op"]
         tot = sum(got.values())
         print(f"W={w} {'DDP   ' if stage == 0 else f'ZeRO-{stage}'}: sent {tot / 1e6:5.2f} MB  formula "
               f"{bytes_per_step(N, w, stage) / 1e6:5.2f} MB   " + ", ".join(f"{k} {v / 1e6:.2f}" for k, v in got.items()))

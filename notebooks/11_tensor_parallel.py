@@ -37,8 +37,7 @@
 import os, torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton or minite kernels
-import json, tempfile
-from pathlib import Path
+import tempfile
 import matplotlib.pyplot as plt
 import torch.nn.functional as F
 from minite.parallel.launch import torchrun, results
@@ -153,7 +152,7 @@ print(f"vocab-parallel CE {float(loss):.6f}   F.cross_entropy {float(F.cross_ent
 out_dir = tempfile.mkdtemp()
 # The workers hold CPU tensors over gloo; the launcher decides how they run the CE kernel (the interpreter only on
 # a machine without a GPU), so no TRITON_INTERPRET here.
-res = torchrun(2, ["-m", "minite.parallel.checks", "tp", "sp", "vce", "--out", out_dir], timeout=240)
+res = torchrun(2, ["-m", "minite.parallel.workers", "tp", "sp", "vce", "--out", out_dir], timeout=240)
 assert res.returncode == 0, res.stdout[-2000:]
 for k, v in results(out_dir)[0].items():  # on a GPU machine the CPU workers skip the kernel check: "skipped"
     print(f"{k:18} " + (f"skipped: {v['skipped']}" if "skipped" in v else
@@ -169,7 +168,7 @@ for k, v in results(out_dir)[0].items():  # on a GPU machine the CPU workers ski
 # costs no extra bytes. Since each rank's norm sees only $T/t$ tokens, the norm weights' gradients are summed over
 # the tp group. One more trick makes the memory saving real: the column linear after the all-gather must keep its
 # input for the weight gradient, and the gathered input is full-size. Megatron keeps only the rank's sequence
-# chunk and all-gathers it *again* in the backward (`sequence.sp_column_linear`: one more all-gather, overlapped
+# chunk and all-gathers it *again* in the backward (`tensor.sp_column_linear`: one more all-gather, overlapped
 # with the input-gradient GEMM on GPUs).
 #
 # Korthikanti et al. count the bytes of activations one layer keeps for backward (16-bit activations; $s$ sequence,
@@ -179,23 +178,24 @@ for k, v in results(out_dir)[0].items():  # on a GPU machine the CPU workers ski
 #
 # Our block differs in detail (fp32, RMSNorm, SwiGLU, RoPE, no dropout, the attention reference saving its
 # probabilities), so the constants differ; the *structure* is what we check. We measure, per rank, the bytes of
-# every tensor autograd saves for backward in one block (a `saved_tensors_hooks` counter, parameters excluded),
-# at $t = 1, 2, 4$:
+# every tensor autograd saves for backward in one block (`trace.saved_bytes`: a `saved_tensors_hooks` counter,
+# parameters excluded), at $t = 1, 2, 4$ (the worker is `sp_memory` in `minite/parallel/workers/tensor.py`):
 
 # %%
-from minite.parallel import measure
+from minite.parallel.workers.tensor import sp_memory
 from minite.parallel.dims import ParallelDims
-meas = {1: measure.sp_memory(ParallelDims().build())}
+meas = {1: sp_memory(ParallelDims().build(), None)["sp_memory"]}  # t = 1: here, in this process
 for w in (2, 4):
     d = tempfile.mkdtemp()
-    r = torchrun(w, ["-m", "minite.parallel.measure", "sp", "--out", d], timeout=240)
+    r = torchrun(w, ["-m", "minite.parallel.workers", "sp_memory", "--out", d], timeout=240)
     assert r.returncode == 0, r.stdout[-2000:]
-    meas[w] = json.loads((Path(d) / "measure_rank0.json").read_text())["sp"]
+    meas[w] = results(d)[0]["sp_memory"]
 base = meas[1]["tp"]
 for w, m in meas.items():
     print(f"t={w}: TP {m['tp'] / 1e6:6.3f} MB  ({m['tp'] / base:.2f} of t=1)   TP+SP {m['sp'] / 1e6:6.3f} MB  "
           f"({m['sp'] / base:.2f}, ideal 1/t = {1 / w:.2f})")
-s, b, h, a = 64, 2, 128, 4  # the measured block's shape
+s, b = 64, 2  # the measured block's shape: sequence and batch,
+h, a = 128, 4  # width and heads
 ts = [1, 2, 4, 8]
 fig, ax = plt.subplots(figsize=(7, 3.6), layout="tight")
 ax.plot(ts, [activation_bytes(s, b, h, a, t) / activation_bytes(s, b, h, a) for t in ts], "--", c="tab:red",

@@ -36,7 +36,8 @@
 #   AFAB vs 1F1B, measured.
 #
 # Everything runs on real `torch.distributed` through `torchrun`, with CPU tensors over gloo on any machine (NCCL
-# needs a GPU per rank); the workers live in `minite/parallel/checks_pp.py` and the cells read what each rank wrote.
+# needs a GPU per rank); the workers live in `minite/parallel/workers/pipeline.py` and the cells read what each
+# rank wrote.
 
 # %%
 import os, torch
@@ -60,7 +61,9 @@ _ = torch.manual_seed(0)
 # ($C = 8192$, 80 layers, $T = 4096$, bf16, $b = 1$):
 
 # %%
-C, L, T, b, nbytes = 8192, 80, 4096, 1, 2
+C, L = 8192, 80  # width, layers
+T, b = 4096, 1  # sequence, micro-batch
+nbytes = 2  # bf16
 act = b * T * C * nbytes
 print(f"one boundary, one micro-batch: {act / 2**20:.0f} MiB forward + {act / 2**20:.0f} MiB backward")
 for t in (2, 8):
@@ -114,7 +117,8 @@ def run_stages(stages, x, y):
     for s, st in enumerate(stages):
         inp = h if s == 0 else h.detach().requires_grad_()  # the received activation
         h = st(inp, y if st.last else None)
-        ins.append(inp), outs.append(h)
+        ins.append(inp)
+        outs.append(h)
     grad = None  # the last stage's output is the loss: its gradient is 1
     for s in reversed(range(len(stages))):
         torch.autograd.backward(outs[s], grad)
@@ -225,8 +229,8 @@ for m in (2, 6, 16):
 
 # %%
 out2 = tempfile.mkdtemp()  # one launch (~6 s each) also records section 6's timeline
-res = torchrun(2, ["-m", "minite.parallel.checks_pp", "grads", "train", "reject", "timeline", "--micro", "1", "4",
-                   "8", "--out", out2], timeout=240)
+res = torchrun(2, ["-m", "minite.parallel.workers", "pp_grads", "pp_train", "pp_reject", "pp_timeline",
+                   "--micro", "1", "4", "8", "--out", out2], timeout=240)
 assert res.returncode == 0, res.stdout[-2000:]
 rep = results(out2)
 for name in rep[0]:
@@ -240,13 +244,15 @@ for msg in rep[0]["reject"]["messages"]:
 # %% [markdown]
 # ## 6. The bubble, measured
 #
-# Each executed step is recorded as `(kind, micro-batch, start, end)` on its rank. Below: an 8-layer, 96-wide GPT
-# on 2 ranks, a global batch of 16 sequences cut into $m = 1, 4, 8$ micro-batches, three timed steps each (the one
-# with the shortest span is kept). The measured bubble of a rank is $1 - \text{busy}/\text{span}$, the span
+# Inside `with trace.Recorder() as rec:` (`minite.parallel.trace`) `PipelineGPT` reports each executed step as
+# `(kind, micro-batch, start, end)` on its rank; without a recorder it records nothing. Below: an 8-layer, 96-wide
+# GPT on 2 ranks, a global batch of 16 sequences cut into $m = 1, 4, 8$ micro-batches, three timed steps each (the
+# one with the shortest span is kept). The measured bubble of a rank is $1 - \text{busy}/\text{span}$, the span
 # running from the first rank's first start to the last rank's last end.
 
 # %%
-tl = {r: {k: v for k, v in rep[r].items() if "runs" in v} for r in rep}  # from the launch of section 5
+tl = {r: {k.removeprefix("timeline_"): v for k, v in rep[r].items() if k.startswith("timeline_")}
+      for r in rep}  # from the launch of section 5
 
 def best_run(name):
     runs = [{r: tl[r][name]["runs"][k] for r in tl} for k in range(len(tl[0][name]["runs"]))]
@@ -278,13 +284,13 @@ for ax, name in zip(axs, ("afab_m8", "1f1b_m8")):
 #
 # ## 7. Activation memory per stage, measured
 #
-# The executor counts the bytes autograd saves during each forward (`saved_tensors_hooks`, by storage, parameters
-# and buffers excluded) and holds them until that micro-batch's backward: the peak per stage is the activation
-# memory. On 4 ranks with $m = 6$:
+# Under a recorder the executor also reports the bytes autograd saves during each forward (`saved_tensors_hooks`,
+# by storage, parameters and buffers excluded); they are held until that micro-batch's backward, so replaying the
+# step order gives the peak per stage: the activation memory. On 4 ranks with $m = 6$:
 
 # %%
 out4 = tempfile.mkdtemp()
-res = torchrun(4, ["-m", "minite.parallel.checks_pp", "memory", "--out", out4], timeout=240)
+res = torchrun(4, ["-m", "minite.parallel.workers", "pp_memory", "--out", out4], timeout=240)
 assert res.returncode == 0, res.stdout[-2000:]
 mem = results(out4)
 fig, ax = plt.subplots(figsize=(7, 2.8), layout="tight")

@@ -181,12 +181,13 @@ plt.show()
 
 # %%
 out_dir = tempfile.mkdtemp()
-res = torchrun(2, ["-m", "minite.parallel.checks_cp", "attn", "gpt", "measure", "--T", "256", "--out", out_dir],
-               timeout=240)  # CPU workers over gloo; the launcher sets their environment (no interpreter on a GPU)
+# CPU workers over gloo; the launcher sets their environment (no interpreter on a GPU)
+res = torchrun(2, ["-m", "minite.parallel.workers", "cp_attn", "cp_gpt", "cp_measure", "--T", "256",
+                   "--out", out_dir], timeout=240)
 assert res.returncode == 0, res.stdout[-2000:]
 rep = results(out_dir)
 print(f"{'check':34} {'max error (both ranks)':>24}")
-for name in [n for n in rep[0] if n != "measure"]:
+for name in [n for n in rep[0] if n != "cp_measure"]:
     worst = max(rep[r][name]["max_err"] for r in rep)
     print(f"{name:34} {'below 1e-5' if worst < 1e-5 else f'{worst:.1e}':>24}  "
           f"{'ok' if all(rep[r][name]['ok'] for r in rep) else 'FAIL'}")
@@ -196,7 +197,9 @@ print("GPT under CP, losses of the 5 steps:", [round(x, 4) for x in rep[0]["gpt_
 # ## 6. Measured: work per rank, bytes and peak memory
 #
 # The launch above also ran one causal forward + backward at $T = 256$ (4 heads of $D = 64$, batch 1) for each
-# variant with and without load balancing. Per rank it recorded
+# variant with and without load balancing, under `with trace.Recorder() as rec:` (`minite.parallel.trace`: the
+# attention reports each block call and each wait of the ring only while a recorder is active). Per rank it
+# recorded
 # * the **score entries** its block calls computed (the work; the causal diagonal counts its visible half);
 # * the bytes it **sent** (`comm.CommLog`, ring-algorithm bytes: gloo's reduce-scatter is really an all-reduce,
 #   so we count rather than time), in units of one rank's K/V shard.
@@ -205,7 +208,7 @@ print("GPT under CP, losses of the 5 steps:", [round(x, 4) for x in rep[0]["gpt_
 
 # %%
 runs = ["ring_contiguous", "ring_balanced", "allgather_contiguous", "allgather_balanced"]
-meas = {r: rep[r]["measure"] for r in rep}
+meas = {r: rep[r]["cp_measure"] for r in rep}
 print(f"cp=2, T={meas[0]['T']}")
 print(f"{'run':22}{'rank 0 work':>14}{'rank 1 work':>14}{'max/min':>9}{'sent / K-V shard':>18}")
 for name in runs:

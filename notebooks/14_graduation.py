@@ -81,8 +81,9 @@ for key, chapter in ROWS:
 # %% [markdown]
 # How they meet in `minite.train.train` (read it: it is under 400 lines), in order:
 #
-# 1. **`setup_parallel`**: `check_layout(cfg, world)` first (section 2), then `torch.distributed` from torchrun's
-#    environment (NCCL with a GPU per rank, else gloo) and `ParallelDims(dp, tp, pp, cp).build()`: every group.
+# 1. **`setup_parallel`**: `check_layout` first (section 2), then `torch.distributed` from torchrun's
+#    environment (NCCL with a GPU per rank, else gloo) and `ParallelDims.from_config(cfg.parallel, world).build()`:
+#    every group.
 # 2. **The dense GPT** from the seed, the base weights and LoRA adapters (`--init_from`, `--lora.r`), and when
 #    resuming the dense checkpoint weights: always *before* any cutting, so every layout starts from the same
 #    numbers.
@@ -105,7 +106,8 @@ for key, chapter in ROWS:
 # ## 2. Layouts that cannot work are rejected before any process group exists
 #
 # A bad layout found after `init_process_group` is a hang or an error on one rank out of 16. `check_layout` runs
-# first, on the config alone, and names every number:
+# first, on the numbers of the config alone (the parallel degrees, the model's shape, the sequence length, the
+# global batch, LoRA's rank), and names every number:
 
 # %%
 def cfg_for(**parallel):
@@ -116,7 +118,9 @@ def cfg_for(**parallel):
 for world, layout in ((8, dict(dp=2, tp=3)), (4, dict(pp=8)), (3, dict(cp=3)), (6, dict(dp=3, tp=2)),
                       (4, dict(pp=2, dp=2, zero=1)), (4, dict(dp=2, tp=2, zero=1))):
     try:
-        check_layout(cfg_for(**layout), world)
+        cfg = cfg_for(**layout)
+        check_layout(cfg.parallel, cfg.model, world=world, seq_len=cfg.data.block_size or cfg.model.block_size,
+                     batch_size=cfg.train.batch_size, lora_r=cfg.lora.r)
         print(f"world {world} {layout}: OK")
     except ParallelError as e:
         print(f"world {world} {layout}:\n    {e}")
@@ -166,7 +170,8 @@ for name in list(opt["exp_avg"])[:4]:
 # stand-in parameter with it, and let `reshard.local_slice` cut the dense moment from the checkpoint:
 
 # %%
-H, KVH, D, tp = 4, 2, 8, 2
+H, KVH, D = 4, 2, 8  # query heads, kv heads, head size
+tp = 2
 dense_m = opt["exp_avg"]["blocks.0.attn.qkv.weight"]  # ((H + 2 KVH) D, C)
 slices = []
 for r in range(tp):
@@ -258,7 +263,8 @@ if rec:
             ax.plot([int(i) for i in s], [r["losses"][i] for i in s], lw=1, label=n)
     ax.set(xlabel="step", ylabel="train loss of the global batch",
            title=f"every configuration, one axis ({rec['device']}, {rec['date']})")
-    ax.legend(fontsize=7, ncol=2), ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
     plt.show()
 
 # %% [markdown]
@@ -297,10 +303,13 @@ if rec:
     a1.barh(names, [max(ok[n]["transient_peak_bytes_per_rank"]) / 2**20 for n in names], left=resid,
             label="transient: activations, gradients, temporaries")
     a1.set(xlabel="MiB per rank (max over ranks)", title="peak tensor memory per rank")
-    a1.invert_yaxis(), a1.legend(fontsize=7), a1.grid(alpha=0.3, axis="x")
+    a1.invert_yaxis()
+    a1.legend(fontsize=7)
+    a1.grid(alpha=0.3, axis="x")
     a2.barh(names, [ok[n]["step_ms"] for n in names], color=["C3" if ok[n]["world"] == 4 else "C0" for n in names])
     a2.set(xlabel="median step time, ms (red: 4 ranks on 2 cores)", title=f"step time ({rec['device']})")
-    a2.invert_yaxis(), a2.grid(alpha=0.3, axis="x")
+    a2.invert_yaxis()
+    a2.grid(alpha=0.3, axis="x")
     plt.tight_layout()
     plt.show()
 

@@ -21,7 +21,8 @@
 # `raise NotImplementedError()`), run the cell, then run its check cell.
 #
 # 1. **A sharded optimizer step, graded on 2 real ranks.** The check cell writes your function to a file and
-#    launches `torchrun --nproc-per-node 2 -m minite.parallel.grade`, which imports it on every rank.
+#    launches `torchrun --nproc-per-node 2 -m minite.parallel.workers sharded_sgd_step`, which imports it on every
+#    rank.
 # 2. **A whole Triton kernel from a spec**: the AdamW update of a distributed optimizer's flat shard.
 
 # %%
@@ -31,7 +32,7 @@ if not torch.cuda.is_available():
 import inspect
 import torch.distributed as dist
 from minite._triton import triton, tl
-from minite.parallel.grade import run_graded
+from minite.parallel.workers.grade import run_graded
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _ = torch.manual_seed(0)
 

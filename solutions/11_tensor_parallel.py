@@ -21,7 +21,8 @@
 # `raise NotImplementedError()`), run the cell, then its check cell.
 #
 # 1. **A row-parallel linear with the right gradients, graded on 2 real ranks** (the check cell writes your code to
-#    a file and launches `torchrun --nproc-per-node 2 -m minite.parallel.grade`, which imports it on every rank).
+#    a file and launches `torchrun --nproc-per-node 2 -m minite.parallel.workers row_parallel_linear`, which
+#    imports it on every rank).
 # 2. **A whole Triton kernel from a spec**: the per-row statistics one rank contributes to a vocab-parallel
 #    cross-entropy.
 
@@ -31,7 +32,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton or minite kernels
 import torch.distributed as dist
 from minite._triton import triton, tl
-from minite.parallel.grade import run_graded
+from minite.parallel.workers.grade import run_graded
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _ = torch.manual_seed(0)
 

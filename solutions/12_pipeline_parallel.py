@@ -21,7 +21,7 @@
 # `raise NotImplementedError()`), run the cell, then run its check cell.
 #
 # 1. **The 1F1B schedule, graded on 2 real ranks.** The check cell writes your function to a file and launches
-#    `torchrun --nproc-per-node 2 -m minite.parallel.checks_pp grade`: every rank runs a real pipeline step with
+#    `torchrun --nproc-per-node 2 -m minite.parallel.workers one_f_one_b`: every rank runs a real pipeline step with
 #    your order and compares its loss and gradients with the dense GPT.
 # 2. **Balanced stages**: where to cut a list of layer costs into $p$ contiguous stages.
 # 3. **A whole Triton kernel from a spec**: accumulating a micro-batch's gradient into an fp32 main-gradient buffer.
@@ -32,7 +32,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton or minite kernels
 import inspect, itertools
 from minite._triton import triton, tl
-from minite.parallel.checks_pp import run_graded
+from minite.parallel.workers.grade import run_graded
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _ = torch.manual_seed(0)
 
@@ -67,7 +67,7 @@ def one_f_one_b(p, m, stage):
 
 # %% minite={"check": "one_f_one_b"} tags=["nbval-check-output"]
 # CHECK: one_f_one_b
-ok, msg = run_graded(inspect.getsource(one_f_one_b), world=2)
+ok, msg = run_graded(inspect.getsource(one_f_one_b), "one_f_one_b", world=2)
 print(msg)
 assert ok
 print("PASS: one_f_one_b")

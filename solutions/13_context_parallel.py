@@ -21,7 +21,8 @@
 # `raise NotImplementedError()`), run the cell, then run its check cell.
 #
 # 1. **Ring attention on real ranks, graded through torchrun.** The check cell writes your function to a file and
-#    launches `torchrun --nproc-per-node 2 -m minite.parallel.checks_cp grade`, which imports it on every rank.
+#    launches `torchrun --nproc-per-node 2 -m minite.parallel.workers ring_step_merge`, which imports it on every
+#    rank.
 # 2. **A whole Triton kernel from a spec**: one ring step that *continues* the online softmax from the running
 #    $(O, \mathrm{LSE})$ of the previous steps, instead of merging two finished results.
 
@@ -33,7 +34,7 @@ import inspect
 import torch.distributed as dist
 from minite._triton import triton, tl
 from minite.ops import attention
-from minite.parallel.checks_cp import run_graded
+from minite.parallel.workers.grade import run_graded
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _ = torch.manual_seed(0)
 
@@ -142,7 +143,8 @@ def ring_block_update_kernel(Q, K, V, O, LSE, T_q, T_k, D, scale, BLOCK_M: tl.co
 # %% minite={"check": "ring_block_update_kernel"} tags=["nbval-check-output"]
 # CHECK: ring_block_update_kernel
 gen = torch.Generator().manual_seed(13)
-BH, Tq, D, blocks = 3, 20, 16, (24, 13, 5)  # odd block lengths, a tail in every tile
+BH, Tq, D = 3, 20, 16  # (batch x heads, queries, head size)
+blocks = (24, 13, 5)  # odd block lengths, a tail in every tile
 q = torch.randn(BH, Tq, D, generator=gen)
 ks = [torch.randn(BH, n, D, generator=gen) for n in blocks]
 vs = [torch.randn(BH, n, D, generator=gen) for n in blocks]

@@ -13,12 +13,18 @@ RULES = [
     ("minite/kernels/attention.py", 470),    # forward, dK/dV and dQ kernels, varlen, 2 ops + their autograd formula
     ("minite/kernels/cross_entropy.py", 330),  # CE and the fused linear-CE: 3 ops, 2 autograd formulas
     ("minite/kernels/rmsnorm.py", 315),      # RMSNorm and LayerNorm: 4 ops, 2 autograd formulas
-    ("minite/train.py", 600),                # resolve, build, step, loop, the CLI and their checks, one statement a line
+    ("minite/train.py", 600),                # resolve, build, step, loop, the CLI, their checks; a statement a line
     ("minite/gpu_compile.py", 340),          # the sm_90/sm_80 gate: record, compile, ptxas, report
     ("minite/data.py", 360),                 # corpus preparation: registry, user file, tokenizers, batches, lock
     ("minite/grading.py", 980),              # (split into minite/grading/ by issue 22)
     ("minite/config.py", 320),               # five sections, each field's doc and its check
+    # issue 22 wrote the parallel files one statement a line (nanoGPT's style) instead of packing them:
+    ("minite/parallel/tensor.py", 330),      # TP layers, vocab-parallel CE, the SP column linear (from sequence.py)
+    ("minite/parallel/context.py", 300),     # ring and all-gather attention, forward and backward
+    ("minite/parallel/data.py", 280),        # DDP and ZeRO-1/2/3 in one class, its constructor in named steps
+    ("minite/parallel/comm.py", 280),        # every collective, and the one global-norm clip of sharded gradients
     ("minite/parallel/*.py", 250),
+    ("minite/parallel/workers/*.py", 260),   # the torchrun workers, a file per chapter: checks, measurements, task
     ("minite/**/*.py", 300),
 ]
 # Functions that must read top to bottom (issue 22: no function of the training loop over 60 lines).

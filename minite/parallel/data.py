@@ -19,6 +19,7 @@ timeline) when a recorder is active.
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import torch
 from torch import nn
@@ -68,60 +69,72 @@ class DataParallel:
     def __init__(self, model: nn.Module, group, stage: int = 0, units: list[nn.Module] | None = None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
-        self.model, self.group, self.stage = model, group, stage
-        self.W, self.r = comm.size(group), comm.rank(group)
+        self.model = model
+        self.group = group
+        self.stage = stage
+        self.W = comm.size(group)
+        self.r = comm.rank(group)
         self.pending = []  # (work, buffer, trace row) of each reduction in flight
         self.done = True  # no backward in progress: finish() has nothing to do
         self._sync = True  # False under no_sync(): backward accumulates, nothing is reduced
-        mods = list(model.blocks) if units is None else list(units)
-        owner = {id(p): i for i, m in enumerate(mods) for p in m.parameters()}
-        named = list(model.named_parameters())
-        groups = [[] for _ in mods] + [[]]
-        for name, p in named:
-            groups[owner.get(id(p), len(mods))].append((name, p))
-        self.units = [Unit(f"unit{i}", m, g, self.W) for i, (m, g) in enumerate(zip(mods, groups))]
-        self.units.append(Unit("root", model, groups[-1], self.W))
-        self.names, dev = [n for n, _ in named], named[0][1].device
-        self.shard_off, s = [], 0
-        for u in self.units:
-            self.shard_off.append(s)
-            s += u.shard_numel
-        total = sum(u.numel for u in self.units)
-        # The flat buffers. Stage < 3: every parameter is a view into one flat full buffer (as in DDP/Megatron).
-        if stage < 3:
-            self.flat_param = torch.zeros(total, device=dev)
-            self._unit_off = [sum(u.numel for u in self.units[:i]) for i in range(len(self.units))]
-            for u, uo in zip(self.units, self._unit_off):
-                self._bind(u, self.flat_param[uo:uo + u.numel], copy=True)
-        # Stage <= 1: one flat full gradient buffer, .grad are views into it (accumulated in place by autograd).
-        self.flat_grad = torch.zeros(total, device=dev) if stage <= 1 else None
-        if stage <= 1:
-            for u, uo in zip(self.units, self._unit_off):
-                for (_, p), o in zip(u.params, u.offsets):
-                    p.grad = self.flat_grad[uo + o:uo + o + p.numel()].view_as(p)
-        # Stage >= 1: my shard of every unit, contiguous: the master parameters and their reduced gradients.
-        self.shard_param = self.shard_grad = None
-        if stage >= 1:
-            self.shard_param = nn.Parameter(torch.zeros(s, device=dev))
-            self.shard_grad = torch.zeros(s, device=dev)
-            for u, so in zip(self.units, self.shard_off):
-                for name, lo, hi, slo, shi in u.pieces(self.r):
-                    p = dict(u.params)[name]
-                    self.shard_param.data[so + slo:so + shi] = p.detach().reshape(-1)[lo:hi]
-        if stage == 3:  # parameters become views of a per-unit buffer that exists only while gathered
-            for u in self.units:
-                u.full = torch.zeros(u.numel, device=dev)
-                self._bind(u, u.full, copy=False)
-                self._free(u)
-            for u in self.units[:-1]:
-                u.module.register_forward_pre_hook(lambda m, a, u=u: self._gather(u))
-                u.module.register_forward_hook(lambda m, a, out, u=u: self._after_forward(u, out))
-            root = self.units[-1]
-            model.register_forward_pre_hook(lambda m, a: self._gather(root))
-            model.register_forward_hook(lambda m, a, out: None if torch.is_grad_enabled() else self._free(root))
+        self.units = self._cut(model, units)
+        # where each unit starts in the flat full buffers, and in my shard (the last entry: the total)
+        self._unit_off = list(itertools.accumulate((u.numel for u in self.units), initial=0))
+        self.shard_off = list(itertools.accumulate((u.shard_numel for u in self.units), initial=0))
+        self._make_buffers(next(model.parameters()).device)
+        if stage == 3:
+            self._gather_around_forward()
         for u in self.units:
             for _, p in u.params:
                 p.register_post_accumulate_grad_hook(lambda p, u=u: self._grad_ready(u))
+
+    def _cut(self, model: nn.Module, units: list[nn.Module] | None) -> list[Unit]:
+        """A unit per module of `units` (default: the transformer blocks), then the root: every other parameter."""
+        mods = list(model.blocks) if units is None else list(units)
+        owner = {id(p): i for i, m in enumerate(mods) for p in m.parameters()}
+        groups = [[] for _ in mods] + [[]]
+        for name, p in model.named_parameters():
+            groups[owner.get(id(p), len(mods))].append((name, p))
+        out = [Unit(f"unit{i}", m, g, self.W) for i, (m, g) in enumerate(zip(mods, groups))]
+        return out + [Unit("root", model, groups[-1], self.W)]
+
+    def _make_buffers(self, dev: torch.device) -> None:
+        """The flat buffers the parameters and gradients live in, at this stage."""
+        total, mine = self._unit_off[-1], self.shard_off[-1]
+        # stage < 3: every parameter is a view into one flat full buffer (as in DDP/Megatron)
+        self.flat_param = torch.zeros(total, device=dev) if self.stage < 3 else None
+        if self.stage < 3:
+            for u, uo in zip(self.units, self._unit_off):
+                self._bind(u, self.flat_param[uo:uo + u.numel], copy=True)
+        # stage <= 1: one flat full gradient buffer, .grad are views into it (accumulated in place by autograd)
+        self.flat_grad = torch.zeros(total, device=dev) if self.stage <= 1 else None
+        if self.stage <= 1:
+            for u, uo in zip(self.units, self._unit_off):
+                for (_, p), o in zip(u.params, u.offsets):
+                    p.grad = self.flat_grad[uo + o:uo + o + p.numel()].view_as(p)
+        # stage >= 1: my shard of every unit, contiguous: the master parameters and their reduced gradients
+        self.shard_param = self.shard_grad = None
+        if self.stage >= 1:
+            self.shard_param = nn.Parameter(torch.zeros(mine, device=dev))
+            self.shard_grad = torch.zeros(mine, device=dev)
+            for u, so in zip(self.units, self.shard_off):
+                params = dict(u.params)
+                for name, lo, hi, slo, shi in u.pieces(self.r):
+                    self.shard_param.data[so + slo:so + shi] = params[name].detach().reshape(-1)[lo:hi]
+
+    def _gather_around_forward(self) -> None:
+        """Stage 3: the parameters become views of a per-unit buffer that exists only while gathered: before the
+        unit's forward and again before its backward."""
+        for u in self.units:
+            u.full = torch.zeros(u.numel, device=self.shard_param.device)
+            self._bind(u, u.full, copy=False)
+            self._free(u)
+        for u in self.units[:-1]:
+            u.module.register_forward_pre_hook(lambda m, a, u=u: self._gather(u))
+            u.module.register_forward_hook(lambda m, a, out, u=u: self._after_forward(u, out))
+        root = self.units[-1]
+        self.model.register_forward_pre_hook(lambda m, a: self._gather(root))
+        self.model.register_forward_hook(lambda m, a, out: None if torch.is_grad_enabled() else self._free(root))
 
     # ------------------------------------------------------------------ buffers
     @staticmethod
@@ -144,7 +157,12 @@ class DataParallel:
 
     def _after_forward(self, u: Unit, out):
         if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(lambda g: (self._gather(u), g)[1])  # gathered again just before its backward
+
+            def gather_again(g):  # just before the unit's backward
+                self._gather(u)
+                return g
+
+            out.register_hook(gather_again)
         self._free(u)
 
     # ------------------------------------------------------------------ gradient reduction

@@ -119,14 +119,14 @@ class PipelineGPT(nn.Module):
                     sends.append((comm.send(inp.grad, prev, self.group), inp.grad))
         for work, _ in sends:
             work.wait()
-        self._sync_tied()
+        self._sum_tied_grads()
         fresh = [q.grad if q.grad is not None else torch.zeros_like(q) for q in params]
         for q, g in zip(params, kept):
             q.grad = g
         comm.broadcast(loss, self.ends[1], self.group)
         return loss, fresh
 
-    def _sync_tied(self):
+    def _sum_tied_grads(self):
         """Sum the embedding's gradient (stage 0) and the tied head's (stage p-1): both copies get the dense grad."""
         if self.p == 1 or not (self.stage.first or self.stage.last):
             return
