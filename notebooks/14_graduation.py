@@ -79,11 +79,14 @@ for key, chapter in ROWS:
     print(f"--{key:24s} default {f.default!r:14}  [{chapter}]")
 
 # %% [markdown]
-# How they meet in `minite.train.train` (read it: it is under 400 lines), in order:
+# How they meet in `minite.train.train`. It reads top to bottom in four steps, `resolve → build → train_step →
+# loop`, no function over 60 lines (read `minite/train.py`):
 #
+# 0. **`resolve`** decides the run's configuration once: the checkpoint's (`--resume`), the base's model
+#    (`--init_from`), the data's vocabulary; nothing later changes it.
 # 1. **`setup_parallel`**: `check_layout` first (section 2), then `torch.distributed` from torchrun's
 #    environment (NCCL with a GPU per rank, else gloo) and `ParallelDims.from_config(cfg.parallel, world).build()`:
-#    every group.
+#    every group. It returns a `Parallel` built whole; only rank 0 prints (`par.quiet()`).
 # 2. **The dense GPT** from the seed, the base weights and LoRA adapters (`--init_from`, `--lora.r`), and when
 #    resuming the dense checkpoint weights: always *before* any cutting, so every layout starts from the same
 #    numbers.
@@ -91,12 +94,15 @@ for key, chapter in ROWS:
 #    ring, DP/ZeRO adds the gradient hooks; then **`apply_recompute`** on whatever blocks this rank holds, then
 #    **`compile_model`**.
 # 4. **The optimizer**: `torch.optim.AdamW`, or ZeRO's `ShardedAdamW` over the dp group.
-# 5. **Each step**: my dp slice of the *global* batch (every rank draws the same batch from the same seed), the
+# 5. **Each step** (`train_step`): my dp slice of the *global* batch (every rank draws the same batch from the
+#    same seed; the early micro-batches of gradient accumulation under `par.no_sync()`), the
 #    forward under the precision context (`torch.autocast` for bf16/fp16, `fp8_autocast` for fp8), the backward
 #    (fp16: `DynamicLossScaler.scale(loss)`, then `unscale_`, skip the step on an overflow), clipping by the norm
 #    over *all* shards, the step, and rank 0 logs the global batch's loss.
-# 6. **Checkpoints** gather the dense weights and the dense AdamW moments (section 3); at the end a sample from
-#    `model.generate`, which runs prefill once and then one token at a time against the KV cache of chapter 08.
+# 6. **Checkpoints** (`loop`) gather the dense weights and the dense AdamW moments (section 3), and `ckpt_best.pt`
+#    keeps the best val loss; a non-finite loss stops the run naming its step, the last good checkpoint kept. At
+#    the end a sample from `model.generate`, which runs prefill once and then one token at a time against the KV
+#    cache of chapter 08.
 #
 # Because `batch_size` is global and the data order is the seed's, **any layout trains the same tokens in the same
 # order**: its loss curve must equal the single-process one up to the order of float additions. That is what
