@@ -12,13 +12,13 @@ from __future__ import annotations
 import datetime
 import math
 import os
-import sys
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from minite.errors import ParallelError
+from minite.parallel import watch
 
 __all__ = ["ParallelDims", "ParallelError", "check_layout", "init_distributed", "select_device"]
 
@@ -63,23 +63,8 @@ def init_distributed(timeout_s: float = 60.0, backend: str | None = None, device
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend or ("nccl" if cuda else "gloo"), timeout=datetime.timedelta(seconds=timeout_s))
-    _name_silent_ranks_on_timeout()
+    watch.start()  # a heartbeat per rank; an error that ends this process names the ranks that stopped
     return dist.get_rank(), dist.get_world_size()
-
-
-def _name_silent_ranks_on_timeout() -> None:
-    """A collective that times out says only "Timed out waiting ... for recv". On gloo, ask which ranks are still
-    answering (monitored_barrier) and name the silent ones before the process dies. (NCCL's watchdog reports.)"""
-    previous = sys.excepthook
-
-    def hook(kind, exc, tb):
-        previous(kind, exc, tb)
-        if "Timed out" in str(exc) and dist.is_initialized() and dist.get_backend() == "gloo":
-            try:
-                dist.monitored_barrier(timeout=datetime.timedelta(seconds=5), wait_all_ranks=True)
-            except RuntimeError as e:
-                print(f"[rank{dist.get_rank()}] minite: a collective timed out; {e}", file=sys.stderr, flush=True)
-    sys.excepthook = hook
 
 
 @dataclass

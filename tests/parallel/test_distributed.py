@@ -5,6 +5,11 @@ One launch per world size runs every check (minite.parallel.workers, conftest's 
 per check; the tests below read those reports. World 2 also saves a ZeRO-1 checkpoint that world 4 loads (a
 different world size).
 """
+import os
+import socket
+import subprocess
+import sys
+
 import pytest
 
 from minite.parallel.launch import torchrun
@@ -68,6 +73,32 @@ def test_dead_rank_ends_the_run_naming_it(tmp_path, how):
     assert res.returncode != 0
     assert "rank      : 1" in res.stdout and "Root Cause" in res.stdout, res.stdout[-2000:]
     assert not list(tmp_path.glob("rank*.json"))
+
+
+@pytest.mark.parametrize("dead", [1, 0])
+def test_dead_rank_is_named_without_torchruns_agent(tmp_path, dead):
+    """issue 25: a rank per process, launched by hand (no agent to name the dead): rank `dead` is SIGKILLed while
+    the other waits in an all-reduce; the survivor names it (was: a raw gloo traceback naming no rank)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = ("import os, signal, time, torch, torch.distributed as dist\n"
+            "from minite.parallel.dims import init_distributed\n"
+            "rank, world = init_distributed(30, backend='gloo')\n"
+            "time.sleep(1.5)\n"
+            f"if rank == {dead}:\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)\n"
+            "dist.all_reduce(torch.ones(1))\n")
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+           "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    err = [p.communicate(timeout=90)[1] for p in procs]
+    survivor = 1 - dead
+    assert procs[dead].returncode == -9 and procs[survivor].returncode != 0
+    want = ("rank(s) 1 stopped: their heartbeat ended" if dead == 1 else
+            "rank 0 is gone (it hosts the run's rendezvous store, which no longer answers)")
+    assert f"[rank{survivor}] minite: this rank failed with RuntimeError; {want}" in err[survivor], err[survivor]
 
 
 def test_hung_rank_times_out_and_is_named(tmp_path):
