@@ -14,7 +14,6 @@ RULES = [
     ("minite/gpu_compile.py", 340),          # the sm_90/sm_80 gate: record, compile, ptxas, report
     ("minite/data.py", 330),                 # corpus preparation: registry, user file, tokenizers, batches
     ("minite/kernels/_library.py", 360),     # (retired by issue 22)
-    ("minite/grading.py", 980),              # (split into minite/grading/ by issue 22)
     ("minite/parallel/*.py", 250),
     ("minite/**/*.py", 300),
 ]
