@@ -1,5 +1,5 @@
-"""What a graded notebook's kernel runs on behalf of the grader (see ``minite.grading``): it *records*, it does
-not judge.
+"""What a graded notebook's kernel runs on behalf of the grader (see ``minite.grading``; the kernel loads it from
+this file, nothing imports it): it *records*, it does not judge.
 
 The grader rewrites every check cell so that
 * ``check_op(name, fn, ref, *args, ...)`` becomes ``_minite.op(rid, name, fn, ref, *args, ...)``; in the
