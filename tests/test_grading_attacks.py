@@ -1,21 +1,27 @@
-"""Every grading attack of issue 15, played against a small notebook shaped like chapter 00 (a Triton kernel behind
-a launcher, a Python function checked by raw asserts and assert_close, a top-level answer checked by check_op).
+"""Every grading attack of issues 15 and 25, played against a small notebook shaped like chapter 00 (a Triton kernel
+behind a launcher, a Python function checked by raw asserts and assert_close, a top-level answer checked by
+check_op).
 
 Two layers hold: the answer check (structure + lint, in `assemble`) rejects an answer that leaves its block or
-reaches outside itself, and the verdict (records compared in the grader's process, the kernel's processes
-killed first) holds even with that check switched off (`lint=False`), for every attack that has to *fake* a
-result rather than compute it. Limits that remain (README): an answer may compute its result with what the
-notebook imported (minite's public functions, torch), and a student who has `solutions/` can copy it.
+reaches outside itself, and the verdict holds even with that check switched off (`lint=False`), for every attack
+that has to *fake* a result rather than compute it: records are compared in the grader's process against the
+reference run's, after the kernel's processes are killed and the course's files are put back, and the grader
+imports nothing the notebook could have written. Limits that remain (README): an answer may compute its result
+with what the notebook imported (minite's public functions, torch), and a student who has `solutions/` can copy it.
 """
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import nbformat
 import pytest
-from test_grading import solve, tiny_solution, write
+from test_grading import ROOT, solve, tiny_solution, write
 
 from minite.grading import STUB, assemble, grade, make_exercise
 
@@ -50,6 +56,62 @@ LIBRARY_PRIVATE = "import minite.kernels.softmax as S\nreturn S._softmax_fwd_ker
 # stored PASS outputs, a rewritten check cell, skip/raises tags on the task
 TAMPERED = "tampered"
 
+# Issue 25: reach the notebook's globals through operator.attrgetter, then take over the recorder (as an answer
+# inside `area`, which the area check calls before its asserts): every assert leaf "unrecordable" and the assert
+# itself true, assert_close fed the check's own expected value, check_op fed a function computing the reference.
+OPERATOR_GLOBALS = """\
+import operator
+rec = operator.attrgetter("__globals__")(area)["_minite"]
+keep = rec.op
+def a(rid, test):
+    rec.buffer.append({"kind": "assert", "rid": rid, "leaves": {"1": {"__unrecordable__": "x"}}})
+    return True
+def close(rid, actual, expected, *args, **kwargs):
+    rec.buffer.append({"kind": "close", "rid": rid, "actual": expected, "expected": expected, "kwargs": kwargs})
+def op(rid, name, fn, ref, *args, **kwargs):
+    return keep(rid, name, lambda t: t * 3, None, *args, **kwargs)
+rec.a = a
+rec.close = close
+rec.op = op
+return 3.0 * r * r"""
+# the same take-over without the check_op part: the area answer is wrong, its records say "not recordable"
+UNRECORDABLE = OPERATOR_GLOBALS.replace("rec.op = op\n", "")
+# aliasing: patch a torch.Tensor method through a name of one's own, so that the check's expected side
+# (math.pi * r ** 2, torch.pi * r * r) is computed wrongly too, as 3 * r ** 2
+ALIAS_PATCH = """\
+T = torch.Tensor
+mul = T.__mul__
+T.__rmul__ = lambda self, other: mul(self, 3.0)
+return 3.0 * r * r"""
+# persistence: rewrite the check cells of the solution notebook, so that the next notebook graded passes them
+REWRITE_SOLUTION = """\
+import json
+with open(r"{solution}") as f:
+    nb = json.load(f)
+for c in nb["cells"]:
+    if c["metadata"].get("minite", {{}}).get("check"):
+        c["source"] = "print('PASS')"
+with open(r"{solution}", "w") as f:
+    json.dump(nb, f)
+SCALE = 2.0"""
+# code run inside the grader: append to minite/testing.py (an editable install), which a grader that imports it
+# after the student's kernel ran would execute; and a detached process that writes a fake score line straight
+# into the grader's stdout (/proc/<grader>/fd/1)
+GRADER_CODE = """
+import sys as _s
+for _n, _m in list(_s.modules.items()):
+    if _n.startswith("minite.grading") and hasattr(_m, "GradeReport"):
+        _m.GradeReport.score = property(lambda self: self.total)
+"""
+FAKE_SCORE = ("import os, time; fd = os.open('/proc/%d/fd/1', os.O_WRONLY); os.write(fd, b'score: 3/3\\n'); "
+              "time.sleep(60)")
+IN_THE_GRADER = """\
+import os, subprocess, sys, time
+with open(r"{testing}", "a") as f:
+    f.write({code!r})
+subprocess.Popen([sys.executable, "-c", {fake!r} % os.getppid()], start_new_session=True)
+time.sleep(1)
+SCALE = 2.0"""
 
 @pytest.fixture(scope="module")
 def sol_path(tmp_path_factory):
@@ -66,8 +128,16 @@ def sol_path(tmp_path_factory):
     ("scale", READ_SOLUTION, "may not use 'open'"),
     ("area", LIBRARY_PRIVATE, "may import only"),
     ("area", "return S._softmax_fwd_kernel", "attribute '._softmax_fwd_kernel'"),
+    ("area", OPERATOR_GLOBALS, "'.attrgetter'"),
+    ("scale", "from operator import attrgetter as ag\nSCALE = ag('real')(3.0)", "'attrgetter'"),
+    ("area", "import operator\nreturn operator.methodcaller('conjugate')(math.pi * r * r)", "'.methodcaller'"),
+    ("area", "k = '__glob' 'als__'\nreturn math.pi * r * r", "'__globals__'"),
+    ("area", "T = torch.Tensor\nT.t = lambda self: self\nreturn math.pi * r * r", "assigning to 'T.t'"),
+    ("area", "T = type(r)\nreturn math.pi * r * r", "may not use 'type'"),
+    ("area", "torch.load('x.pt', weights_only=False)\nreturn math.pi * r * r", "attribute '.load'"),
 ], ids=["a-dedent", "f-reload", "g2-fake-package", "c-patch-torch", "ipython-hook", "l-detached", "h-read-solution",
-        "b-import-library", "b-private-kernel"])
+        "b-import-library", "b-private-kernel", "operator-globals", "from-operator-import", "methodcaller",
+        "dunder-string", "alias-store", "type-of", "torch-load"])
 def test_the_answer_check_rejects_each_attack(task, answer, why):
     sol = tiny_solution()
     ex = make_exercise(sol)
@@ -76,11 +146,36 @@ def test_the_answer_check_rejects_each_attack(task, answer, why):
         first, rest = answer.split("\n", 1)
         cell.source = cell.source.replace(f"    {STUB}", f"    {first}\n{rest}")
     else:
-        ex = solve(ex, {task: answer.format(mark="/nonexistent", solution="/nonexistent")})
+        ex = solve(ex, {task: answer.replace("{mark}", "/nonexistent").replace("{solution}", "/nonexistent")})
     notes = []
     graded = assemble(ex, sol, notes)
     assert len(notes) == 1 and why in notes[0], notes
     assert sum(STUB in c.source for c in graded.cells) == 3, "the rejected answer must be replaced by the stub"
+
+
+def test_the_judge_takes_the_expected_side_from_the_reference_run():
+    """Records as a student's process that ran any code could make them: the area check's expected side computed
+    wrongly (as the answer), an assert value that is not recordable. Only values that depend on the answers (by
+    the check cell's data flow: `a = area(r)`, not `math.pi * r ** 2`) are taken from the student's run."""
+    import torch
+
+    from minite.grading.judge import _judge, ready
+    from minite.grading.sandbox import _prepare
+    ready()
+    _, tests = _prepare(tiny_solution(), "student", 10)
+    assert [sorted(t.answer_leaves) for t in tests["area"].values()] == [["1"]]
+    r = torch.linspace(0.5, 2.0, 7, dtype=torch.float64)
+    right, wrong = torch.pi * r * r, 3 * r * r
+
+    def records(a, expected):
+        return [{"kind": "assert", "rid": 1, "leaves": {"1": a, "2": expected}},
+                {"kind": "close", "rid": 2, "actual": a, "expected": expected, "kwargs": {"name": "area"}}]
+    ref = records(right, right)
+    assert _judge("area", tests["area"], records(right, right), ref) is None
+    assert "is false" in _judge("area", tests["area"], records(wrong, wrong), ref)
+    assert "elements differ" in _judge("area", tests["area"], records(wrong, right)[1:], ref[1:])
+    unrecordable = records({"__unrecordable__": "Recorder"}, right)
+    assert "not recordable" in _judge("area", tests["area"], unrecordable, ref)
 
 
 @pytest.mark.notebook
@@ -102,7 +197,10 @@ def test_every_attack_scores_zero_with_the_answer_check_on(tmp_path, sol_path):
     {"area": PATCH_TORCH},
     {"scale": IPYTHON_HOOK},
     {"add": ADD_OK.replace("tl.load(X + offs, mask=mask) +", "2 *")},  # wrong, with its check cell rewritten
-], ids=["f-reload", "g2-fake-package", "c-patch-torch", "ipython-hook", "tampered-check"])
+    {"area": UNRECORDABLE},
+    {"area": ALIAS_PATCH},
+], ids=["f-reload", "g2-fake-package", "c-patch-torch", "ipython-hook", "tampered-check", "unrecordable-leaves",
+        "alias-patch-expected-side"])
 def test_faking_a_result_scores_zero_even_without_the_answer_check(tmp_path, sol_path, answers):
     """The verdict does not depend on the student's process judging anything: patched checkers, a fake
     minite.testing, patched torch comparisons and rewritten check cells all still score 0."""
@@ -119,7 +217,77 @@ def test_faking_a_result_scores_zero_even_without_the_answer_check(tmp_path, sol
     attacked = next(iter(answers))
     assert attacked in rep.failed and rep.score == 0, rep.summary()
     # failed by the grader's own comparison, not by an error in the student's process
-    assert any(s in rep.reasons[attacked] for s in ("differ", "is false")), rep.reasons[attacked]
+    assert any(s in rep.reasons[attacked] for s in ("differ", "is false", "not recordable")), rep.reasons[attacked]
+
+
+@pytest.mark.notebook
+def test_the_operator_route_to_the_notebook_globals_scores_zero(tmp_path, sol_path):
+    """Issue 25: with the answer check on, an answer reached the notebook's globals through
+    operator.attrgetter('__globals__') and took the recorder over: 2/3 here without solving `area` or `scale`."""
+    sol = nbformat.read(sol_path, as_version=4)
+    rep = grade(write(solve(make_exercise(sol), {"area": OPERATOR_GLOBALS}), tmp_path / "attack.ipynb"), sol_path,
+                timeout=120)
+    assert (rep.score, rep.total) == (0, 3), rep.summary()
+    assert "attrgetter" in rep.errors[0], rep.summary()
+
+
+@pytest.mark.notebook
+def test_an_answer_that_rewrites_the_solution_does_not_change_the_next_grade(tmp_path):
+    """Persistence: a task cell rewrote the check cells of the solution notebook, and the next (blank) notebook
+    graded against it passed them. The grader restores the course's files after each run and fails the notebook
+    that changed them."""
+    sol_path = write(tiny_solution(), tmp_path / "solutions" / "99_tiny.ipynb")
+    pristine = sol_path.read_bytes()
+    sol = nbformat.read(sol_path, as_version=4)
+    attack = solve(make_exercise(sol), {"scale": REWRITE_SOLUTION.format(solution=sol_path)})
+    rep = grade(write(attack, tmp_path / "attack.ipynb"), sol_path, timeout=120, lint=False)
+    assert rep.score == 0 and any("changed files of the course" in e for e in rep.errors), rep.summary()
+    assert sol_path.read_bytes() == pristine, "the solution notebook was not restored"
+    blank = grade(write(make_exercise(sol), tmp_path / "blank.ipynb"), sol_path, timeout=120)
+    assert blank.score == 0, blank.summary()
+
+
+@pytest.mark.notebook
+def test_the_solution_comes_from_the_course_never_from_beside_the_notebook(tmp_path):
+    """A solutions/ planted next to the submitted notebook, with check cells that pass anything, scored a blank
+    exercise 4/4. Only the course's own solutions/ is used, and the report names the file."""
+    name = "00_triton_from_zero.ipynb"
+    planted = nbformat.read(ROOT / "solutions" / name, as_version=4)
+    for c in planted.cells:
+        if c.metadata.get("minite", {}).get("check"):
+            c.source = "print('PASS')"
+    write(planted, tmp_path / "solutions" / name)
+    blank = write(nbformat.read(ROOT / "exercises" / name, as_version=4), tmp_path / "exercises" / name)
+    rep = grade(blank)
+    assert rep.score == 0 and rep.total >= 2, rep.summary()
+    assert rep.solution == str(ROOT / "solutions" / name) and f"solution: {ROOT / 'solutions' / name}" in rep.summary()
+
+
+@pytest.mark.notebook
+def test_nothing_the_notebook_writes_runs_in_the_grader_or_spoofs_its_report(tmp_path):
+    """An editable install: the student's kernel can write the course's minite/ files. An answer appended code to
+    minite/testing.py (imported by the grader only when it judged: it printed 3/3), and a detached process wrote a
+    fake score line into the grader's stdout. The grader imports nothing of minite once the notebook runs, puts
+    the files back, and writes its report to a file it creates itself; its score line is printed last."""
+    course = tmp_path / "course"
+    package = Path(grade.__code__.co_filename).resolve().parents[1]  # the minite under test
+    shutil.copytree(package, course / "minite", ignore=shutil.ignore_patterns("__pycache__"))
+    sol_path = write(tiny_solution(), course / "solutions" / "99_tiny.ipynb")
+    testing = course / "minite" / "testing.py"
+    pristine = testing.read_bytes()
+    answer = IN_THE_GRADER.format(testing=testing, code=GRADER_CODE, fake=FAKE_SCORE)
+    student = write(solve(make_exercise(tiny_solution()), {"scale": answer}), tmp_path / "work" / "99_tiny.ipynb")
+    report = tmp_path / "report.json"
+    env = {**os.environ, "PYTHONPATH": str(course)}
+    run = "import sys; from minite.grading import main; sys.exit(main(sys.argv[1:], lint=False))"
+    cmd = [sys.executable, "-c", run, "grade", str(student), "--timeout", "120", "--report", str(report)]
+    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    lines = out.stdout.strip().splitlines()
+    assert lines and lines[-1] == "score: 0/3", out.stdout + out.stderr
+    assert testing.read_bytes() == pristine, "minite/testing.py was not restored"
+    assert "minite/testing.py" in out.stdout, out.stdout
+    (rep,) = json.loads(report.read_text())
+    assert (rep["score"], rep["total"], rep["solution"]) == (0, 3, str(sol_path.resolve())), rep
 
 
 @pytest.mark.notebook

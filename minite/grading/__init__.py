@@ -16,39 +16,52 @@ Conventions (docs/chapter_template.md)
 
 Grading (``grade``)
 -------------------
-1. *Assemble.* The graded notebook is the pristine solution notebook with only the student's answers spliced
-   in: the code between ``### BEGIN YOUR CODE`` / ``### END YOUR CODE`` of the student's task cell of the same
-   NAME (cell ids play no part). Each answer must parse as code inside its own block, the solution cell's
-   structure around it unchanged (an answer that dedents out of its function fails), and may not reach outside
-   itself (imports other than math/torch/triton/numpy..., ``globals``/``open``/``eval``..., private or dunder
-   attributes, ``global``, assigning to attributes of objects it did not create, rebinding the notebook's names).
-   A rejected answer is replaced by the stub, and a note says why.
-2. *Record, in two processes.* Check cells are rewritten (``minite/grading/runtime.py``) to record values instead of
-   judging them: ``check_op`` records ``fn``'s outputs and input gradients (in the student's run ``ref`` is
-   removed from the call before it runs), ``assert_close`` its two tensors, every ``assert`` its leaf values.
-   The pristine solution runs the same way in a separate kernel and records ``ref``'s outputs.
-3. *Judge in the grader's process.* Each kernel runs under ``--timeout`` seconds per cell; then the kernel and
-   every process it started (the grader is their child subreaper) are killed, and only then the grader compares
-   the records: ``check_op`` outputs/gradients against the reference run's with ``minite.testing``'s tolerances,
-   ``assert_close`` and ``assert`` tests re-evaluated with the grader's own ``torch``. No file, no pytest report
-   and no state of the student's process decides a score.
+1. *Assemble* (assembly.py, lint.py). The graded notebook is the course's pristine solution notebook
+   (``solutions/<same name>`` of the installed course, never a file beside the submission; the report names it)
+   with only the student's answers spliced in: the code between ``### BEGIN YOUR CODE`` / ``### END YOUR CODE``
+   of the student's task cell of the same NAME (cell ids play no part). Each answer must parse as code inside its
+   own block, the solution cell's structure around it unchanged (an answer that dedents out of its function
+   fails), and may not reach outside itself: imports other than math/torch/triton/numpy..., ``globals`` /
+   ``open`` / ``eval`` / ``type``..., getattr-likes (``operator.attrgetter``, ``methodcaller``), private or
+   dunder attributes and dunder strings, file loading (``torch.load``...), ``global``, setting any attribute,
+   writing into objects it did not create, rebinding the notebook's names. A rejected answer is replaced by the
+   stub, and a note says why.
+2. *Record, in two processes* (rewrite.py, runtime.py, sandbox.py). Check cells are rewritten to record values
+   instead of judging them: ``check_op`` records ``fn``'s outputs and input gradients (in the student's run
+   ``ref`` is removed from the call before it runs), ``assert_close`` its two tensors, every ``assert`` its leaf
+   values. The pristine solution runs the same way in a separate kernel (the reference run) and is judged
+   against itself. Kernels start in a temporary folder, with fresh IPython/Jupyter configuration folders.
+3. *Judge in the grader's process* (judge.py, guard.py), assuming the student's process ran arbitrary code.
+   The grader imported all it judges with before the student's kernel started, and refuses any import of minite
+   until the report is made; it is not dumpable (no same-user process can trace it or open its file
+   descriptors). Each kernel runs under ``--timeout`` seconds per cell; then the kernel and every process it
+   started (the grader is their child subreaper) are killed; then every file of the course (minite/,
+   solutions/) the notebook changed is put back (such a notebook scores 0); only then the records are compared.
+   Nothing the student's process recorded stands for the reference side: ``check_op`` outputs and gradients
+   are compared with the reference run's, ``assert_close``'s actual tensor with the reference run's expected
+   one, and an ``assert`` must hold on the student's values, and again with every value that does not depend on
+   the answers (flow.py) taken from the reference run; a value that cannot be re-checked (not recordable)
+   fails. No file, report or state of the student's process decides a score.
 
-Limits (the README says them too): answers run as Python in the student's kernel, so they may call what the
-notebook imported (including minite's own kernels, or torch) and read files; a student who can read
-``solutions/`` can copy it (ship ``make bundle``'s zip instead); values of raw ``assert`` and ``assert_close``
-checks are computed in the student's process, so patching torch in a way the lint does not see could fake them.
-``check_op`` checks cannot be faked without producing the right outputs.
+Limits (the README says them too): answers run as Python in the student's kernel, so they may compute their
+result with what the notebook imported (minite's own kernels, torch), or with the check's own reference code if
+they get around the answer check (a lint, not a sandbox). A student who can read ``solutions/`` can copy it
+(ship ``make bundle``'s zip instead). The kernel runs with the grader's user id: it can write anything that user
+can (the virtual environment, for the next run) and kill the grader; grade for credit as another user, in a
+container.
 
-CLI::
+CLI (cli.py; the score line is printed last, after every student's process is dead, and the report is also
+written to a file the grader creates)::
 
     python -m minite.grading grade exercises/00_triton_from_zero.ipynb [more.ipynb] [--json] [--timeout S]
+                                   [--report PATH]
     python -m minite.grading generate [--check]                             # solutions/ -> exercises/
 """
 from __future__ import annotations
 
-from .assemble import assemble
+from .assembly import assemble
 from .cli import main
-from .grader import GradeReport, grade
+from .grader import GradeReport, course_solution, grade
 from .notebook import (
     BEGIN,
     BEGIN_YOURS,
@@ -66,6 +79,6 @@ from .notebook import (
 from .rewrite import rewrite_check
 from .sandbox import DEFAULT_TIMEOUT, _subreaper
 
-__all__ = ["make_exercise", "generate_all", "assemble", "grade", "GradeReport", "check_cells", "task_cells",
-           "regions", "stub_source", "main", "rewrite_check", "BEGIN", "END", "BEGIN_YOURS", "END_YOURS", "STUB",
-           "CHECK_TAG", "DEFAULT_TIMEOUT", "_subreaper"]
+__all__ = ["make_exercise", "generate_all", "assemble", "grade", "GradeReport", "course_solution", "check_cells",
+           "task_cells", "regions", "stub_source", "main", "rewrite_check", "BEGIN", "END", "BEGIN_YOURS", "END_YOURS",
+           "STUB", "CHECK_TAG", "DEFAULT_TIMEOUT", "_subreaper"]

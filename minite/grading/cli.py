@@ -1,8 +1,18 @@
-"""The command line: ``python -m minite.grading grade ...`` / ``generate [--check]``."""
+"""The command line: ``python -m minite.grading grade ...`` / ``generate [--check]``.
+
+``grade`` prints nothing until every notebook is graded and every process their kernels started is dead. It then
+writes the reports (JSON) to a file it creates itself (``--report PATH``, or report.json in a new temporary
+folder), prints that file's path and each notebook's summary, and ends with the last notebook's ``score: k/n``
+line. A line that appears on the grader's output before that (a process of a student's kernel may have written
+it) is not the grader's: read the report file, or the last line.
+"""
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
+import tempfile
 from pathlib import Path
 
 from . import __doc__ as _package_doc
@@ -11,13 +21,15 @@ from .notebook import _repo_root, generate_all
 from .sandbox import DEFAULT_TIMEOUT
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m minite.grading", description=_package_doc.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser("grade", help="score a student's notebook: prints 'score: k/n'")
+    g = sub.add_parser("grade", help="score a student's notebook: prints 'score: k/n' last")
     g.add_argument("notebook", nargs="+")
-    g.add_argument("--solution", help="the pristine solution notebook (default: solutions/<same name>)")
-    g.add_argument("--json", action="store_true", help="print the report as JSON")
+    g.add_argument("--solution", help="the pristine solution notebook (default: the course's solutions/<same name>)")
+    g.add_argument("--json", action="store_true", help="print each report as JSON")
+    g.add_argument("--report", help="write the reports (JSON) to this file (default: report.json in a new "
+                                    "temporary folder; its path is printed)")
     g.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT,
                    help=f"seconds each cell may run (a task's cell, its check) before it fails (default "
                         f"{DEFAULT_TIMEOUT})")
@@ -25,25 +37,56 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--solutions", default=str(_repo_root() / "solutions"))
     gen.add_argument("--exercises", default=str(_repo_root() / "exercises"))
     gen.add_argument("--check", action="store_true", help="only report exercises that are out of date (exit 1)")
+    return p
+
+
+def _generate(args) -> int:
+    stale = generate_all(Path(args.solutions), Path(args.exercises), check=args.check)
+    if args.check:
+        if stale:
+            print("exercises out of sync with solutions (run `make exercises`): " + ", ".join(stale))
+            return 1
+        print("exercises in sync with solutions")
+    else:
+        print(f"wrote {len(stale)} exercise notebook(s)" + (": " + ", ".join(stale) if stale else ""))
+    return 0
+
+
+def _write_report(text: str, path: str | None) -> Path:
+    """Write `text` to `path` (through a new file renamed over it: a link planted there is replaced, not
+    followed), or to report.json in a new private temporary folder."""
+    if path is None:
+        target = Path(tempfile.mkdtemp(prefix="minite-grade-report-")) / "report.json"
+    else:
+        target = Path(path).resolve()
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, target)
+    return target
+
+
+def main(argv: list[str] | None = None, *, lint: bool = True) -> int:
+    """The command line. `lint=False` skips the answer check (tests: the verdict holds without it)."""
+    p = _parser()
     args = p.parse_args(argv)
     if args.cmd == "generate":
-        stale = generate_all(Path(args.solutions), Path(args.exercises), check=args.check)
-        if args.check:
-            if stale:
-                print("exercises out of sync with solutions (run `make exercises`): " + ", ".join(stale))
-                return 1
-            print("exercises in sync with solutions")
-        else:
-            print(f"wrote {len(stale)} exercise notebook(s)" + (": " + ", ".join(stale) if stale else ""))
-        return 0
+        return _generate(args)
     if args.solution and len(args.notebook) > 1:
         p.error("--solution applies to a single notebook")
     if args.timeout <= 0:
         p.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
-    full = True
-    for nb in args.notebook:
-        rep = grade(nb, args.solution, timeout=args.timeout)
-        print(json.dumps(rep.__dict__ | {"score": rep.score, "total": rep.total}) if args.json else rep.summary())
-        full &= rep.score == rep.total
-    return 0 if full else 1
-
+    reports = [grade(nb, args.solution, timeout=args.timeout, lint=lint) for nb in args.notebook]
+    dicts = [rep.__dict__ | {"score": rep.score, "total": rep.total} for rep in reports]
+    where = _write_report(json.dumps(dicts, indent=1) + "\n", args.report)
+    sys.stdout.flush()
+    if args.json:
+        print(f"report: {where}", file=sys.stderr)
+        for d in dicts:
+            print(json.dumps(d))
+    else:
+        print(f"report: {where}")
+        for rep in reports:
+            print(rep.summary())
+    return 0 if all(rep.score == rep.total for rep in reports) else 1

@@ -1,20 +1,30 @@
-"""grade(): score a student's notebook against the pristine solution notebook."""
+"""grade(): score a student's notebook against the pristine solution notebook of the course.
+
+In order: assemble the graded notebook (the solution with the student's answers spliced in); import what judging
+needs; run the solution (the reference run, cached) and judge it against itself; copy the course's files; run the
+student's notebook with every import of minite refused; once its kernel and processes are dead, put back any
+course file it changed (the notebook then scores 0) and judge its records. Nothing the student's code wrote runs in
+the grader or reaches a later grade.
+"""
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import nbformat
 
-from .assemble import assemble
-from .judge import _judge
+from .assembly import assemble
+from .guard import CourseFiles, sealed_imports
+from .judge import _judge, ready
 from .notebook import _repo_root, check_cells, task_cells
-from .sandbox import DEFAULT_TIMEOUT, _execute, _prepare, _reference
+from .sandbox import DEFAULT_TIMEOUT, _dumpable, _execute, _prepare, _reference
 
 
 @dataclass
 class GradeReport:
     notebook: str
+    solution: str = ""  # the solution notebook graded against
     passed: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     reasons: dict[str, str] = field(default_factory=dict)  # failed check -> why
@@ -30,7 +40,7 @@ class GradeReport:
         return len(self.passed) + len(self.failed)
 
     def summary(self) -> str:
-        lines = [f"{self.notebook}"]
+        lines = [f"{self.notebook}", f"  solution: {self.solution}"]
         for n in self.order or self.passed + self.failed:
             why = f": {self.reasons[n]}" if self.reasons.get(n) else ""
             lines.append(f"  PASS  {n}" if n in self.passed else f"  FAIL  {n}{why}")
@@ -39,52 +49,79 @@ class GradeReport:
         return "\n".join(lines)
 
 
-def _default_solution(student: Path) -> Path:
-    for cand in (student.resolve().parent.parent / "solutions" / student.name,
-                 _repo_root() / "solutions" / student.name):
-        if cand.exists():
-            return cand
-    raise FileNotFoundError(f"no solutions/{student.name} next to {student} or in {_repo_root()}; pass --solution")
+def course_solution(student: Path) -> Path:
+    """solutions/<the notebook's name> of the course this grader belongs to (the repository, for an editable
+    install): never a file beside the submitted notebook, which its author controls."""
+    path = _repo_root() / "solutions" / student.name
+    if not path.exists():
+        raise FileNotFoundError(f"no solutions/{student.name} in the course at {_repo_root()}; pass --solution")
+    return path
 
 
 def grade(student: str | Path, solution: str | Path | None = None, *, timeout: int = DEFAULT_TIMEOUT,
           lint: bool = True) -> GradeReport:
-    """Grade a student's notebook against the pristine solution notebook; see the module doc.
+    """Grade a student's notebook against the pristine solution notebook; see the package doc.
     `lint=False` skips the answer lint (tests use it to show that the records alone hold)."""
     student = Path(student)
     if not student.exists():
         raise FileNotFoundError(f"notebook to grade not found: {student}")
     if timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout}")
-    solution = Path(solution) if solution else _default_solution(student)
-    sol_nb = nbformat.read(solution, as_version=4)
-    checks = check_cells(sol_nb)
-    if not checks:
+    solution = (Path(solution) if solution else course_solution(student)).resolve()
+    data = solution.read_bytes()
+    sol_nb = nbformat.reads(data.decode(), as_version=4)
+    if not check_cells(sol_nb):
         raise ValueError(f"{solution} has no check cells (code cells with metadata minite={{'check': NAME}})")
     tasks = task_cells(sol_nb, str(solution))
     notes: list[str] = []
     graded = assemble(nbformat.read(student, as_version=4), sol_nb, notes, lint=lint)
-    reference = _reference(solution, sol_nb, timeout)
     nb, tests = _prepare(graded, "student", timeout)
-    cells = _execute(nb, timeout)  # the kernel and its processes are dead when this returns
-    report = GradeReport(notebook=str(student), errors=notes)
+    was_dumpable = _dumpable(False)
+    try:
+        ready()
+        reference = _reference(solution, sol_nb, hashlib.sha256(data).hexdigest(), timeout)
+        for name, records in reference.items():  # the solution against itself: also loads every judging path
+            why = _judge(name, tests[name], records, records)
+            if why:
+                raise RuntimeError(f"{solution}: the solution's own check {name!r} fails against itself: {why}")
+        files = CourseFiles([Path(__file__).resolve().parents[1], _repo_root() / "solutions"], [solution],
+                            _repo_root())
+        with sealed_imports():
+            cells = _execute(nb, timeout)  # the kernel and its processes are dead when this returns
+            changed = files.restore()
+            report = GradeReport(notebook=str(student), solution=str(solution), errors=notes)
+            _score(report, nb, cells, tests, reference, tasks, timeout, changed)
+    finally:
+        _dumpable(was_dumpable)
+    return report
+
+
+def _score(report, nb, cells, tests, reference, tasks, timeout, changed: list[str]) -> None:
+    """Judge every check of the student's run into `report`."""
+    tampered = ""
+    if changed:
+        shown = ", ".join(changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
+        tampered = f"your notebook changed files of the course (they were put back): {shown}"
+        report.errors.append(tampered)
     check_idx = {i for i, _ in check_cells(nb)}
     task_idx = {tasks[n] + 1: n for n in tasks}
     for i, name in check_cells(nb):
-        why = None
         task_cell = tasks.get(name)
-        if task_cell is not None and cells[task_cell + 1].timed_out:
+        if tampered:
+            why = tampered
+        elif task_cell is not None and cells[task_cell + 1].timed_out:
             why = f"timed out after {timeout} s (in the task cell)"
         elif not cells[i].ok:
             why = cells[i].error
         else:
             why = _judge(name, tests[name], cells[i].records, reference.get(name, []))
-        (report.failed if why else report.passed).append(name)
-        report.order.append(name)
         if why:
+            report.failed.append(name)
             report.reasons[name] = why
+        else:
+            report.passed.append(name)
+        report.order.append(name)
     for i, c in enumerate(cells):
         if i and not c.ok and i not in check_idx and not c.error.startswith("not run"):
             what = f"task {task_idx[i]!r}" if i in task_idx else f"code cell {i - 1}"
             report.errors.append(f"{what} failed: {c.error}")
-    return report

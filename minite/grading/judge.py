@@ -1,4 +1,10 @@
-"""The judge: the student's records of a check compared with the reference run's, in the grader's process."""
+"""The judge: the student's records of a check compared with the reference run's, in the grader's process.
+
+The student's process may have run any code, so nothing it recorded for the *reference side* of a check is used:
+``check_op`` outputs are compared with the reference run's outputs, ``assert_close``'s actual tensor with the
+reference run's expected one, and an ``assert`` must hold on the student's values, and again with every value
+that does not depend on the answers (flow.py) taken from the reference run. A value that cannot be re-checked
+(not recordable) fails its check."""
 from __future__ import annotations
 
 import ast
@@ -7,9 +13,21 @@ import math
 
 from .rewrite import _COMPARATORS, _dotted
 
+_assert_close = None  # minite.testing.assert_close, imported by ready() before any student's notebook runs
+
 
 class _Unknown(Exception):
-    pass
+    """An assert test the grader cannot re-evaluate from the recorded values."""
+
+
+def ready() -> None:
+    """Import what judging needs (torch, minite.testing) now: once a student's notebook runs, the grader imports
+    nothing of minite (guard.sealed_imports), so no file the student's code can write runs in the grader."""
+    global _assert_close
+    import torch  # noqa: F401
+
+    from minite.testing import assert_close
+    _assert_close = assert_close
 
 
 def _truthy(v) -> bool:
@@ -30,7 +48,7 @@ def _evaluate(node, leaves):
             raise KeyError(k)
         v = leaves[k]
         if isinstance(v, dict) and "__unrecordable__" in v:
-            raise _Unknown(v["__unrecordable__"])
+            raise _Unknown(f"a value of type {v['__unrecordable__']} is not recordable")
         return v
     if isinstance(node, (ast.Tuple, ast.List)):
         vals = [_evaluate(e, leaves) for e in node.elts]
@@ -54,7 +72,7 @@ def _evaluate(node, leaves):
         for op, right in zip(node.ops, node.comparators):
             r = _evaluate(right, leaves)
             if isinstance(op, (ast.Is, ast.IsNot)) and not (r is None or isinstance(r, bool)):
-                raise _Unknown("identity")
+                raise _Unknown("an 'is' test between objects is not recordable")
             res = ops[type(op)](left, r)
             if not _truthy(res):
                 return res
@@ -71,14 +89,14 @@ def _evaluate(node, leaves):
             return f(*args, **kwargs)
         base = _evaluate(node.func.value, leaves)
         return getattr(base, node.func.attr)(*args, **kwargs)
-    raise _Unknown(type(node).__name__)
+    raise _Unknown(f"a {type(node).__name__} expression is not recordable")
 
 
 def _compare_op(name: str, got: dict, ref: dict) -> str | None:
     """Why the student's check_op record fails against the reference run's, or None."""
     import torch
 
-    from minite.testing import assert_close
+    assert_close = _assert_close
     if got.get("error"):
         return got["error"]
     outs, exps = got.get("out") or [], ref.get("out") or []
@@ -104,9 +122,18 @@ def _compare_op(name: str, got: dict, ref: dict) -> str | None:
     return None
 
 
+def _holds(test, got: dict, ref: dict) -> bool:
+    """Does an assert (rewrite.Assert) hold on the student's values, and again with every value that does not
+    depend on the answers taken from the reference run? (A student's process that computes or records the
+    check's expected side wrongly gains nothing; one that changes the check's own inputs fails the first.)"""
+    if not _truthy(_evaluate(test.test, got)):
+        return False
+    mixed = {**got, **{k: v for k, v in ref.items() if k not in test.answer_leaves}}
+    return _truthy(_evaluate(test.test, mixed))
+
+
 def _judge(name, tests, got: list[dict], ref: list[dict]) -> str | None:
     """Why the student's records of check `name` fail, or None."""
-    from minite.testing import assert_close
     if [(r["kind"], r["rid"]) for r in got] != [(r["kind"], r["rid"]) for r in ref]:
         return (f"its steps differ from the reference run ({len(got)} of {len(ref)} recorded values): "
                 "did the check stop early?")
@@ -117,14 +144,15 @@ def _judge(name, tests, got: list[dict], ref: list[dict]) -> str | None:
                 if why:
                     return why
             elif g["kind"] == "close":
-                assert_close(g["actual"], g["expected"], **(r.get("kwargs") or {}))
+                _assert_close(g["actual"], r["expected"], **(r.get("kwargs") or {}))
             else:
+                test = tests[g["rid"]]
                 try:
-                    ok = _truthy(_evaluate(tests[g["rid"]], g["leaves"]))
-                except _Unknown:
-                    ok = True  # not recordable: the assert ran in the student's kernel without raising
+                    ok = _holds(test, g["leaves"], r["leaves"])
+                except _Unknown as err:
+                    return f"assert {ast.unparse(_plain_test(test.test))} cannot be re-checked by the grader: {err}"
                 if not ok:
-                    return f"assert {ast.unparse(_plain_test(tests[g['rid']]))} is false"
+                    return f"assert {ast.unparse(_plain_test(test.test))} is false"
         except AssertionError as err:
             return str(err)
         except Exception as err:  # noqa: BLE001 - a malformed record fails the check

@@ -4,18 +4,28 @@ from __future__ import annotations
 
 import ast
 import copy
+import re
 
 from .notebook import regions
+from .rewrite import _dotted
 
 _ALLOWED_IMPORTS = {"math", "torch", "triton", "numpy", "functools", "itertools", "operator", "collections",
                     "typing", "dataclasses", "cmath", "statistics", "fractions", "decimal", "struct"}
+# Ways out of the answer: the notebook's namespace, code from strings or files, the interpreter's machinery, and
+# the getattr-likes that reach attributes by a name built at run time (operator.attrgetter("__glob" "als__")).
 _DENIED_NAMES = {"globals", "locals", "vars", "eval", "exec", "compile", "open", "breakpoint", "input",
                  "getattr", "setattr", "delattr", "get_ipython", "exit", "quit", "help", "memoryview",
                  "_minite", "sys", "os", "importlib", "subprocess", "builtins", "inspect", "gc", "ctypes",
-                 "signal", "shutil", "pathlib", "pickle", "socket", "threading", "multiprocessing", "minite"}
+                 "signal", "shutil", "pathlib", "pickle", "socket", "threading", "multiprocessing", "minite",
+                 "type", "super", "object", "attrgetter", "methodcaller", "get_type_hints"}
 _DENIED_ATTRS = {"sys", "os", "modules", "builtins", "importlib", "subprocess", "system", "popen", "f_globals",
                  "f_locals", "f_back", "gi_frame", "cr_frame", "tb_frame", "func_globals", "reload",
-                 "import_module", "path_hooks", "meta_path"}
+                 "import_module", "path_hooks", "meta_path", "attrgetter", "methodcaller", "get_type_hints",
+                 "ctypes", "ctypeslib", "cpp_extension", "library", "hub", "f2py"}
+# Attributes that read or write files (torch.load runs pickled code): denied except on Triton's `tl`.
+_FILE_ATTRS = {"load", "loads", "save", "savez", "savez_compressed", "tofile", "fromfile", "memmap"}
+_TRITON_LANGUAGE = {"tl", "triton.language"}
+_DUNDER = re.compile(r"__\w+__")
 
 
 def _stmt_lists(node, path=()):
@@ -108,28 +118,55 @@ def _enclosing_function(tree, path):
     return fn
 
 
+def _import_why(n) -> str | None:
+    """Why an import statement is not allowed in an answer, or None."""
+    mods = [n.module or ""] if isinstance(n, ast.ImportFrom) else [a.name for a in n.names]
+    bad = [m for m in mods if m.split(".")[0] not in _ALLOWED_IMPORTS]
+    if bad or getattr(n, "level", 0):
+        return f"line {n.lineno}: an answer may import only {sorted(_ALLOWED_IMPORTS)}, not {bad}"
+    parts = [p for m in mods for p in m.split(".")]
+    if isinstance(n, ast.ImportFrom):
+        parts += [a.name for a in n.names]
+    for p in parts:
+        if p.startswith("_") or p in _DENIED_NAMES | _DENIED_ATTRS | _FILE_ATTRS:
+            return f"line {n.lineno}: an answer may not import {p!r}"
+    return None
+
+
+def _node_why(n, local: set[str]) -> str | None:
+    """Why one AST node of an answer reaches outside the answer, or None."""
+    if isinstance(n, (ast.Global, ast.Nonlocal)):
+        return f"line {n.lineno}: '{type(n).__name__.lower()}' is not allowed in an answer"
+    if isinstance(n, (ast.Import, ast.ImportFrom)):
+        return _import_why(n)
+    if isinstance(n, ast.Name) and (n.id in _DENIED_NAMES or n.id.startswith("__")):
+        return f"line {n.lineno}: an answer may not use {n.id!r}"
+    if isinstance(n, ast.Constant) and isinstance(n.value, str) and _DUNDER.search(n.value):
+        return f"line {n.lineno}: an answer may not use the string {_DUNDER.search(n.value).group()!r}"
+    if isinstance(n, ast.Attribute):
+        if n.attr.startswith("_") or n.attr in _DENIED_ATTRS:
+            return f"line {n.lineno}: an answer may not use the attribute '.{n.attr}'"
+        if n.attr in _FILE_ATTRS and _dotted(n.value) not in _TRITON_LANGUAGE:
+            return f"line {n.lineno}: an answer may not use the attribute '.{n.attr}' (it reads or writes files)"
+        if isinstance(n.ctx, (ast.Store, ast.Del)):
+            return (f"line {n.lineno}: assigning to {ast.unparse(n)!r} changes an object your answer did not create "
+                    "(an answer sets no attributes)")
+    if isinstance(n, ast.Subscript) and isinstance(n.ctx, (ast.Store, ast.Del)):
+        root = n.value
+        while isinstance(root, (ast.Attribute, ast.Subscript)):
+            root = root.value
+        if not (isinstance(root, ast.Name) and root.id in local):
+            return f"line {n.lineno}: assigning to {ast.unparse(n)!r} changes an object your answer did not create"
+    return None
+
+
 def _lint(stmts, local: set[str], notebook_names: set[str], top_level: bool) -> str | None:
     """Why an answer reaches outside itself, or None."""
     for st in stmts:
         for n in ast.walk(st):
-            if isinstance(n, (ast.Global, ast.Nonlocal)):
-                return f"line {n.lineno}: '{type(n).__name__.lower()}' is not allowed in an answer"
-            if isinstance(n, (ast.Import, ast.ImportFrom)):
-                mods = [n.module or ""] if isinstance(n, ast.ImportFrom) else [a.name for a in n.names]
-                bad = [m for m in mods if m.split(".")[0] not in _ALLOWED_IMPORTS]
-                if bad or getattr(n, "level", 0):
-                    return f"line {n.lineno}: an answer may import only {sorted(_ALLOWED_IMPORTS)}, not {bad}"
-            if isinstance(n, ast.Name) and (n.id in _DENIED_NAMES or n.id.startswith("__")):
-                return f"line {n.lineno}: an answer may not use {n.id!r}"
-            if isinstance(n, ast.Attribute) and (n.attr.startswith("_") or n.attr in _DENIED_ATTRS):
-                return f"line {n.lineno}: an answer may not use the attribute '.{n.attr}'"
-            if isinstance(n, (ast.Attribute, ast.Subscript)) and isinstance(n.ctx, (ast.Store, ast.Del)):
-                root = n.value
-                while isinstance(root, (ast.Attribute, ast.Subscript)):
-                    root = root.value
-                if not (isinstance(root, ast.Name) and root.id in local):
-                    what = ast.unparse(n)
-                    return f"line {n.lineno}: assigning to {what!r} changes an object your answer did not create"
+            why = _node_why(n, local)
+            if why:
+                return why
         if top_level:
             clash = _module_names([st]) & notebook_names
             if clash:

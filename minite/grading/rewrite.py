@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import ast
+from dataclasses import dataclass
 
+from .flow import answer_leaves, propagate
 from .notebook import _python
 
 _COMPARATORS = {"torch.equal", "torch.allclose", "torch.isclose", "math.isclose", "all", "any", "bool", "len",
@@ -43,6 +45,8 @@ class _Leaves:
     def visit(self, node):
         if isinstance(node, ast.Constant):
             return node
+        if isinstance(node, ast.GeneratorExp):  # recorded as the list it yields: a generator is not recordable
+            node = ast.copy_location(ast.ListComp(node.elt, node.generators), node)
         if not _structural(node):
             self.k += 1
             return ast.Call(ast.Attribute(ast.Name("_minite", ast.Load()), "v", ast.Load()),
@@ -65,9 +69,18 @@ class _Leaves:
         return node
 
 
+@dataclass(frozen=True)
+class Assert:
+    """An assert of a check cell, as the judge re-evaluates it."""
+    test: ast.expr  # the rewritten test: each leaf is _minite.v(k, expr)
+    answer_leaves: frozenset[str]  # the keys of the leaves that depend on the answers (flow.py)
+
+
 class _Rewrite(ast.NodeTransformer):
     def __init__(self, mode: str):
-        self.mode, self.rid, self.tests = mode, 0, {}
+        self.mode = mode
+        self.rid = 0
+        self.tests = {}
 
     def _rt(self, attr):
         return ast.Attribute(ast.Name("_minite", ast.Load()), attr, ast.Load())
@@ -96,12 +109,15 @@ class _Rewrite(ast.NodeTransformer):
         return node
 
 
-def rewrite_check(source: str, name: str, mode: str) -> tuple[str, dict]:
-    """A check cell's source rewritten to record (see module doc), and its assert tests by record id."""
+def rewrite_check(source: str, name: str, mode: str, tainted: frozenset[str] = frozenset()) -> tuple[str, dict]:
+    """A check cell's source rewritten to record (see module doc), and its asserts by record id. `tainted`: the
+    names that depend on the answers before the cell runs (flow.py)."""
     try:
         tree = ast.parse(_python(source))
     except SyntaxError as err:
         raise ValueError(f"check {name!r} does not parse: line {err.lineno}: {err.msg}") from None
+    names = propagate(tree.body, set(tainted))
     rw = _Rewrite(mode)
     tree = ast.fix_missing_locations(rw.visit(tree))
-    return f"_minite.begin({name!r})\n" + ast.unparse(tree) + "\n_minite.flush()", rw.tests
+    tests = {rid: Assert(test, answer_leaves(test, names)) for rid, test in rw.tests.items()}
+    return f"_minite.begin({name!r})\n" + ast.unparse(tree) + "\n_minite.flush()", tests

@@ -1,11 +1,15 @@
 """The kernel sandbox: a notebook run in a fresh kernel under per-cell timeouts, as the subreaper of everything it
-starts (all killed afterwards), its check cells' records read back; the reference run of a solution."""
+starts (all killed afterwards), its check cells' records read back; the reference run of a solution.
+
+The kernel starts in a temporary folder with its own empty IPython and Jupyter configuration folders and without
+the user's site-packages, so nothing a previous notebook left in ~/.ipython (startup files) runs in it; the
+recorder's code (runtime.py) is read when the grader starts and sent to the kernel as source."""
 from __future__ import annotations
 
+import ast
 import base64
 import copy
 import ctypes
-import hashlib
 import io
 import os
 import signal
@@ -17,7 +21,9 @@ from pathlib import Path
 
 import nbformat
 
-from .notebook import check_cells, check_name, task_name
+from .flow import propagate
+from .lint import _module_names
+from .notebook import _python, check_cells, check_name, task_name
 from .rewrite import rewrite_check
 
 RECORD_MIME = "application/x-minite-record"
@@ -26,6 +32,9 @@ OTHER_CELLS_TIMEOUT = 600  # the notebook's other cells (set-up, imports)
 
 
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_DUMPABLE = 3
+_PR_SET_DUMPABLE = 4
+_RUNTIME_SOURCE = Path(__file__).with_name("runtime.py").read_text()
 
 
 def _subreaper(on: bool) -> bool:
@@ -33,6 +42,18 @@ def _subreaper(on: bool) -> bool:
         return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+def _dumpable(on: bool) -> bool:
+    """Make this process (not) dumpable; returns whether it was. A process that is not dumpable cannot be traced,
+    nor its memory or file descriptors (/proc/PID/fd) opened, by other processes of the same (non-root) user."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        was = libc.prctl(_PR_GET_DUMPABLE, 0, 0, 0, 0) == 1
+        libc.prctl(_PR_SET_DUMPABLE, int(on), 0, 0, 0)
+        return was
+    except (OSError, AttributeError):
+        return True
 
 
 def _children() -> set[int]:
@@ -114,7 +135,8 @@ def _execute(nb, timeout: int) -> list[_Cell]:
                 resources={"metadata": {"path": tmp}},
                 on_cell_executed=lambda cell, cell_index, execute_reply: replies.__setitem__(cell_index,
                                                                                              execute_reply))
-            env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+            env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONNOUSERSITE": "1",
+                   "IPYTHONDIR": os.path.join(tmp, ".ipython"), "JUPYTER_CONFIG_DIR": os.path.join(tmp, ".jupyter")}
             with client.setup_kernel(env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL):
                 for i, cell in enumerate(nb.cells):
                     if cell.cell_type != "code":
@@ -171,18 +193,28 @@ def _prepare(nb, mode: str, timeout: int):
     check name)."""
     nb = copy.deepcopy(nb)
     tests = {}
-    for i, cell in enumerate(nb.cells):
+    tainted: set[str] = set()  # names that depend on the answers so far (flow.py)
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        try:
+            tree = ast.parse(_python(cell.source))
+        except SyntaxError:
+            continue
+        if task_name(cell):
+            tainted |= _module_names([tree])
         name = check_name(cell)
         if name:
-            cell.source, tests[name] = rewrite_check(cell.source, name, mode)
-    # Loaded from its file, not imported: importing the minite package here would decorate its Triton kernels
-    # before the notebook's first cell has chosen the interpreter.
-    runtime = Path(__file__).with_name("runtime.py")
+            cell.source, tests[name] = rewrite_check(cell.source, name, mode, frozenset(tainted))
+        tainted = propagate(tree.body, tainted)
+    # Sent as source, not imported: importing the minite package here would decorate its Triton kernels before
+    # the notebook's first cell has chosen the interpreter; and the file is read before any notebook runs.
     setup = nbformat.v4.new_code_cell(
-        "import importlib.util as _u\n"
-        f"_s = _u.spec_from_file_location('minite_grade_runtime', {str(runtime)!r})\n"
-        "_rt = _u.module_from_spec(_s)\n_s.loader.exec_module(_rt)\n"
-        f"_minite = _rt.Recorder({mode!r})\ndel _u, _s, _rt")
+        "import types as _t\n"
+        "_rt = _t.ModuleType('minite_grade_runtime')\n"
+        f"exec(compile({_RUNTIME_SOURCE!r}, 'minite_grade_runtime', 'exec'), _rt.__dict__)\n"
+        f"_minite = _rt.Recorder({mode!r})\n"
+        "del _t, _rt")
     nb.cells.insert(0, setup)
     return nb, tests
 
@@ -190,11 +222,11 @@ def _prepare(nb, mode: str, timeout: int):
 _REFERENCE_CACHE: dict[tuple, dict] = {}
 
 
-def _reference(solution: Path, sol_nb, timeout: int) -> dict[str, list[dict]]:
-    """The reference run of a solution (cached per content): records of each check, by name. It runs under
-    max(timeout, DEFAULT_TIMEOUT): a short --timeout is for the student's answers."""
+def _reference(solution: Path, sol_nb, digest: str, timeout: int) -> dict[str, list[dict]]:
+    """The reference run of a solution (cached per path and content `digest`): records of each check, by name.
+    It runs under max(timeout, DEFAULT_TIMEOUT): a short --timeout is for the student's answers."""
     timeout = max(timeout, DEFAULT_TIMEOUT)
-    key = (str(solution.resolve()), hashlib.sha256(solution.read_bytes()).hexdigest())
+    key = (str(solution), digest)
     if key not in _REFERENCE_CACHE:
         nb, _ = _prepare(sol_nb, "reference", timeout)
         cells = _execute(nb, timeout)

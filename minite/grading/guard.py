@@ -1,0 +1,120 @@
+"""What a student's notebook must not change in the grader: the course's files and the grader's own code.
+
+The student's kernel runs with the grader's user id, so it can write the course's files: the minite package (an
+editable install is the repository's minite/) and solutions/. ``CourseFiles`` takes a copy of them before the
+notebook runs and, once the kernel and its processes are dead, puts back every file that was changed, created or
+deleted (a notebook that changed one scores 0), so that no notebook changes the next one's grade.
+``sealed_imports`` refuses every import of minite while a student's notebook runs and while it is judged: the
+grader imported what it needs before, so no file the student's code wrote runs in the grader.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+
+def _state(path: str):
+    """('link', target), ('dir',), ('file', bytes) or None (absent), without following links."""
+    if os.path.islink(path):
+        return ("link", os.readlink(path))
+    if os.path.isdir(path):
+        return ("dir",)
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            return ("file", f.read())
+    return None
+
+
+def _unchanged(path: str, state) -> bool:
+    """Is `path` still in `state`? (A file of another size is not read.)"""
+    if state is None:
+        return not os.path.lexists(path)
+    if state[0] == "link":
+        return os.path.islink(path) and os.readlink(path) == state[1]
+    if os.path.islink(path):
+        return False
+    if state[0] == "dir":
+        return os.path.isdir(path)
+    if not os.path.isfile(path) or os.path.getsize(path) != len(state[1]):
+        return False
+    with open(path, "rb") as f:
+        return f.read() == state[1]
+
+
+def _listing(root: Path) -> list[str]:
+    """`root` and every path under it; links are listed, never followed."""
+    out = [str(root)]
+    if os.path.islink(root):
+        return out
+    for dirpath, dirnames, filenames in os.walk(root):
+        out += [os.path.join(dirpath, name) for name in dirnames + filenames]
+    return out
+
+
+def _put_back(path: str, state) -> None:
+    if _unchanged(path, state):
+        return
+    if os.path.islink(path) or os.path.isfile(path):
+        os.unlink(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path)
+    if state is None:
+        return
+    if state[0] == "dir":
+        os.makedirs(path)
+    elif state[0] == "link":
+        os.symlink(state[1], path)
+    else:
+        with open(path, "wb") as f:
+            f.write(state[1])
+
+
+class CourseFiles:
+    """A copy of the files under `trees` (folders) and of `files`, to put back after a student's notebook ran."""
+
+    def __init__(self, trees: list[Path], files: list[Path], root: Path):
+        self.trees = [t for t in trees if t.is_dir()]
+        self.files = files
+        self.root = root
+        self.saved = self._now()
+
+    def _now(self) -> dict[str, tuple]:
+        paths = [p for t in self.trees for p in _listing(t)] + [str(f) for f in self.files]
+        return {p: _state(p) for p in paths}
+
+    def restore(self) -> list[str]:
+        """Put every changed, created or deleted file back as it was; return the changed ones (compiled-bytecode
+        caches are put back too, and not named: other processes write those)."""
+        created = {p for t in self.trees for p in _listing(t)} - set(self.saved)
+        changed = sorted({p for p, state in self.saved.items() if not _unchanged(p, state)} | created)
+        for path in changed:  # parents first: a folder replaced by a link is unlinked before its files are put back
+            _put_back(path, self.saved.get(path))
+        return [self._name(p) for p in changed if "__pycache__" not in Path(p).parts]
+
+    def _name(self, path: str) -> str:
+        try:
+            return str(Path(path).relative_to(self.root))
+        except ValueError:
+            return path
+
+
+class _Sealed:
+    """A meta-path finder that refuses to import minite."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == "minite" or fullname.startswith("minite."):
+            raise ImportError(f"the grader imports nothing of minite once a student's notebook runs: {fullname}")
+        return None
+
+
+@contextlib.contextmanager
+def sealed_imports():
+    finder = _Sealed()
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)
