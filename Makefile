@@ -8,7 +8,7 @@
 #                    without outputs and in sync with solutions), line budgets (< 60 s)
 #   make lab         JupyterLab on the course (notebooks/, exercises/); jupytext saves both files of a pair
 #   make exercises   regenerate exercises/ from solutions/
-#   make grade NB=exercises/00_triton_from_zero.ipynb [TIMEOUT=300] [REPORT=path.json]    score a notebook
+#   make grade NB=exercises/00_triton_from_zero.ipynb [TIMEOUT=300] [REPORT=path.json] [SOLUTION=...]   score a notebook
 #   make bundle      dist/minite-course.zip: the course for learners, without solutions/ (and tests/)
 #   make bench       every benchmark: kernel ones need CUDA (they say so and exit on CPU); bench_train also runs on CPU
 #   make scale       chapter 14: each parallel/recompute technique vs its baseline on the CPU (memory, bytes, time)
@@ -90,7 +90,8 @@ exercises: $(STAMP)
 
 grade: $(STAMP)
 	@test -n "$(NB)" || { echo "usage: make grade NB=exercises/00_triton_from_zero.ipynb"; exit 2; }
-	$(PY) -m minite.grading grade $(NB) $(if $(TIMEOUT),--timeout $(TIMEOUT),) $(if $(REPORT),--report $(REPORT),)
+	$(PY) -m minite.grading grade $(NB) $(if $(TIMEOUT),--timeout $(TIMEOUT),) $(if $(REPORT),--report $(REPORT),) \
+		$(if $(SOLUTION),--solution $(SOLUTION),)
 
 bundle:
 	$(PYTHON) tools/bundle.py

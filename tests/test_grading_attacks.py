@@ -358,3 +358,17 @@ def test_make_bundle_ships_exercises_without_solutions(tmp_path):
     nbformat.write(leaked, root / "exercises" / "00_x.ipynb")
     with pytest.raises(SystemExit, match="solution regions"):
         bundle.bundle(root, out)
+
+
+def test_a_renamed_copy_is_graded_against_the_solution_with_its_tasks(tmp_path):
+    # issue 26: make grade NB=work/00_mine.ipynb ended in "no solutions/00_mine.ipynb ... pass --solution"
+    from minite.grading import course_solution
+    from minite.grading.notebook import _repo_root
+    mine = tmp_path / "00_mine.ipynb"
+    mine.write_bytes((_repo_root() / "exercises" / "00_triton_from_zero.ipynb").read_bytes())
+    assert course_solution(mine) == _repo_root() / "solutions" / "00_triton_from_zero.ipynb"
+    stray = tmp_path / "notes.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(), stray)
+    with pytest.raises(FileNotFoundError, match=r"no course solution has this notebook's tasks \[\]; pass "
+                                                 r"--solution \(make grade SOLUTION=\.\.\.\)"):
+        course_solution(stray)

@@ -28,6 +28,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("notebook", nargs="+")
     g.add_argument("--solution", help="the pristine solution notebook (default: the course's solutions/<same name>)")
     g.add_argument("--json", action="store_true", help="print each report as JSON")
+    g.add_argument("--strict", action="store_true", help="exit 1 unless every task scores (for CI); without it "
+                   "a completed grading exits 0 whatever the score")
     g.add_argument("--report", help="write the reports (JSON) to this file (default: report.json in a new "
                                     "temporary folder; its path is printed)")
     g.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT,
@@ -89,4 +91,6 @@ def main(argv: list[str] | None = None, *, lint: bool = True) -> int:
         print(f"report: {where}")
         for rep in reports:
             print(rep.summary())
-    return 0 if all(rep.score == rep.total for rep in reports) else 1
+    if args.strict:
+        return 0 if all(rep.score == rep.total for rep in reports) else 1
+    return 0

@@ -17,7 +17,7 @@ import nbformat
 from .assembly import assemble
 from .guard import CourseFiles, sealed_imports
 from .judge import _judge, ready
-from .notebook import _repo_root, check_cells, task_cells
+from .notebook import _repo_root, check_cells, task_cells, task_name
 from .sandbox import DEFAULT_TIMEOUT, _dumpable, _execute, _prepare, _reference
 
 
@@ -51,11 +51,27 @@ class GradeReport:
 
 def course_solution(student: Path) -> Path:
     """solutions/<the notebook's name> of the course this grader belongs to (the repository, for an editable
-    install): never a file beside the submitted notebook, which its author controls."""
-    path = _repo_root() / "solutions" / student.name
-    if not path.exists():
-        raise FileNotFoundError(f"no solutions/{student.name} in the course at {_repo_root()}; pass --solution")
-    return path
+    install): never a file beside the submitted notebook, which its author controls. A renamed copy
+    (work/00_mine.ipynb) gets the one course solution whose task names are the notebook's."""
+    solutions = _repo_root() / "solutions"
+    path = solutions / student.name
+    if path.exists():
+        return path
+    names = _task_names(student)
+    matches = [p for p in sorted(solutions.glob("*.ipynb")) if names and _task_names(p) == names]
+    if len(matches) == 1:
+        return matches[0]
+    found = f"{len(matches)} course solutions have" if matches else "no course solution has"
+    raise FileNotFoundError(f"no solutions/{student.name} in the course at {_repo_root()}, and {found} this "
+                            f"notebook's tasks {sorted(names)}; pass --solution (make grade SOLUTION=...)")
+
+
+def _task_names(path: Path) -> set[str]:
+    try:
+        nb = nbformat.read(path, as_version=4)
+    except Exception:  # not a notebook: the grader reports it when it reads it
+        return set()
+    return {name for cell in nb.cells if (name := task_name(cell))}
 
 
 def grade(student: str | Path, solution: str | Path | None = None, *, timeout: int = DEFAULT_TIMEOUT,
