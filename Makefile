@@ -47,6 +47,9 @@ train: $(STAMP)
 # Then the sm_90/sm_80 compile gate: every distinct kernel launch the suite made under the interpreter, compiled
 # for the GPU (minite/gpu_compile.py); on a CUDA machine nothing is recorded and the gate says so.
 LAUNCHES := $(CURDIR)/.launches
+# A learner's bundle (make bundle) carries this marker: test, check-fast and grade then work without solutions/.
+BUNDLE := $(wildcard .learner-bundle)
+ifeq ($(BUNDLE),)
 test: $(STAMP)
 	rm -rf $(LAUNCHES)
 	OMP_NUM_THREADS=1 MINITE_RECORD_LAUNCHES=$(LAUNCHES) $(PY) -m pytest -n $(PYTEST_JOBS) --dist loadfile \
@@ -54,6 +57,11 @@ test: $(STAMP)
 		--durations=15 $(ARGS)
 	env -u TRITON_INTERPRET $(PY) -m minite.gpu_compile $(LAUNCHES) --jobs $(PYTEST_JOBS) \
 		$(if $(ARGS),,--require-all)
+else
+test: $(STAMP)  # a learner's bundle (tools/bundle.py): no tests/ here, the lessons are the suite
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(PYTEST_JOBS) --dist loadfile -p no:cacheprovider notebooks --nbval-lax \
+		--nbval-current-env --nbval-cell-timeout=600 $(ARGS)
+endif
 
 test-lib: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_JOBS) --dist loadfile tests $(ARGS)
@@ -62,8 +70,12 @@ test-notebooks: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_JOBS) --dist loadfile notebooks --nbval-lax --nbval-current-env $(ARGS)
 
 check-fast: $(STAMP)
+ifeq ($(BUNDLE),)
 	$(PY) -m ruff check minite tests tools benchmarks notebooks solutions
 	$(PY) tools/check_notebooks.py
+else
+	$(PY) -m ruff check minite tools benchmarks notebooks
+endif
 	$(PY) tools/budgets.py
 
 # Rooted at the repository so exercises/ is reachable and jupytext.toml applies; the jupytext server extension
@@ -90,8 +102,13 @@ exercises: $(STAMP)
 
 grade: $(STAMP)
 	@test -n "$(NB)" || { echo "usage: make grade NB=exercises/00_triton_from_zero.ipynb"; exit 2; }
+ifeq ($(BUNDLE),)
 	$(PY) -m minite.grading grade $(NB) $(if $(TIMEOUT),--timeout $(TIMEOUT),) $(if $(REPORT),--report $(REPORT),) \
 		$(if $(SOLUTION),--solution $(SOLUTION),)
+else
+	@echo "a learner's bundle holds no solutions/: this is a self-check of the notebook's own check cells, not a grade"
+	$(PY) -m minite.grading selfcheck $(NB) $(if $(TIMEOUT),--timeout $(TIMEOUT),)
+endif
 
 bundle:
 	$(PYTHON) tools/bundle.py

@@ -372,3 +372,26 @@ def test_a_renamed_copy_is_graded_against_the_solution_with_its_tasks(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"no course solution has this notebook's tasks \[\]; pass "
                                                  r"--solution \(make grade SOLUTION=\.\.\.\)"):
         course_solution(stray)
+
+
+def test_the_learner_bundle_stands_alone(tmp_path):
+    # issue 26: the bundle's make grade/test/check-fast assumed solutions/ and tests/; it shipped .ci/ and logs
+    import subprocess
+    import zipfile
+
+    from minite.grading.notebook import _repo_root
+    out = tmp_path / "c.zip"
+    subprocess.run([sys.executable, str(_repo_root() / "tools" / "bundle.py"), "--out", str(out)], check=True,
+                   capture_output=True)
+    names = zipfile.ZipFile(out).namelist()
+    assert "minite-course/.learner-bundle" in names and "minite-course/Makefile" in names
+    assert not [n for n in names if n.startswith(("minite-course/solutions/", "minite-course/tests/",
+                                                  "minite-course/.ci/", "minite-course/benchmarks/results/logs_",
+                                                  "minite-course/tools/bundle.py"))]
+    zipfile.ZipFile(out).extractall(tmp_path)
+    course = tmp_path / "minite-course"
+    plans = {t: subprocess.run(["make", "-n", t, "NB=exercises/00_triton_from_zero.ipynb"], cwd=course,
+                               capture_output=True, text=True).stdout for t in ("test", "grade", "check-fast")}
+    assert "pytest" in plans["test"] and " notebooks " in plans["test"] and " tests " not in plans["test"]
+    assert "minite.grading selfcheck exercises/00_triton_from_zero.ipynb" in plans["grade"]
+    assert "check_notebooks" not in plans["check-fast"] and "ruff check minite tools" in plans["check-fast"]

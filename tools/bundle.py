@@ -3,8 +3,10 @@
     python tools/bundle.py [--out dist/minite-course.zip]
 
 Holds the tracked files (`git ls-files`, or the folder walked when there is no git) except solutions/ and
-tests/ (whose grading tests read the solutions). It refuses to write a bundle in which a notebook or an
-exercise still holds a solution region. Grading stays with the instructor, who keeps solutions/:
+tests/ (whose grading tests read the solutions), .ci/, the raw benchmark logs and this script, plus a marker file
+that makes the bundle's Makefile stand alone: `make test` runs the lessons, `make grade NB=...` a self-check of
+the notebook's own check cells, `make check-fast` ruff. It refuses to write a bundle in which a notebook or an
+exercise still holds a solution region. Grading for credit stays with the instructor, who keeps solutions/:
 `make grade NB=<a learner's exercise>` in the full repository.
 """
 from __future__ import annotations
@@ -17,7 +19,9 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LEFT_OUT = ("solutions/", "tests/", "dist/", ".git/", ".venv/", "build/")
+LEFT_OUT = ("solutions/", "tests/", "dist/", ".git/", ".venv/", "build/", ".ci/", "benchmarks/results/logs_",
+            "tools/bundle.py")
+MARK = ".learner-bundle"  # the Makefile sees it: test = the lessons, grade = a self-check, check-fast = ruff
 BEGIN = "### BEGIN SOLUTION"
 
 
@@ -53,6 +57,8 @@ def bundle(root: Path, out: Path) -> list[str]:
     with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
         for n in names:
             z.write(root / n, f"minite-course/{n}")
+        z.writestr(f"minite-course/{MARK}", "A learner's bundle: no solutions/, no tests/ (make test runs the lessons; "
+                   "make grade NB=... runs a self-check; grading for credit is your instructor's).\n")
     return names
 
 

@@ -1,4 +1,4 @@
-"""The command line: ``python -m minite.grading grade ...`` / ``generate [--check]``.
+"""The command line: ``python -m minite.grading grade ...`` / ``selfcheck NB`` / ``generate [--check]``.
 
 ``grade`` prints nothing until every notebook is graded and every process their kernels started is dead. It then
 writes the reports (JSON) to a file it creates itself (``--report PATH``, or report.json in a new temporary
@@ -35,6 +35,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT,
                    help=f"seconds each cell may run (a task's cell, its check) before it fails (default "
                         f"{DEFAULT_TIMEOUT})")
+    sc = sub.add_parser("selfcheck", help="run a notebook and report its own check cells (a learner's bundle has "
+                        "no solutions/ to grade against: this is a self-check, not a grade)")
+    sc.add_argument("notebook")
+    sc.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT)
     gen = sub.add_parser("generate", help="write exercises/ from solutions/")
     gen.add_argument("--solutions", default=str(_repo_root() / "solutions"))
     gen.add_argument("--exercises", default=str(_repo_root() / "exercises"))
@@ -51,6 +55,25 @@ def _generate(args) -> int:
         print("exercises in sync with solutions")
     else:
         print(f"wrote {len(stale)} exercise notebook(s)" + (": " + ", ".join(stale) if stale else ""))
+    return 0
+
+
+def _selfcheck(args) -> int:
+    """Run the notebook as it is and say which of its check cells passed. Its check cells are the student's own
+    copy, so this is feedback, not a grade (grading swaps in the course's pristine checks: `grade`)."""
+    import nbformat
+
+    from .notebook import check_cells
+    from .sandbox import _execute
+    nb = nbformat.read(args.notebook, as_version=4)
+    checks = check_cells(nb)
+    cells = _execute(nb, args.timeout)
+    passed = 0
+    for index, name in checks:
+        ok = cells[index].ok
+        passed += ok
+        print(f"  {'PASS' if ok else 'FAIL'}  {name}" + ("" if ok else f": {cells[index].error}"))
+    print(f"self-check (this notebook's own check cells, not a grade): {passed}/{len(checks)}")
     return 0
 
 
@@ -75,10 +98,12 @@ def main(argv: list[str] | None = None, *, lint: bool = True) -> int:
     args = p.parse_args(argv)
     if args.cmd == "generate":
         return _generate(args)
-    if args.solution and len(args.notebook) > 1:
-        p.error("--solution applies to a single notebook")
     if args.timeout <= 0:
         p.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if args.cmd == "selfcheck":
+        return _selfcheck(args)
+    if args.solution and len(args.notebook) > 1:
+        p.error("--solution applies to a single notebook")
     reports = [grade(nb, args.solution, timeout=args.timeout, lint=lint) for nb in args.notebook]
     dicts = [rep.__dict__ | {"score": rep.score, "total": rep.total} for rep in reports]
     where = _write_report(json.dumps(dicts, indent=1) + "\n", args.report)
