@@ -127,9 +127,12 @@ def kernel_names() -> set[str]:
     import minite
     out = set()
     for m in pkgutil.walk_packages(minite.__path__, "minite."):
-        if m.name.startswith(("minite.gpu_compile", "minite.train", "minite.__main__")):
+        if m.name.startswith(("minite.gpu_compile", "minite.train")) or m.name.endswith(".__main__"):
+            continue  # entry points: importing one runs it
+        try:
+            mod = importlib.import_module(m.name)
+        except ImportError:  # an optional extra that is not installed (minite.hf: transformers) holds no kernel
             continue
-        mod = importlib.import_module(m.name)
         for name, obj in vars(mod).items():
             if name.endswith("_kernel") and hasattr(obj, "arg_names") and getattr(obj, "fn", None) is not None \
                     and obj.fn.__module__ == m.name:
