@@ -15,8 +15,17 @@ from minite.kernels.cross_entropy import cross_entropy
 from minite.kernels.decode import decode_attention, decode_attention_ref, decode_attention_triton
 from minite.kernels.lora import lora_linear
 from minite.layers.kv_cache import KVCache
-from minite.layers.lora import LoRAConfig, LoRAError, LoRALinear, apply_lora, load_lora, lora_layers, \
-    lora_state_dict, merge_lora, unmerge_lora
+from minite.layers.lora import (
+    LoRAConfig,
+    LoRAError,
+    LoRALinear,
+    apply_lora,
+    load_lora,
+    lora_layers,
+    lora_state_dict,
+    merge_lora,
+    unmerge_lora,
+)
 from minite.models.gpt import GPT, GPTConfig
 
 BOTH = ["torch", pytest.param("triton", marks=pytest.mark.triton)]
@@ -76,8 +85,10 @@ def test_decode_kernel_never_reads_past_the_cache(device):
     v = v.clone()
     got = decode_attention_triton(q, k, v, torch.tensor([3, 40], device=device))
     assert _same(got, decode_attention_ref(q, k, v, torch.tensor([3, 8])))
-    got = decode_attention_triton(q, k, v, torch.tensor([3, 8], device=device), None, 4, 2)  # max_len 2 < 8
-    assert _same(got, decode_attention_ref(q, k, v, torch.tensor([3, 8])))
+    q, k, v = _decode_inputs(device, T_max=150)  # three key blocks of 64
+    lengths = torch.tensor([3, 150], device=device)
+    got = decode_attention_triton(q, k, v, lengths, None, 4, 10)  # max_len 10 < 150: one split of one block
+    assert _same(got, decode_attention_ref(q, k, v, lengths))
 
 
 @pytest.mark.parametrize("backend", BOTH)
