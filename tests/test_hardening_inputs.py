@@ -124,12 +124,19 @@ def test_zero_head_dim_is_refused(backend, device):
         decode_attention(q[:, :, 0], q, q, torch.tensor([1]), backend=backend)
 
 
-@pytest.mark.parametrize("backend", BOTH)
+# The Triton kernel still leaks (P V and dS K multiply a masked 0 by the NaN): cleaning the tile in its loop raised
+# sm_90 register spills from 16 to 200-1300 bytes (minite/kernels/attention.py, _finite_kv). Strict: a fix shows.
+KERNEL_LEAKS = pytest.param("triton", marks=[pytest.mark.triton, pytest.mark.xfail(
+    strict=True, reason="issue 25: the flash kernel leaks masked NaN K/V; its fix waits for a GPU to time it")])
+
+
+@pytest.mark.parametrize("backend", ["torch", KERNEL_LEAKS])
 @pytest.mark.parametrize("where,bad", [("k", NAN), ("v", NAN), ("k", INF), ("v", -INF), ("kv", NAN)])
-def test_nan_in_masked_future_keys_does_not_leak(backend, device, where, bad):
+@pytest.mark.parametrize("T", [80, 200])  # 200: two query tiles of 128, key 70 in a full tile of the second
+def test_nan_in_masked_future_keys_does_not_leak(backend, device, where, bad, T):
     # Causal attention: query i never sees key 70, so whatever key 70 holds cannot change rows 0..69, their
     # values or their dq. was: every row NaN on both paths (0 * NaN in P V, and in dS K of the backward).
-    T, p = 80, 70
+    p = 70
     q, k, v = (_randn(1, 2, T, 16, seed=s, device=device) for s in (1, 2, 3))
     kb, vb = k.clone(), v.clone()
     if "k" in where:
@@ -144,7 +151,8 @@ def test_nan_in_masked_future_keys_does_not_leak(backend, device, where, bad):
         grads.append((o.detach(), qq.grad))
     (o_ok, dq_ok), (o_bad, dq_bad) = grads
     assert torch.isfinite(o_bad[:, :, :p]).all() and _same(o_bad[:, :, :p], o_ok[:, :, :p])
-    assert torch.isnan(o_bad[:, :, p:]).any(-1).all()  # rows that do see the bad key: NaN, as torch says
+    if math.isnan(bad):  # rows that do see a NaN key or value: NaN, as torch says (inf: IEEE, backend-dependent)
+        assert torch.isnan(o_bad[:, :, p:]).any(-1).all()
     assert torch.isfinite(dq_bad[:, :, :p]).all() and _same(dq_bad[:, :, :p], dq_ok[:, :, :p], atol=1e-4)
 
 
@@ -165,7 +173,7 @@ def test_cross_entropy_with_inf_logits_matches_torch(backend, device):
         (got.sum() if reduction == "none" else got).backward()
         (want.sum() if reduction == "none" else want).backward()
         assert _same(got, want), (reduction, got, want)
-        assert _same(xr.grad[4], xt.grad[4])  # the finite row keeps its gradient
+        assert _same(xr.grad, xt.grad)  # NaN where torch has NaN, the finite row's softmax - one_hot
     got = cross_entropy(x[:, :], t, reduction="none", label_smoothing=0.1, backend=backend)
     want = F.cross_entropy(x.cpu(), t.cpu(), reduction="none", label_smoothing=0.1)
     assert _same(got, want), (got, want)
@@ -285,8 +293,7 @@ def test_merged_model_runs_forward_with_grad_enabled():
     with torch.no_grad():
         want = m(idx)[0]
     merge_lora(m)
+    assert torch.is_grad_enabled()
     logits, loss = m(idx, idx)
-    loss.backward()
-    assert torch.allclose(logits[:, -1:], want, atol=1e-5)
-    assert all(layer.lora_A.grad is None for layer in lora_layers(m).values())  # nothing flows into the adapter
-    assert math.isfinite(loss.item())
+    assert torch.allclose(logits[:, -1:], want, atol=1e-5) and math.isfinite(loss.item())
+    assert not loss.requires_grad  # the adapter is skipped and the base is frozen: nothing to train until unmerged

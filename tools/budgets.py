@@ -10,7 +10,9 @@ from pathlib import Path
 root = Path(__file__).resolve().parent.parent
 RULES = [
     # Concept files register their own torch.compile ops (issue 22: no side file); these three need the lines.
-    ("minite/kernels/attention.py", 470),    # forward, dK/dV and dQ kernels, varlen, 2 ops + their autograd formula
+    # forward, dK/dV and dQ kernels, varlen, 2 ops + their autograd formula; issue 25: the reference's clean-up of
+    # non-finite masked K/V (_finite_kv, with why the kernel has none yet) and the scale / D checks
+    ("minite/kernels/attention.py", 505),
     ("minite/kernels/cross_entropy.py", 330),  # CE and the fused linear-CE: 3 ops, 2 autograd formulas
     ("minite/kernels/rmsnorm.py", 315),      # RMSNorm and LayerNorm: 4 ops, 2 autograd formulas
     ("minite/train.py", 600),                # resolve, build, step, loop, the CLI and their checks, one statement a line
@@ -18,6 +20,7 @@ RULES = [
     ("minite/data.py", 360),                 # corpus preparation: registry, user file, tokenizers, batches, lock
     ("minite/grading.py", 980),              # (split into minite/grading/ by issue 22)
     ("minite/config.py", 320),               # five sections, each field's doc and its check
+    ("minite/layers/lora.py", 310),          # LoRALinear, PEFT's API, and (issue 25) its argument / merged-state checks
     ("minite/parallel/*.py", 250),
     ("minite/**/*.py", 300),
 ]
