@@ -178,8 +178,8 @@ class GPT(nn.Module):
         """With a KVCache (chapter 08) idx holds only the new tokens, appended at each sequence's cache position;
         ``lengths`` (one count per sequence) marks how many of them are real in a right-padded prefill: the cache
         advances by those and the logits are taken at each sequence's last real token."""
-        on_cpu = isinstance(idx, torch.Tensor) and idx.device.type == "cpu"
-        _check_idx("GPT.forward", idx, self.config.vocab_size, values=on_cpu)
+        free = isinstance(idx, torch.Tensor) and idx.device.type == "cpu" and not torch.compiler.is_compiling()
+        _check_idx("GPT.forward", idx, self.config.vocab_size, values=free)  # values: where no sync, no graph break
         B, T = idx.shape  # batch, sequence length
         if targets is not None and (not isinstance(targets, torch.Tensor) or targets.shape != idx.shape):
             raise ValueError(f"GPT.forward: targets must be a tensor of idx's shape {tuple(idx.shape)}, got "
