@@ -11,7 +11,7 @@ import numbers
 
 import torch
 
-__all__ = ["tensor", "boolean", "integer", "real", "same_device", "describe"]
+__all__ = ["tensor", "boolean", "integer", "real", "same_device", "describe", "scale", "lengths"]
 
 
 def describe(v) -> str:
@@ -63,6 +63,37 @@ def real(where: str, name: str, v, *, gt: float | None = None, ge: float | None 
                                                                             ("<=", le)) if b is not None]
         raise ValueError(f"{where}: {name} must be {' and '.join(parts)}, got {v}")
     return v
+
+
+def scale(where: str, v) -> float | None:
+    """An attention softmax scale: None (1 / sqrt(D)), else finite and > 0 (NaN made one backend return zeros and
+    the other NaN; 0 or a negative scale is a uniform or inverted attention, never what was meant)."""
+    return None if v is None else real(where, "scale", v, gt=0)
+
+
+def lengths(where: str, lens, B: int, T_max: int, max_len=None) -> int | None:
+    """Per-sequence key counts (B,) of an integer dtype, each in [0, T_max]; max_len, when given, an int in
+    [0, T_max] and >= every length. Returns max_len as an int (or None).
+
+    The dtype and shape are always checked (metadata, free). The values only when `lens` lives on the CPU: on
+    CUDA reading them is a device-to-host sync per decode step and per layer, and it would break CUDA-graph
+    capture. There the decode kernel clamps each length to [0, T_max] itself, so it never reads past the cache."""
+    tensor(where, "lengths", lens)
+    if lens.dtype == torch.bool or lens.is_floating_point() or lens.is_complex():
+        raise TypeError(f"{where}: lengths must be an integer tensor (key counts), got dtype {lens.dtype}")
+    if tuple(lens.shape) != (B,):
+        raise ValueError(f"{where}: lengths must have shape ({B},), got {tuple(lens.shape)}")
+    if max_len is not None:
+        max_len = integer(where, "max_len", max_len, lo=0, hi=T_max)
+    if lens.device.type == "cpu" and B:
+        lo, hi = int(lens.min()), int(lens.max())
+        if lo < 0 or hi > T_max:
+            i = int(((lens < 0) | (lens > T_max)).nonzero()[0, 0])
+            raise ValueError(f"{where}: lengths[{i}] = {int(lens[i])} is outside [0, T_max={T_max}] "
+                             "(the cache holds T_max positions per sequence)")
+        if max_len is not None and hi > max_len:
+            raise ValueError(f"{where}: max_len={max_len} is below the longest sequence, lengths.max() = {hi}")
+    return max_len
 
 
 def same_device(where: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:

@@ -10,7 +10,9 @@ from pathlib import Path
 root = Path(__file__).resolve().parent.parent
 RULES = [
     # Concept files register their own torch.compile ops (issue 22: no side file); these three need the lines.
-    ("minite/kernels/attention.py", 470),    # forward, dK/dV and dQ kernels, varlen, 2 ops + their autograd formula
+    # forward, dK/dV and dQ kernels, varlen, 2 ops + their autograd formula; issue 25: the reference's clean-up of
+    # non-finite masked K/V (_finite_kv, with why the kernel has none yet) and the scale / D checks
+    ("minite/kernels/attention.py", 505),
     ("minite/kernels/cross_entropy.py", 330),  # CE and the fused linear-CE: 3 ops, 2 autograd formulas
     ("minite/kernels/rmsnorm.py", 315),      # RMSNorm and LayerNorm: 4 ops, 2 autograd formulas
     ("minite/train.py", 600),                # resolve, build, step, loop, the CLI, their checks; a statement a line
@@ -22,6 +24,7 @@ RULES = [
     ("minite/parallel/context.py", 300),     # ring and all-gather attention, forward and backward
     ("minite/parallel/data.py", 280),        # DDP and ZeRO-1/2/3 in one class, its constructor in named steps
     ("minite/parallel/comm.py", 280),        # every collective, and the one global-norm clip of sharded gradients
+    ("minite/layers/lora.py", 310),          # LoRALinear, PEFT's API, and (issue 25) its argument / merged-state checks
     ("minite/parallel/*.py", 250),
     ("minite/parallel/workers/*.py", 260),   # the torchrun workers, a file per chapter: checks, measurements, task
     ("minite/**/*.py", 300),

@@ -10,6 +10,9 @@ the backward uses to recompute P instead of keeping it, and which chapters 08 an
 Causal masking is bottom-right aligned (FlashAttention >= 2.1, PyTorch's ``causal_lower_right``): query i sees
 keys j <= i + T_k - T_q, so the last query sees every key, which is what a KV-cache prefill needs. For T_q == T_k
 this is the usual mask. A query row that sees no key gets LSE = -inf and output 0 (never NaN).
+Non-finite keys/values under the causal mask: the reference never lets a masked one change a row that cannot see
+it (a row that sees one is NaN). The Triton kernel does not promise that: P V gives a masked column weight 0 and
+0 * NaN = NaN, and cleaning the V tile in the loop costs sm_90 register spills (issue 25; see ``_finite_kv``).
 Layouts: "bhsd" (B, H, T, D) for ``attention``; "thd" (total_tokens, H, D) with ``cu_seqlens`` for
 ``attention_varlen`` (Transformer Engine's packed format: no padding, nothing computed across sequences).
 """
@@ -21,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from minite import _validate as _v
 from minite._triton import interpreting, tl, triton
 from minite.backend import resolve_backend
 from minite.kernels import _common as C  # launchable: wrap_triton while torch.compile traces; op: torch.ops
@@ -47,6 +51,9 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     if H != KVH:
         k = k.repeat_interleave(H // KVH, dim=1)  # (B, H, T_k, D): query head h reads kv head h // (H / KVH)
         v = v.repeat_interleave(H // KVH, dim=1)  # (B, H, T_k, D)
+    k_in, seen_bad = k, None
+    if causal and Tk:  # masked keys/values must not leak: P V multiplies a masked 0 by the value, and 0 * NaN = NaN
+        k, v, seen_bad = _finite_kv(k, v, Tq)
     keep = None
     if causal and Tq != Tk:  # bottom-right mask: query i sees keys j <= i + T_k - T_q
         keep = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)  # (T_q, T_k)
@@ -56,13 +63,36 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, is_causal=causal and keep is None, scale=scale)
         if keep is not None:  # rows with no visible key: 0, not the NaN of a softmax over nothing
             o = o.masked_fill(~keep.any(-1)[:, None], 0.0)
+        if seen_bad is not None:  # a row that sees a non-finite key or value: NaN in full
+            o = o.masked_fill(seen_bad[..., None], float("nan"))
     if not return_lse:
         return o
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
-    s = (q.to(ct) @ k.to(ct).transpose(-1, -2)) * scale  # (B, H, T_q, T_k)
-    if causal:
+    s = (q.to(ct) @ k_in.to(ct).transpose(-1, -2)) * scale  # (B, H, T_q, T_k)
+    if causal:  # masked_fill, not a product with 0: a masked NaN score becomes -inf
         s = s.masked_fill(~torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq), float("-inf"))
-    return o, torch.logsumexp(s, dim=-1).float()  # (B, H, T_q)
+    lse = torch.logsumexp(s, dim=-1).float()  # (B, H, T_q)
+    return o, lse if seen_bad is None else lse.masked_fill(seen_bad, float("nan"))
+
+
+def _finite_kv(k, v, Tq):
+    """(k, v with every non-finite entry 0, (B, H, T_q) bool: row i sees a key j <= i + T_k - T_q whose k or v row is
+    not finite; or None when every entry is finite). SDPA of the cleaned k, v leaks nothing into rows that cannot see
+    a bad key (0 * NaN in P V, and in dS K of the backward); the rows that can are set to NaN by the caller.
+
+    On the CPU a host check is free: finite inputs (the usual case) skip the copies. On CUDA (and while compiling)
+    the clean-up always runs, as tensor ops: a check there would be a host sync per call. Issue 25 measured the same
+    clean-up inside the Triton kernel's loop (the V tile through registers): sm_90 spills went from 16 to 200-1300
+    bytes per thread at D = 64, so the kernel is left as it is until a GPU can time the trade."""
+    if k.device.type == "cpu" and not torch.compiler.is_compiling():
+        if bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all()):
+            return k, v, None
+    Tk = k.shape[2]
+    bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # (B, H, T_k)
+    upto = bad.cumsum(-1) > 0  # (B, H, T_k): some key j' <= j is bad
+    last = torch.arange(Tq, device=k.device) + (Tk - Tq)  # (T_q,) the last key row i sees (bottom-right)
+    seen = upto[..., last.clamp(min=0)] & (last >= 0)  # (B, H, T_q)
+    return torch.nan_to_num(k, 0.0, 0.0, 0.0), torch.nan_to_num(v, 0.0, 0.0, 0.0), seen
 
 
 # -------------------------------------------------------------------------------------------- 2. kernels
@@ -396,6 +426,8 @@ def _check(q, k, v, varlen: bool = False) -> None:
     H, KVH = q.shape[1], k.shape[1]
     if KVH == 0 or H % KVH:
         raise ValueError(f"query heads H={H} must be a multiple of key/value heads KVH={KVH}")
+    if q.shape[-1] == 0:
+        raise ValueError(f"attention: head dim D=0 (q {tuple(q.shape)}): q, k, v hold no features")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     if not q.is_floating_point():
@@ -418,6 +450,7 @@ def attention(q, k, v, *, causal: bool = True, scale: float | None = None, retur
     ``scale`` defaults to 1/sqrt(D); causal is bottom-right aligned. ``return_lse=True`` also returns the
     (B, H, T_q) fp32 log-sum-exp in natural-log units (-inf for rows that see no key)."""
     _check(q, k, v)
+    scale = _v.scale("attention", scale)  # None, or finite and > 0
     if resolve_backend(q, backend) == "triton":
         _check_triton(q)
         o, lse = AttentionFunction.apply(q, k, v, causal, scale, None, 0)
@@ -431,6 +464,7 @@ def attention_varlen(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, *, caus
     sequence b is tokens cu_seqlens[b] : cu_seqlens[b+1] (int32, (B + 1,), starting at 0). No padding is computed
     and no token attends across sequences. LSE, when asked for, is (H, total) fp32."""
     _check(q, k, v, varlen=True)
+    scale = _v.scale("attention_varlen", scale)
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
             or cu_seqlens.dtype not in (torch.int32, torch.int64):
         what = (tuple(cu_seqlens.shape), cu_seqlens.dtype) if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens

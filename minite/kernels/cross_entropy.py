@@ -38,7 +38,11 @@ def cross_entropy_ref(logits, target, ignore_index: int = -100, reduction: str =
     """The spec, from the formula (tested against F.cross_entropy). logits (N, V), target (N,) -> fp32 loss."""
     x = logits.double() if logits.dtype == torch.float64 else logits.float()  # (N, V)
     valid = target != ignore_index  # (N,)
-    lse = torch.logsumexp(x, dim=-1)  # (N,)
+    # Not torch.logsumexp: it returns +inf for a row holding +inf, where F.cross_entropy and the kernel give NaN
+    # (x - max = inf - inf). The shifted sum is that formula; with the max detached its gradient is the softmax.
+    m = x.amax(-1, keepdim=True).detach()  # (N, 1)
+    m = torch.where(torch.isneginf(m), 0.0, m)  # a row of -inf: exp(-inf - 0) = 0, lse = -inf, not -inf - -inf
+    lse = (m + torch.log(torch.exp(x - m).sum(-1, keepdim=True))).squeeze(-1)  # (N,)
     x_t = x.gather(1, torch.where(valid, target, 0)[:, None]).squeeze(1)  # (N,) logit of the target
     loss = lse - x_t
     if label_smoothing:  # (1 - eps) * (lse - x_t) + eps * (lse - mean(x)): eps/V of the target mass on every class

@@ -19,6 +19,7 @@ import math
 
 import torch
 
+from minite import _validate as _v
 from minite._triton import interpreting, tl, triton
 from minite.backend import resolve_backend
 from minite.kernels._common import launchable, op, register_op
@@ -37,6 +38,9 @@ def decode_attention_ref(q, k_cache, v_cache, lengths, scale: float | None = Non
     s = torch.einsum("bkgd,bktd->bkgt", q.float().view(B, KVH, H // KVH, D), k) * scale  # (B, KVH, G, T_max)
     keep = torch.arange(k.shape[2], device=q.device)[None, :] < lengths.to(q.device)[:, None]  # (B, T_max)
     p = torch.nan_to_num(s.masked_fill(~keep[:, None, None], float("-inf")).softmax(-1))  # length 0 -> zeros
+    # Past its length a sequence's cache holds anything (a reused cache, NaN included): p = 0 there, but 0 * NaN
+    # is NaN in p @ v, so those values are zeroed, not only given zero weight.
+    v = v.masked_fill(~keep[:, None, :, None], 0.0)  # (B, KVH, T_max, D)
     return torch.einsum("bkgt,bktd->bkgd", p, v).reshape(B, H, D).to(q.dtype)
 
 
@@ -62,7 +66,9 @@ def _decode_partial_kernel(Q, K, V, LEN, O_PART, L_PART, H, KVH, T_MAX, D, CHUNK
     s = tl.program_id(1).to(tl.int64)
     S = tl.num_programs(1)
     b, g = bg // KVH, bg % KVH
-    n_keys = tl.load(LEN + b).to(tl.int64)
+    # Clamped to [0, T_max]: a length past the cache must never become a read past it. The functional checks the
+    # lengths when they are on the CPU; on CUDA reading them would cost a host sync per step (see _validate.lengths).
+    n_keys = tl.minimum(tl.maximum(tl.load(LEN + b).to(tl.int64), 0), T_MAX)
     rows = tl.arange(0, BLOCK_G)  # query heads g*GROUP ... (padded to >= 16 rows for tl.dot)
     offs_d = tl.arange(0, BLOCK_D)
     r_ok, d_ok = rows < GROUP, offs_d < D
@@ -75,7 +81,8 @@ def _decode_partial_kernel(Q, K, V, LEN, O_PART, L_PART, H, KVH, T_MAX, D, CHUNK
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     lo = s * CHUNK
-    hi = tl.minimum(lo + CHUNK, n_keys)
+    # The last split runs to the sequence's end: a max_len below a length then costs parallelism, never keys.
+    hi = tl.where(s == S - 1, n_keys, tl.minimum(lo + CHUNK, n_keys))
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         kv_mask = (cols[:, None] < hi) & d_ok[None, :]
@@ -146,7 +153,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             scale: float | None = None, num_splits: int | None = None,
                             max_len: int | None = None) -> torch.Tensor:
     """Launch partial + merge. q (B, H, D); caches (B, KVH, T_max, D) contiguous; lengths (B,) int on q's device.
-    max_len: an upper bound of lengths known on the host (the cache keeps one), default T_max."""
+    max_len: an upper bound of lengths known on the host (the cache keeps one), default T_max. No argument checks
+    here (torch.compile and CUDA graphs call this directly): bad values cost speed, never a read past the cache."""
     B, H, D = q.shape
     KVH, T_max = k_cache.shape[1], k_cache.shape[2]
     q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
@@ -154,7 +162,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     max_len = T_max if max_len is None else max(1, min(max_len, T_max))
     BLOCK_N = 64 if D <= 64 else 32
     n_blocks = triton.cdiv(max_len, BLOCK_N)
-    S = num_splits or num_splits_heuristic(B * KVH, _num_sms(q.device), n_blocks)
+    S = max(1, num_splits) if num_splits else num_splits_heuristic(B * KVH, _num_sms(q.device), n_blocks)
     chunk = triton.cdiv(n_blocks, S) * BLOCK_N  # whole key blocks per split
     S = triton.cdiv(max_len, chunk)
     o_part = torch.empty((B, H, S, D), dtype=torch.float32, device=q.device)  # (B, H, S, D)
@@ -176,18 +184,33 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 def decode_attention(q, k_cache, v_cache, lengths, *, scale: float | None = None, num_splits: int | None = None,
                      max_len: int | None = None, backend: str | None = None):
     """One decode step: q (B, H, D) against k/v caches (B, KVH, T_max, D), of which sequence b holds lengths[b]
-    valid keys (the new token's included). Returns (B, H, D) in q's dtype. Inference only (no autograd)."""
+    valid keys (the new token's included). Returns (B, H, D) in q's dtype. Inference only (no autograd).
+
+    lengths: an integer tensor, each in [0, T_max]; max_len, when given, >= every length. Values are checked when
+    lengths is on the CPU (as minite's KVCache passes them); on CUDA the kernel clamps them instead of syncing."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _v.tensor("decode_attention", name, t, floating=True)
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"decode_attention: q (B, H, D) and caches (B, KVH, T_max, D) expected, got q "
                          f"{tuple(q.shape)}, k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}")
     B, H, D = q.shape
-    if k_cache.shape[0] != B or k_cache.shape[3] != D or H % k_cache.shape[1]:
+    if k_cache.shape[0] != B or k_cache.shape[3] != D or k_cache.shape[1] == 0 or H % k_cache.shape[1]:
         raise ValueError(f"decode_attention: q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} "
                          "(batch, head dim, or H not a multiple of KVH)")
-    if lengths.shape != (B,):
-        raise ValueError(f"decode_attention: lengths must have shape ({B},), got {tuple(lengths.shape)}")
+    if D == 0:
+        raise ValueError("decode_attention: head dim D=0: q and the caches hold no features")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype) or not (q.device == k_cache.device == v_cache.device):
+        raise ValueError(f"decode_attention: q, k_cache, v_cache must share dtype and device, got "
+                         f"{q.dtype}/{k_cache.dtype}/{v_cache.dtype} on {q.device}/{k_cache.device}/{v_cache.device}")
+    T_max = k_cache.shape[2]
+    max_len = _v.lengths("decode_attention", lengths, B, T_max, max_len)
+    scale = _v.scale("decode_attention", scale)
+    if num_splits is not None:
+        _v.integer("decode_attention", "num_splits", num_splits, lo=1)
     if resolve_backend(q, backend) == "triton" and q.dtype in (torch.float16, torch.bfloat16, torch.float32) \
             and D <= 128:
-        return op("decode_attention", decode_attention_triton)(q, k_cache, v_cache, lengths, scale, num_splits, max_len)
-    n = k_cache.shape[2] if max_len is None else max_len  # read only the filled part of the cache
+        lens = lengths.to(q.device)  # checked on the CPU (if it was there), then copied: B ints, no sync
+        return op("decode_attention", decode_attention_triton)(q, k_cache, v_cache, lens, scale, num_splits, max_len)
+    # Read only the filled part of the cache, where max_len was checked against the lengths (CPU lengths).
+    n = T_max if max_len is None or lengths.device.type != "cpu" else max_len
     return decode_attention_ref(q, k_cache[:, :, :n], v_cache[:, :, :n], lengths, scale)

@@ -19,6 +19,7 @@ import functools
 import torch
 from torch import Tensor
 
+from minite import _validate as _v
 from minite._triton import interpreting, tl, triton
 from minite.backend import resolve_backend
 from minite.kernels._common import launchable, op, register_autograd, register_op
@@ -291,6 +292,7 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_A: torch.Tensor, lor
     reference (three GEMMs).
     """
     _check(x, weight, lora_A, lora_B)
+    scaling = _v.real("lora_linear", "scaling", scaling)  # finite: NaN or inf would fill y with NaN
     if resolve_backend(x, backend) == "triton" and x.dtype in _DTYPES and lora_A.shape[0] <= MAX_R:
-        return LoRALinearFunction.apply(x, weight, lora_A, lora_B, float(scaling))
+        return LoRALinearFunction.apply(x, weight, lora_A, lora_B, scaling)
     return lora_linear_ref(x, weight, lora_A, lora_B, scaling)

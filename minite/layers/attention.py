@@ -92,7 +92,9 @@ class CausalSelfAttention(nn.Module):
         # q (B, H, T, D) of the new tokens; kc/vc (B, KVH, T_max, D) already hold them at pos[b] ... pos[b] + T - 1.
         T = q.shape[2]
         if T == 1:  # decode: one query per sequence, its own length: the split-KV kernel
-            lengths = torch.tensor([p + 1 for p in pos], device=q.device)
+            # Built on the CPU from the host lengths: decode_attention checks them there for free, then copies the
+            # B ints to q's device (the same copy a CUDA tensor built from a list costs), with no device sync.
+            lengths = torch.tensor([p + 1 for p in pos])
             return decode_attention(q[:, :, 0], kc, vc, lengths, max_len=max(pos) + 1,
                                     backend=self.backend)[:, :, None]  # (B, H, 1, D)
         if all(p == pos[0] for p in pos):  # prefill / chunk: T queries against pos + T keys, bottom-right causal

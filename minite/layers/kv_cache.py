@@ -14,8 +14,12 @@ Sequences of one batch may hold different lengths (prompts of different lengths,
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import nn
+
+from minite import _validate as _v
 
 __all__ = ["KVCache", "cache_bytes_per_token"]
 
@@ -39,8 +43,12 @@ class KVCache(nn.Module):
         super().__init__()
         for name, val in (("n_layer", n_layer), ("batch_size", batch_size), ("n_kv_head", n_kv_head),
                           ("max_len", max_len), ("head_dim", head_dim)):
+            if isinstance(val, bool) or not isinstance(val, numbers.Integral):
+                raise TypeError(f"KVCache: {name} must be an int, got {_v.describe(val)}")
             if val <= 0:
                 raise ValueError(f"KVCache: {name} must be positive, got {val}")
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"KVCache: dtype must be a floating-point torch.dtype, got {dtype}")
         shape = (batch_size, n_kv_head, max_len, head_dim)  # (B, KVH, T_max, D)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
@@ -74,6 +82,13 @@ class KVCache(nn.Module):
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v (B, KVH, T, D) of `layer` at positions lengths[b] ... lengths[b] + T - 1 of each sequence.
         Lengths do not move until ``advance``: every layer of one step writes at the same positions."""
+        # layer=-1 would index the last layer from the end: refuse it, as an int in [0, n_layer).
+        layer = _v.integer("KVCache.write", "layer", layer, lo=0, hi=self.n_layer - 1)
+        for name, t in (("k", k), ("v", v)):
+            _v.tensor("KVCache.write", name, t, floating=True)  # int k/v would turn the cache into ints
+        if k.dim() != 4 or v.shape != k.shape:
+            raise ValueError(f"KVCache.write: k must be (B, KVH, T, D) and v of the same shape; v {tuple(v.shape)} "
+                             f"does not match k {tuple(k.shape)}")
         B, KVH, T, D = k.shape
         if (B, KVH, D) != (self.batch_size, self.k[layer].shape[1], self.k[layer].shape[3]):
             raise ValueError(f"KVCache.write: k {tuple(k.shape)} does not fit cache {tuple(self.k[layer].shape)}")
@@ -96,14 +111,32 @@ class KVCache(nn.Module):
 
     def advance(self, n) -> None:
         """Move every sequence on by n tokens (an int, or one count per sequence: a right-padded prefill whose
-        prompts hold fewer real tokens than the padded width; the padding's k/v are overwritten later)."""
-        ns = [int(n)] * self.batch_size if isinstance(n, int) else [int(x) for x in n]
+        prompts hold fewer real tokens than the padded width; the padding's k/v are overwritten later).
+        Atomic: everything is checked before anything moves, so a refused call leaves host and device lengths equal."""
+        ns = self._counts(n)
+        new = [a + b for a, b in zip(self.host_lengths, ns)]
+        if max(new) > self.max_len:
+            raise ValueError(f"KVCache overflow: advancing lengths {self.host_lengths} by {ns} gives {new}, "
+                             f"past max_len={self.max_len}")
+        self.lengths.copy_(torch.tensor(new, dtype=torch.int64))
+        self.host_lengths = new
+
+    def _counts(self, n) -> list[int]:
+        """`n` as batch_size non-negative ints: an int for every sequence, or a sequence / 1-D int tensor of them."""
+        if isinstance(n, torch.Tensor):
+            if n.is_floating_point() or n.dtype == torch.bool or n.dim() > 1:
+                raise TypeError(f"KVCache.advance: n must hold integer counts, got a {n.dtype} tensor of shape "
+                                f"{tuple(n.shape)}")
+            n = n.tolist()
+        if isinstance(n, numbers.Integral) and not isinstance(n, bool):
+            ns = [int(n)] * self.batch_size
+        elif isinstance(n, (list, tuple)):
+            ns = [_v.integer("KVCache.advance", f"n[{i}]", x) for i, x in enumerate(n)]
+        else:
+            raise TypeError(f"KVCache.advance: n must be an int or {self.batch_size} ints, got {_v.describe(n)}")
         if len(ns) != self.batch_size or min(ns) < 0:
-            raise ValueError(f"KVCache.advance: need {self.batch_size} non-negative counts, got {ns}")
-        self.host_lengths = [a + b for a, b in zip(self.host_lengths, ns)]
-        if max(self.host_lengths) > self.max_len:
-            raise ValueError(f"KVCache overflow: lengths {self.host_lengths} exceed max_len={self.max_len}")
-        self.lengths.copy_(torch.tensor(self.host_lengths, dtype=torch.int64))
+            raise ValueError(f"KVCache.advance: n must be {self.batch_size} counts >= 0 (one per sequence), got {ns}")
+        return ns
 
     def extra_repr(self) -> str:
         return (f"n_layer={self.n_layer}, shape={tuple(self.k[0].shape)}, dtype={self.k[0].dtype}, "

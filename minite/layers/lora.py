@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minite import _validate as _v
 from minite.backend import resolve_backend
 from minite.formats.autocast import is_fp8_enabled
 from minite.layers.linear import Linear
@@ -100,6 +101,11 @@ class LoRALinear(Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
                  r: int = 8, alpha: float = 16.0, dropout: float = 0.0, use_rslora: bool = False,
                  backend: str | None = None):
+        # Checked before anything divides by r: alpha < 0 flips the update, NaN poisons it, r = 0 divides by zero.
+        r = _v.integer("LoRALinear", "r", r, lo=1)
+        alpha = _v.real("LoRALinear", "alpha", alpha, gt=0)
+        dropout = _v.real("LoRALinear", "dropout", dropout, ge=0, lt=1)
+        use_rslora = _v.boolean("LoRALinear", "use_rslora", use_rslora)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype, backend=backend)
         self.r, self.alpha, self.use_rslora = r, alpha, use_rslora
         self.scaling = alpha / (math.sqrt(r) if use_rslora else r)
@@ -133,10 +139,7 @@ class LoRALinear(Linear):
         return self.scaling * (self.lora_B.float() @ self.lora_A.float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.merged:
-            if torch.is_grad_enabled() and self.lora_A.requires_grad:
-                raise RuntimeError("LoRALinear: the adapter is merged into the weight; unmerge_lora(model) before "
-                                   "training (or run under torch.no_grad() for inference)")
+        if self.merged:  # s B A is in the weight: the base alone, grad enabled or not (PEFT skips the adapter too)
             return super().forward(x)
         fused = (not is_fp8_enabled() and isinstance(self.lora_dropout, nn.Identity)
                  and resolve_backend(x, self.backend) == "triton")
@@ -260,6 +263,9 @@ def load_lora(model: nn.Module, source: str | Path | dict, *, config: LoRAConfig
     Raises LoRAError naming the keys that are missing or unexpected and the shapes that differ: an adapter
     trained on another base does not load silently.
     """
+    if any(m.merged for m in lora_layers(model).values()):  # unmerge would subtract the new B A from W + old B A
+        raise LoRAError("load_lora: the model's adapters are merged into its weights; unmerge_lora(model) first, "
+                        "then load (and merge_lora again if wanted)")
     if isinstance(source, (str, Path)):
         state = torch.load(source, map_location="cpu", weights_only=True)
         tensors, saved_cfg = state["lora"], LoRAConfig(**state["lora_config"])

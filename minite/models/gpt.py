@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from minite import _validate as _v
 from minite.layers.attention import CausalSelfAttention
 from minite.layers.kv_cache import KVCache
 from minite.nn import RMSNorm, SwiGLU
@@ -116,6 +117,23 @@ class Block(nn.Module):
         return x
 
 
+def _check_idx(where: str, idx, V: int, values: bool) -> None:
+    """idx must be a (B, T >= 1) integer tensor; with `values`, every id in [0, V) (V = vocab_size: the padded rows
+    of the embedding are never tokens). forward checks the values on the CPU only (on CUDA: a host sync per
+    training step, and the embedding's own bounds check still catches ids past the padded vocabulary); generate
+    checks them once per call. The parallel GPTs call GPT.generate too: hence a function, not a method."""
+    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[1] == 0:
+        raise ValueError(f"{where}: idx must be a (B, T) tensor of token ids with T >= 1, got "
+                         f"{tuple(idx.shape) if isinstance(idx, torch.Tensor) else _v.describe(idx)}")
+    if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
+        raise TypeError(f"{where}: idx must hold integer token ids, got dtype {idx.dtype}")
+    if values and idx.numel():
+        bad = (idx < 0) | (idx >= V)
+        if bool(bad.any()):
+            b, t = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"{where}: idx[{b}, {t}] = {int(idx[b, t])} is not a token id in [0, vocab_size={V})")
+
+
 def _backend_arg(cfg: GPTConfig) -> str | None:
     # "auto" is passed as None so a surrounding use_backend() context or $MINITE_BACKEND can still decide.
     return None if cfg.backend == "auto" else cfg.backend
@@ -160,12 +178,22 @@ class GPT(nn.Module):
         """With a KVCache (chapter 08) idx holds only the new tokens, appended at each sequence's cache position;
         ``lengths`` (one count per sequence) marks how many of them are real in a right-padded prefill: the cache
         advances by those and the logits are taken at each sequence's last real token."""
+        free = isinstance(idx, torch.Tensor) and idx.device.type == "cpu" and not torch.compiler.is_compiling()
+        _check_idx("GPT.forward", idx, self.config.vocab_size, values=free)  # values: where no sync, no graph break
         B, T = idx.shape  # batch, sequence length
+        if targets is not None and (not isinstance(targets, torch.Tensor) or targets.shape != idx.shape):
+            raise ValueError(f"GPT.forward: targets must be a tensor of idx's shape {tuple(idx.shape)}, got "
+                             f"{tuple(targets.shape) if isinstance(targets, torch.Tensor) else _v.describe(targets)}")
         if kv_cache is not None:
+            if lengths is not None:  # before anything is written: each sequence holds 1 ... T real new tokens
+                lengths = kv_cache._counts(lengths)
+                if min(lengths) < 1 or max(lengths) > T:
+                    raise ValueError(f"GPT.forward: lengths must be in [1, T={T}] (real tokens of each row), "
+                                     f"got {lengths}")
             x = self.drop(self.wte(idx))  # (B, T, C)
             for i, block in enumerate(self.blocks):
                 x = block(x, kv_cache, i)  # (B, T, C)
-            kv_cache.advance(T if lengths is None else [int(n) for n in lengths])
+            kv_cache.advance(T if lengths is None else lengths)
             last = torch.full((B,), T - 1, device=idx.device) if lengths is None else torch.as_tensor(lengths) - 1
             x = self.norm_f(x[torch.arange(B, device=idx.device), last.to(idx.device)][:, None])  # (B, 1, C)
             return F.linear(x, self.wte.weight), None  # (B, 1, V_pad)
@@ -194,10 +222,12 @@ class GPT(nn.Module):
         temperature < 1 sharpens the distribution, > 1 flattens it; 0 means greedy (argmax).
         top_k keeps only the k most likely tokens before sampling.
         """
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if top_k is not None and top_k <= 0:
-            raise ValueError(f"top_k must be positive, got {top_k}")
+        max_new_tokens = _v.integer("generate", "max_new_tokens", max_new_tokens, lo=0)
+        temperature = _v.real("generate", "temperature", temperature, ge=0)  # NaN sampled from NaN probabilities
+        if top_k is not None:
+            top_k = _v.integer("generate", "top_k", top_k, lo=1)
+        _v.boolean("generate", "use_cache", use_cache)
+        _check_idx("generate", idx, self.config.vocab_size, True)  # one host sync per call, not per token
         V, bs, cache = self.config.vocab_size, self.config.block_size, None
         for _ in range(max_new_tokens):
             if not use_cache:
