@@ -38,11 +38,13 @@ def cross_entropy_ref(logits, target, ignore_index: int = -100, reduction: str =
     """The spec, from the formula (tested against F.cross_entropy). logits (N, V), target (N,) -> fp32 loss."""
     x = logits.double() if logits.dtype == torch.float64 else logits.float()  # (N, V)
     valid = target != ignore_index  # (N,)
-    # Not torch.logsumexp: it returns +inf for a row holding +inf, where F.cross_entropy and the kernel give NaN
-    # (x - max = inf - inf). The shifted sum is that formula; with the max detached its gradient is the softmax.
+    lse = torch.logsumexp(x, dim=-1)  # (N,)
+    # torch.logsumexp returns +inf for a row holding +inf, where F.cross_entropy and the kernel give NaN (x - max =
+    # inf - inf), value and gradient. Those rows take the shifted formula, which says NaN; the others keep
+    # logsumexp bit for bit (the unused branch adds an exact 0 to their gradient). No host check: no sync.
     m = x.amax(-1, keepdim=True).detach()  # (N, 1)
-    m = torch.where(torch.isneginf(m), 0.0, m)  # a row of -inf: exp(-inf - 0) = 0, lse = -inf, not -inf - -inf
-    lse = (m + torch.log(torch.exp(x - m).sum(-1, keepdim=True))).squeeze(-1)  # (N,)
+    shifted = (m + torch.log(torch.exp(x - m).sum(-1, keepdim=True))).squeeze(-1)  # (N,): NaN where a +inf is
+    lse = torch.where(torch.isposinf(x).any(-1), shifted, lse)
     x_t = x.gather(1, torch.where(valid, target, 0)[:, None]).squeeze(1)  # (N,) logit of the target
     loss = lse - x_t
     if label_smoothing:  # (1 - eps) * (lse - x_t) + eps * (lse - mean(x)): eps/V of the target mass on every class
