@@ -21,7 +21,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from minite.parallel import comm, reshard
+from minite.parallel import comm, reshard, watch
 from minite.parallel.dims import ParallelDims, ParallelError, check_layout, init_distributed, select_device
 
 __all__ = ["Parallel", "setup_parallel"]
@@ -159,6 +159,13 @@ class Parallel:
         reshard.load_dense_optim_state(model, opt, state, path)
 
 
+def _shutdown() -> None:
+    """At exit: the heartbeat first (its thread talks to the group's store), then the process group."""
+    watch.stop()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def setup_parallel(cfg) -> Parallel:
     """The run's (minite.config.RunConfig, final) layout: checked before any process group exists, then
     torch.distributed initialised from torchrun's environment and the groups built."""
@@ -170,7 +177,7 @@ def setup_parallel(cfg) -> Parallel:
     dims = ParallelDims.from_config(p, world).build(rank, world, p.timeout_s)
     run_device = None
     if world > 1:
-        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+        atexit.register(_shutdown)
         run_device = select_device(cfg.train.device)
         if run_device == "cpu" and cfg.train.device == "auto" and torch.cuda.is_available() and rank == 0:
             print(f"minite: train.device=auto, {torch.cuda.device_count()} GPU(s) for "

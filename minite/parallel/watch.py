@@ -13,6 +13,7 @@ transport's words: gloo's "Connection reset by peer" or "Timed out waiting ... f
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import sys
 import threading
@@ -20,10 +21,14 @@ import time
 
 import torch.distributed as dist
 
-__all__ = ["start", "stopped_ranks", "BEAT_S", "STALE_S"]
+__all__ = ["start", "stop", "stopped_ranks", "BEAT_S", "STALE_S"]
 
 BEAT_S = 0.5  # a heartbeat every half second
 STALE_S = 2.0  # a counter that does not move for this long belongs to a dead (or frozen) rank
+
+
+_STOP = threading.Event()
+_THREADS: list[threading.Thread] = []
 
 
 def _key(rank: int) -> str:
@@ -45,9 +50,21 @@ def start() -> None:
                 store.add(_key(rank), 1)
             except Exception:  # the store's host is gone or the group was destroyed: nothing left to tell
                 return
-            time.sleep(BEAT_S)
+            if _STOP.wait(BEAT_S):
+                return
 
-    threading.Thread(target=beat, daemon=True, name="minite-heartbeat").start()
+    _STOP.clear()
+    thread = threading.Thread(target=beat, daemon=True, name="minite-heartbeat")
+    thread.start()
+    _THREADS.append(thread)
+    atexit.register(stop)  # a daemon thread still inside the store's C++ code at exit aborts the process
+
+
+def stop() -> None:
+    """End the heartbeat and wait for its thread (before the process exits or its group is destroyed)."""
+    _STOP.set()
+    while _THREADS:
+        _THREADS.pop().join(timeout=5.0)
 
 
 def stopped_ranks(world: int, wait_s: float = STALE_S) -> list[int] | None:

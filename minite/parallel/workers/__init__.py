@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from minite.parallel import watch
 from minite.parallel.dims import ParallelDims, init_distributed
 from minite.parallel.workers import context, data, pipeline, tensor
 
@@ -70,6 +71,7 @@ def report(out_dir, rank: int, res: dict) -> int:
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(res, indent=1))
     if dist.is_initialized():
         dist.barrier()
+        watch.stop()  # the heartbeat talks to the group's store: end it first
         dist.destroy_process_group()
     return 0 if all(v.get("ok") or "skipped" in v for v in res.values()) else 1
 
