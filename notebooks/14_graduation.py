@@ -413,6 +413,39 @@ print(f"pp=2 x tp=8 instead: rank 0's pp group {d.ranks['pp']} (the stage bounda
 # global batches), and the checkpoint format: a checkpoint from 16 GPUs resumes on 1, and the reverse, so a run
 # can move between clusters of different sizes, job after job of `--train.stop_at` + `--resume`.
 #
+# ## 8. Out of minite: the GPT in Hugging Face `transformers`
+#
+# The GPT is a Llama (RMSNorm, RoPE, SwiGLU, GQA, no biases), so `minite.hf` maps it both ways, as Transformer
+# Engine's Llama tutorial does with TE's layers: `to_hf_llama(gpt)` makes a `LlamaForCausalLM` (weights copied,
+# the padded vocabulary rows dropped) that `save_pretrained` writes as an ordinary safetensors checkpoint;
+# `swap_llama_layers(hf)` goes the other way in place, so an HF Llama's `generate` runs on this course's kernels
+# (RMSNorm, RoPE, flash attention, split-KV decode, SwiGLU). Below: the 8-step run of section 3 saved for
+# `transformers`, loaded back by `transformers` alone, and the two models' logits and greedy tokens compared.
+
+# %%
+import warnings  # noqa: E402
+
+warnings.filterwarnings("ignore", message="IProgress not found")  # transformers' progress bars outside a widget
+from transformers import LlamaForCausalLM  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+from minite.hf import to_hf_llama  # noqa: E402
+
+hf_logging.disable_progress_bar()
+from minite.sample import load_model  # noqa: E402
+
+gpt, tok = load_model(str(work / "straight" / "ckpt.pt"))
+to_hf_llama(gpt).save_pretrained(work / "hf")  # config.json + model.safetensors
+hf = LlamaForCausalLM.from_pretrained(work / "hf").eval()
+prompt = torch.tensor([tok.encode("the king ")])  # (1, T)
+with torch.no_grad():
+    diff = (gpt(prompt, prompt)[0][..., :tok.vocab_size] - hf(prompt).logits).abs().max().item()
+    ours = gpt.generate(prompt, 6, temperature=0)[0, prompt.shape[1]:].tolist()  # 9 + 6 tokens: within block_size
+    theirs = hf.generate(prompt, max_new_tokens=6, do_sample=False)[0, prompt.shape[1]:].tolist()
+print(sorted(p.name for p in (work / "hf").iterdir()))
+print(f"max |logit difference|, minite vs transformers: {diff:.1e}")
+print("greedy tokens the same:", ours == theirs, "->", repr(tok.decode(theirs)), "(8 steps of training)")
+#
 # ## Where this leaves you
 #
 # `python -m minite.train` is the GPT you built, chapter by chapter: kernels (00–08), formats (01–02), LoRA (09),
