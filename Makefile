@@ -9,6 +9,7 @@
 #   make lab         JupyterLab on the course (notebooks/, exercises/); jupytext saves both files of a pair
 #   make exercises   regenerate exercises/ from solutions/
 #   make grade NB=exercises/00_triton_from_zero.ipynb [TIMEOUT=300] [REPORT=path.json] [SOLUTION=...]   score a notebook
+#   make check NB=exercises/00_triton_from_zero.ipynb    self-check: the notebook's own check cells (not a grade)
 #   make bundle      dist/minite-course.zip: the course for learners, without solutions/ (and tests/)
 #   make bench       every benchmark: kernel ones need CUDA (they say so and exit on CPU); bench_train also runs on CPU
 #   make scale       chapter 14: each parallel/recompute technique vs its baseline on the CPU (memory, bytes, time)
@@ -26,7 +27,7 @@ NPROC := $(shell nproc 2>/dev/null || echo 2)
 # Library tests + notebooks, spread over the cores; notebooks stay whole per worker (--dist loadfile).
 PYTEST_JOBS ?= $(NPROC)
 
-.PHONY: notebooks setup train test test-lib test-notebooks check-fast lab exercises grade bundle bench scale clean-venv
+.PHONY: notebooks setup train test test-lib test-notebooks check-fast lab exercises grade check bundle bench scale clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	@echo "== setting up $(VENV) (once; re-run when pyproject.toml or the Makefile change) =="
@@ -109,6 +110,11 @@ else
 	@echo "a learner's bundle holds no solutions/: this is a self-check of the notebook's own check cells, not a grade"
 	$(PY) -m minite.grading selfcheck $(NB) $(if $(TIMEOUT),--timeout $(TIMEOUT),)
 endif
+
+# A self-check: run a notebook and report its own check cells (no solutions/ needed; says it is not a grade)
+check: $(STAMP)
+	@test -n "$(NB)" || { echo "usage: make check NB=exercises/00_triton_from_zero.ipynb"; exit 2; }
+	$(PY) -m minite.grading selfcheck $(NB) $(if $(TIMEOUT),--timeout $(TIMEOUT),)
 
 bundle:
 	$(PYTHON) tools/bundle.py

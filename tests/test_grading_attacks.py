@@ -391,7 +391,8 @@ def test_the_learner_bundle_stands_alone(tmp_path):
     zipfile.ZipFile(out).extractall(tmp_path)
     course = tmp_path / "minite-course"
     plans = {t: subprocess.run(["make", "-n", t, "NB=exercises/00_triton_from_zero.ipynb"], cwd=course,
-                               capture_output=True, text=True).stdout for t in ("test", "grade", "check-fast")}
+                               capture_output=True, text=True).stdout for t in ("test", "grade", "check", "check-fast")}
     assert "pytest" in plans["test"] and " notebooks " in plans["test"] and " tests " not in plans["test"]
     assert "minite.grading selfcheck exercises/00_triton_from_zero.ipynb" in plans["grade"]
+    assert "minite.grading selfcheck exercises/00_triton_from_zero.ipynb" in plans["check"]
     assert "check_notebooks" not in plans["check-fast"] and "ruff check minite tools" in plans["check-fast"]

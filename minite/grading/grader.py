@@ -17,7 +17,7 @@ import nbformat
 from .assembly import assemble
 from .guard import CourseFiles, sealed_imports
 from .judge import _judge, ready
-from .notebook import _repo_root, check_cells, task_cells, task_name
+from .notebook import _repo_root, check_cells, stub_source, task_cells, task_name
 from .sandbox import DEFAULT_TIMEOUT, _dumpable, _execute, _prepare, _reference
 
 
@@ -90,7 +90,9 @@ def grade(student: str | Path, solution: str | Path | None = None, *, timeout: i
         raise ValueError(f"{solution} has no check cells (code cells with metadata minite={{'check': NAME}})")
     tasks = task_cells(sol_nb, str(solution))
     notes: list[str] = []
-    graded = assemble(nbformat.read(student, as_version=4), sol_nb, notes, lint=lint)
+    student_nb = nbformat.read(student, as_version=4)
+    untouched = _untouched(student_nb, sol_nb, tasks)
+    graded = assemble(student_nb, sol_nb, notes, lint=lint)
     nb, tests = _prepare(graded, "student", timeout)
     was_dumpable = _dumpable(False)
     try:
@@ -106,13 +108,19 @@ def grade(student: str | Path, solution: str | Path | None = None, *, timeout: i
             cells = _execute(nb, timeout)  # the kernel and its processes are dead when this returns
             changed = files.restore()
             report = GradeReport(notebook=str(student), solution=str(solution), errors=notes)
-            _score(report, nb, cells, tests, reference, tasks, timeout, changed)
+            _score(report, nb, cells, tests, reference, tasks, timeout, changed, untouched)
     finally:
         _dumpable(was_dumpable)
     return report
 
 
-def _score(report, nb, cells, tests, reference, tasks, timeout, changed: list[str]) -> None:
+def _untouched(student_nb, sol_nb, tasks: dict[str, int]) -> set[str]:
+    """Tasks whose cell in the student's notebook is still the exercise's stub, character for character."""
+    mine = {name: cell.source for cell in student_nb.cells if (name := task_name(cell))}
+    return {name for name, i in tasks.items() if mine.get(name) == stub_source(sol_nb.cells[i].source, name)}
+
+
+def _score(report, nb, cells, tests, reference, tasks, timeout, changed: list[str], untouched=frozenset()) -> None:
     """Judge every check of the student's run into `report`."""
     tampered = ""
     if changed:
@@ -131,6 +139,8 @@ def _score(report, nb, cells, tests, reference, tasks, timeout, changed: list[st
             why = cells[i].error
         else:
             why = _judge(name, tests[name], cells[i].records, reference.get(name, []))
+        if why and name in untouched and not tampered:
+            why = "not attempted (its task cell is still the exercise's stub)"
         if why:
             report.failed.append(name)
             report.reasons[name] = why
