@@ -234,6 +234,20 @@ _SECTIONS = {"model": GPTConfig, "data": DataConfig, "train": TrainConfig, "lora
              "parallel": ParallelConfig}
 
 
+# Sub-sections on the CLI are flat fields underneath: --model.moe.top_k=2 is model.moe_top_k, and the chapter-15
+# shorthand --fp8.recipe=blockwise is train.fp8_recipe.
+_SHORTHANDS = {"fp8": "train.fp8"}
+
+
+def canonical_key(key: str) -> str:
+    """'model.moe.top_k' -> 'model.moe_top_k'; 'fp8.recipe' -> 'train.fp8_recipe'; others unchanged."""
+    head, _, rest = key.partition(".")
+    if head in _SHORTHANDS and rest:
+        return f"{_SHORTHANDS[head]}_{rest.replace('.', '_')}"
+    section, _, name = key.partition(".")
+    return f"{section}.{name.replace('.', '_')}" if name else key
+
+
 def valid_keys() -> list[str]:
     return [f"{s}.{f.name}" for s, cls in _SECTIONS.items() for f in dataclasses.fields(cls)]
 
@@ -264,13 +278,14 @@ def apply_overrides(base: RunConfig | dict, overrides: dict[str, object]) -> Run
     """Return a RunConfig: `base` (a config, or a dict of sections) with ``{"section.field": value}`` applied."""
     values = {s: dict(base.get(s, {})) for s in _SECTIONS} if isinstance(base, dict) else \
         {s: dataclasses.asdict(getattr(base, s)) for s in _SECTIONS}
-    for key, raw in overrides.items():
+    for given, raw in overrides.items():
+        key = canonical_key(given)
         section, _, name = key.partition(".")
         cls = _SECTIONS.get(section)
         if cls is None or name not in {f.name for f in dataclasses.fields(cls)}:
             close = difflib.get_close_matches(key, valid_keys(), n=3)
             hint = f" Did you mean {', '.join(close)}?" if close else ""
-            raise ConfigError(f"unknown config key {key!r}.{hint}\nValid keys: {', '.join(valid_keys())}")
+            raise ConfigError(f"unknown config key {given!r}.{hint}\nValid keys: {', '.join(valid_keys())}")
         values[section][name] = _convert(key, raw, typing.get_type_hints(cls)[name])
     return config_from_dict(values)
 
