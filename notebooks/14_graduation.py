@@ -287,13 +287,14 @@ if rec:
 
 # %% [markdown]
 # Drawn on one axis the 14 loss curves lie on one another; their differences, on a log scale, say more. Recompute
-# changes no number at all: it re-runs the same ops in the same order. Every layout of 2 or 4 ranks starts within
-# about one fp32 ulp of the one-process loss (a sum over ranks adds the same numbers in another order), and the
-# difference then grows over the steps, to between $10^{-6}$ and $10^{-4}$ by step 20: each step's slightly different update moves
-# the weights, and training does not shrink such perturbations, it carries them on. That is the expected signature
-# of the same computation in another summation order; a bug (a missing gradient all-reduce, a wrong shard) shows
-# as a difference of $10^{-2}$ or more within a few steps. The table gives the largest distance from the
-# single-process curve, and what each technique bought against its baseline:
+# changes no number at all: it re-runs the same ops in the same order. Every layout of 2 or 4 ranks stays, for the
+# first dozen steps, within about one fp32 ulp of the one-process loss, often equal bit for bit: a sum over ranks
+# adds the same numbers in another order, which changes the last bit or nothing. Later the differences reach
+# $10^{-6}$ to $10^{-4}$: each step's update differs in its last bits, the weights drift apart by that much, and
+# training carries such perturbations on rather than damping them, until they show in the loss (here from step
+# 14). That is the signature of the same computation in another summation order; a bug (a missing gradient
+# all-reduce, a wrong shard) shows as a difference of $10^{-2}$ or more within a few steps. The table gives the
+# largest distance from the single-process curve, and what each technique bought against its baseline:
 
 # %%
 if rec:
@@ -347,8 +348,8 @@ if rec:
 # * **ZeRO-1 vs plain DP**: the bytes sent are those of an all-reduce either way (a reduce-scatter plus an
 #   all-gather, half each). The *resident* memory is **higher** with minite's ZeRO-1 at dp = 2 in this fp32 run: each
 #   rank keeps the full fp32 weights and a full flat gradient buffer, plus an fp32 shard of the weights (the master
-#   copy the optimizer steps) and of the reduced gradients; it saves half the AdamW moments ($8/dp$ bytes per
-#   parameter) and adds $8/dp$ bytes of shards, plus bookkeeping. The saving appears where the optimizer state
+#   copy the optimizer steps) and of the reduced gradients; it saves $8(1 - 1/dp)$ bytes of AdamW moments per
+#   parameter (4 at dp = 2) and adds $8/dp$ bytes of shards, plus bookkeeping. The saving appears where the optimizer state
 #   dominates: mixed precision (16-bit model weights, fp32 master + moments = 12 bytes/parameter sharded) and
 #   larger dp; ZeRO-2 and -3 also shard the gradients and the weights.
 # * **SP vs none (tp 2)**: the norms, dropout and residual adds run on $T/tp$ tokens, so their activations are
@@ -422,6 +423,67 @@ d = ParallelDims(pp=2, tp=8).build(0, 16)
 print(f"pp=2 x tp=8 instead: rank 0's pp group {d.ranks['pp']} (the stage boundary crosses the nodes)")
 
 # %% [markdown]
+# **The grid at work: dp × tp, composed by hand.** Each degree alone was built in its chapter; composing them is a
+# matter of which group each collective runs over. Below, 4 simulated ranks (list entries, as in chapters 10–13)
+# train one step of a two-layer MLP, $y = \mathrm{relu}(xW_1^\top)W_2^\top$, under dp = 2 × tp = 2, using the
+# groups `ParallelDims` computes:
+#
+# * **tp** (chapter 11): $W_1$ is column-parallel (rank $t$ of its tp group holds rows $[tH/2, (t+1)H/2)$ of $W_1$,
+#   i.e. half the hidden units) and $W_2$ row-parallel (the matching columns). Each rank's partial output is
+#   summed over its **tp group** (Megatron's $g$: all-reduce forward, identity backward); the input needs no
+#   collective here because it does not require a gradient ($f$'s backward would all-reduce it).
+# * **dp** (chapter 10): the two tp groups each take half of the batch; after the backward each weight shard's
+#   gradient is averaged over its **dp group**, the ranks that hold the same shard.
+#
+# Then every rank's gradient shard must equal the matching slice of the dense model's gradient on the whole batch.
+
+# %%
+g = torch.Generator().manual_seed(3)
+C, HID, N = 8, 16, 12  # width, hidden units, batch rows
+W1 = torch.randn(HID, C, generator=g, dtype=torch.float64) / C**0.5
+W2 = torch.randn(C, HID, generator=g, dtype=torch.float64) / HID**0.5
+xb, tb = torch.randn(N, C, generator=g, dtype=torch.float64), torch.randn(N, C, generator=g, dtype=torch.float64)
+
+def mlp_loss(w1, w2, x, t):
+    return ((torch.relu(x @ w1.T) @ w2.T - t) ** 2).mean()
+
+dense_w = [W1.clone().requires_grad_(), W2.clone().requires_grad_()]
+dense_loss = mlp_loss(*dense_w, xb, tb)
+dense_loss.backward()  # the dense reference: one process, the whole batch
+
+DP, TP = 2, 2
+grid = [ParallelDims(dp=DP, tp=TP).build(r, DP * TP) for r in range(DP * TP)]
+cols = [slice(d.tp_rank * HID // TP, (d.tp_rank + 1) * HID // TP) for d in grid]  # my hidden units
+rows = [slice(d.dp_rank * N // DP, (d.dp_rank + 1) * N // DP) for d in grid]  # my share of the batch
+w1 = [W1[c].clone().requires_grad_() for c in cols]  # column-parallel: rows of W1
+w2 = [W2[:, c].clone().requires_grad_() for c in cols]  # row-parallel: columns of W2
+part = [torch.relu(xb[rows[r]] @ w1[r].T) @ w2[r].T for r in range(4)]  # (N/dp, C) partial sums
+losses = []
+for r, d in enumerate(grid):
+    y = sum(part[q].detach() for q in d.ranks["tp"]).requires_grad_()  # g forward: all-reduce over my tp group
+    loss = ((y - tb[rows[r]]) ** 2).mean()
+    loss.backward()  # dL/dy on my rows
+    part[r].backward(y.grad)  # g backward: the identity, each tp rank backpropagates the same dy
+    losses.append(loss.item())
+# the dp all-reduce: each rank averages its shards' gradients with the ranks of its dp group (they hold the same shard)
+avg = [[sum(ws[q].grad for q in d.ranks["dp"]) / DP for ws in (w1, w2)] for d in grid]
+worst = max(max(float((avg[r][0] - dense_w[0].grad[cols[r]]).abs().max()),
+                float((avg[r][1] - dense_w[1].grad[:, cols[r]]).abs().max())) for r in range(4))
+for r, d in enumerate(grid):
+    print(f"rank {r}: tp group {d.ranks['tp']}, dp group {d.ranks['dp']}, hidden units {cols[r].start}-"
+          f"{cols[r].stop - 1}, batch rows {rows[r].start}-{rows[r].stop - 1}, loss of my rows {losses[r]:.6f}")
+print(f"mean of the dp losses {sum(losses) / 4:.6f} = dense loss {dense_loss.item():.6f}; "
+      f"worst |gradient shard - dense slice| = {worst:.1e}")
+assert abs(sum(losses) / 4 - dense_loss.item()) < 1e-12 and worst < 1e-12
+print("PASS: dp x tp by hand equals the dense model")
+
+# %% [markdown]
+# Two ranks of one tp group report the same loss (they hold the same summed output); the dp groups' losses
+# average to the dense one because the batch halves are equal. In `minite.train` the same composition is
+# `ParallelDims.build()`'s process groups, `minite.parallel.tensor`'s `f`/`g` Functions and the DDP hooks of
+# chapter 10, and `tests/parallel/test_graduation.py` checks it against the dense GPT on real ranks.
+
+# %% [markdown]
 # **What changes** going from this notebook to that cluster: the backend (NCCL instead of gloo), the device
 # (`cuda:LOCAL_RANK`, bf16 autocast, the Triton kernels compiled instead of interpreted, `torch.compile`), the
 # rendezvous flags, and a shared filesystem for `--out_dir` (rank 0 writes the checkpoint; every rank reads it on
@@ -469,4 +531,5 @@ print("greedy tokens the same:", ours == theirs, "->", repr(tok.decode(theirs)),
 #
 # `python -m minite.train` is the GPT you built, chapter by chapter: kernels (00–08), formats (01–02), LoRA (09),
 # and 4-D parallelism (10–13), composed and checked equal. The exercise writes pieces this lesson used but did not
-# build: a fused AdamW step as a Triton kernel, the layout check, the QKV reshard, and utilisation with recompute.
+# build: a planner that picks the layout for a cluster and predicts its memory per rank, the layout check, the QKV
+# reshard, and utilisation with recompute.
