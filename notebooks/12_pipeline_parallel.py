@@ -31,7 +31,8 @@
 # * the GPT cut into stages by layers, balanced by parameter count, the embedding on the first stage and the
 #   (tied) head on the last (`minite/parallel/pipeline_stage.py`);
 # * the two classic schedules, AFAB (all-forward-all-backward, GPipe) and 1F1B (PipeDream-flush), as data
-#   (`pipeline_schedule.py`), run by one executor with ordered `isend`/`irecv` (`pipeline.py`);
+#   (`pipeline_schedule.py`), and an executor for any such schedule, written here in cells on simulated stages in
+#   one process, then run for real with ordered `isend`/`irecv` (`pipeline.py`);
 # * the bubble $(p-1)/(m+p-1)$ derived, then measured from per-rank events; the activation memory per stage of
 #   AFAB vs 1F1B, measured.
 #
@@ -451,6 +452,7 @@ plt.show()
 # runs the whole schedule inside `model(x, y)`; the loss it returns carries the gradients to `.grad` when
 # `minite.train` calls `loss.backward()` (scaled by $1/$`grad_accum`), clipping uses the norm over all stages, and
 # the checkpoint gathers the stages into the dense state dict. A test trains 20 steps this way and matches the
-# single-process curve. Beyond this chapter: the **interleaved** 1F1B (Megatron: $v$ chunks per rank divide the
-# bubble by $v$ for $v\times$ the messages) and the **zero-bubble** schedules, which split the backward into the
-# input gradient (on the critical path) and the weight gradient (that can fill the bubble).
+# single-process curve. Beyond minite's executor: the **interleaved** 1F1B (Narayanan et al. 2021: $v$ chunks of
+# layers per rank divide the bubble by $v$ for $v\times$ the messages; the exercise writes its order) and the
+# **zero-bubble** schedules (Qi et al. 2024), which split the backward into the input gradient (on the critical
+# path) and the weight gradient (that can fill the bubble).

@@ -182,7 +182,9 @@ plt.show()
 #
 # The ring below simulates the ranks as list entries again. `carry[r]` is what rank $r$ holds at a step: a block's
 # $K$, $V$, the $dK$/$dV$ accumulated for it so far, and whose block it is. After the compute, every rank passes
-# its `carry` to rank $r+1$; after $cp$ steps each accumulator is back with its owner.
+# its `carry` to rank $r+1$; after $cp$ steps each accumulator is back with its owner. The ranks hold contiguous
+# chunks, as in section 2; `RingAttention` runs the same steps on the balanced plan of section 3 (half blocks off
+# the diagonal), and section 5 checks it on real ranks.
 
 # %%
 def block_bwd(do, q, k, v, o, lse, causal, scale):
