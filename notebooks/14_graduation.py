@@ -530,6 +530,6 @@ print("greedy tokens the same:", ours == theirs, "->", repr(tok.decode(theirs)),
 # ## Where this leaves you
 #
 # `python -m minite.train` is the GPT you built, chapter by chapter: kernels (00–08), formats (01–02), LoRA (09),
-# and 4-D parallelism (10–13), composed and checked equal. The exercise writes pieces this lesson used but did not
-# build: a planner that picks the layout for a cluster and predicts its memory per rank, the layout check, the QKV
-# reshard, and utilisation with recompute.
+# and 4-D parallelism (10–13), composed and checked equal. The exercise writes what choosing and running a layout
+# takes: a planner that predicts the memory per rank and picks the layout for a cluster, the layout check, the QKV
+# reshard between tensor-parallel degrees, and utilisation with recompute.

@@ -17,7 +17,7 @@
 # %% [markdown]
 # # 14 — Graduation: exercises
 #
-# Four graded tasks, each a piece the lesson used but did not write. Fill in each region between
+# Four graded tasks on choosing and running a layout, none of them written in the lesson. Fill in each region between
 # `### BEGIN YOUR CODE` and `### END YOUR CODE` (delete the `raise NotImplementedError()`), run the cell, then its
 # check cell.
 #
