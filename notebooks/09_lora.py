@@ -121,10 +121,14 @@ for name, (n, n_lora) in shapes.items():
 #   $B$ moves at the first step, and $A$ follows once $B \neq 0$. Had *both* been zero, both gradients would stay
 #   zero forever: each factor's gradient goes through the other factor.
 #
-# Why $\alpha/r$: with Kaiming-initialised $A$, $x A^\top$ has entries of a size that does not depend on $r$, and
-# $(xA^\top)B^\top$ sums $r$ terms. Dividing by $r$ keeps the update's size roughly independent of the rank, so a
-# learning rate tuned at one $r$ still works at another (rsLoRA, Kalajdzievski 2023, argues $\alpha/\sqrt r$ is
-# the right scale for large $r$; `LoRAConfig(use_rslora=True)`).
+# Why a scale $s$ at all, and why $\alpha/r$? LoRA (Hu et al. 2021, §4.1) divides by $r$ so that, with $\alpha$
+# fixed, trying another rank does not call for another learning rate; $\alpha$ is set once and not tuned. Count
+# sizes, though, and $r$ is too much: with Kaiming-initialised $A$, $x A^\top$ has entries of a size that does not
+# depend on $r$, and $(xA^\top)B^\top$ sums $r$ such terms. Terms of unrelated signs add up like a random walk,
+# to about $\sqrt r$ times one term, not $r$ times. So $\alpha/r$ shrinks the adapter's output (and its gradients)
+# like $1/\sqrt r$ as the rank grows, and large ranks learn slower than small ones. rsLoRA (Kalajdzievski 2023)
+# proves that $\alpha/\sqrt r$ is the scale that keeps them stable in $r$ ("rank-stabilised"). minite, like PEFT,
+# keeps $\alpha/r$ by default and offers $\alpha/\sqrt r$ as `LoRAConfig(use_rslora=True)`.
 #
 # Let us see both claims on one layer, with autograd.
 
@@ -286,7 +290,8 @@ assert ok
 # minite's `LoRALinearFunction` runs the backward in two kernels: one pass over $dy$ that produces $dx$ (with the
 # adapter's contribution fused into the same tile loop, exactly like the forward), and one kernel that reduces over
 # the $N$ rows for the two small gradients $dA$ $(r, K)$ and $dB$ $(O, r)$. $W$ is frozen: no $dW$ is computed,
-# which saves a full $O\times K$ GEMM per layer, a third of a linear layer's backward FLOPs. Deriving the backward,
+# which saves a full $O\times K$ GEMM per layer: half of a linear layer's backward FLOPs ($dX$ and $dW$ are one
+# GEMM each, of the forward's size), a third of its forward + backward. Deriving the backward,
 # and writing the $dA/dB$ kernel, is the exercise. Here we only check minite's against autograd:
 
 # %%

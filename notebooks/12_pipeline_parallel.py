@@ -31,7 +31,8 @@
 # * the GPT cut into stages by layers, balanced by parameter count, the embedding on the first stage and the
 #   (tied) head on the last (`minite/parallel/pipeline_stage.py`);
 # * the two classic schedules, AFAB (all-forward-all-backward, GPipe) and 1F1B (PipeDream-flush), as data
-#   (`pipeline_schedule.py`), run by one executor with ordered `isend`/`irecv` (`pipeline.py`);
+#   (`pipeline_schedule.py`), and an executor for any such schedule, written here in cells on simulated stages in
+#   one process, then run for real with ordered `isend`/`irecv` (`pipeline.py`);
 # * the bubble $(p-1)/(m+p-1)$ derived, then measured from per-rank events; the activation memory per stage of
 #   AFAB vs 1F1B, measured.
 #
@@ -48,6 +49,7 @@ import matplotlib.pyplot as plt
 from minite.models.gpt import GPT, GPTConfig
 from minite.parallel.launch import torchrun, results
 from minite.parallel.pipeline_stage import Stage, partition
+from matplotlib.patches import Patch
 from minite.parallel.pipeline_schedule import one_f_one_b, simulate, plot_timeline, bubble_fraction
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _ = torch.manual_seed(0)
@@ -144,15 +146,26 @@ print(f"|loss - dense| = {abs(loss.item() - dense_loss.item()):.1e}, worst |grad
 # Run that on $p$ real ranks with the whole batch as one micro-batch: at any moment exactly one stage works.
 # Cut the batch into $m$ micro-batches and let stage $s$ start micro-batch $i+1$ while stage $s+1$ works on $i$.
 # The simplest schedule, **AFAB** (GPipe, Huang et al. 2019): every stage runs all $m$ forwards, then all $m$
-# backwards. In the timelines below a light bar is a forward, a dark bar a backward, the number its micro-batch.
+# backwards. In the timelines below a light bar is a forward, a dark bar a backward, the number its micro-batch;
+# `simulate` lays a schedule out in time with a forward taking $t_F = 1$ time unit, a backward $t_B = 2$, and
+# messages taking none.
 
 # %%
 def afab_steps(p, m, stage):
     return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
 
-fig, axs = plt.subplots(1, 2, figsize=(11, 2.6), layout="tight")
+def label(ax, unit):
+    """Axis unit and legend for plot_timeline's bars."""
+    ax.set_xlabel(unit)
+    ax.legend(handles=[Patch(facecolor="#9ecae1", edgecolor="k", label="forward of micro-batch i"),
+                       Patch(facecolor="#3182bd", edgecolor="k", label="backward of micro-batch i")],
+              loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=2, fontsize=8, frameon=False)
+
+fig, axs = plt.subplots(1, 2, figsize=(11, 3.4), layout="tight")
 for ax, m in zip(axs, (1, 8)):
-    plot_timeline(simulate(afab_steps, 4, m), ax, f"AFAB, p=4, m={m} (t_F=1, t_B=2)")
+    plot_timeline(simulate(afab_steps, 4, m), ax, f"AFAB, p=4, m={m} (simulated)")
+    label(ax, "time, in units of one forward (t_F = 1, t_B = 2)")
+plt.show()
 
 # %% [markdown]
 # **The bubble.** Let a forward take $t_F$ and a backward $t_B$ on every stage, and communication take no time.
@@ -162,8 +175,9 @@ for ax, m in zip(axs, (1, 8)):
 #
 # $$\text{bubble} = \frac{(p-1)(t_F+t_B)}{(m+p-1)(t_F+t_B)} = \frac{p-1}{m+p-1}.$$
 #
-# It does not depend on $t_B/t_F$; it falls with $m$ (Megatron's rule of thumb: $m \geq 4p$ for a bubble under
-# 20%). The simulator agrees:
+# It does not depend on $t_B/t_F$; it falls with $m$. GPipe's rule of thumb (Huang et al. 2019: the bubble is
+# negligible once $M \geq 4K$, for $M$ micro-batches and $K$ partitions) is $m \geq 4p$, which keeps it under
+# $(p-1)/(5p-1) < 20\%$. The simulator agrees:
 
 # %%
 print(" p   m   simulated  (p-1)/(m+p-1)")
@@ -184,18 +198,120 @@ for p_, m in ((2, 1), (2, 8), (4, 4), (4, 16), (8, 32)):
 # * **steady state**: one forward, one backward, alternating;
 # * **cool-down**: the remaining backwards.
 #
-# Its order per stage (from `minite.parallel.pipeline_schedule.one_f_one_b`, the exercise asks you to write it):
+# The exercise asks you to write that order; here we use minite's (`minite.parallel.pipeline_schedule.one_f_one_b`)
+# and build what runs it. A schedule is data: `schedule(p, m, s)` is the list of `("F", i)` / `("B", i)` steps stage
+# $s$ runs, in order. The **executor** below runs such lists on $p$ simulated stages in one process, with the rules
+# of the real one (section 5):
+#
+# * a forward of micro-batch $i$ on stage $s > 0$ can run only once stage $s-1$ has "sent" its output for $i$ (a
+#   mailbox entry, what `irecv` waits for); it keeps its input and output for the backward and "sends" the output
+#   on, **detached**, as a fresh leaf that requires a gradient;
+# * a backward of $i$ on stage $s < p-1$ waits for the gradient of its output from stage $s+1$; the last stage
+#   starts from $1/m$ (the step's loss is the mean of the $m$ micro-batch losses); it runs
+#   `torch.autograd.backward(output, grad)`, sends its input's gradient back and frees what it kept;
+# * each round every stage tries its next step; a round in which no stage can move is a **deadlock**.
+#
+# It also counts, per stage, the micro-batches whose activations are held at once: the activation memory.
 
 # %%
-for s in range(4):
-    print(f"stage {s}: " + " ".join(f"{k}{i}" for k, i in one_f_one_b(4, 6, s)))
-fig, axs = plt.subplots(1, 2, figsize=(11, 2.6), layout="tight")
+def run_schedule(stages, schedule, x, y, m):
+    """One optimizer step's forwards and backwards of `schedule` on simulated stages. Returns the loss (mean over
+    the m micro-batches), the most micro-batches each stage held at once, and the steps in the order they ran."""
+    p = len(stages)
+    plans = [list(schedule(p, m, s)) for s in range(p)]
+    xs, ys = x.chunk(m), y.chunk(m)  # m micro-batches of b / m sequences
+    to_next, to_prev = {}, {}  # mailboxes: (receiving stage, micro-batch) -> activation / its gradient
+    kept = [{} for _ in range(p)]  # stage s: micro-batch -> (input, output), held until its backward
+    pos, held, losses, ran = [0] * p, [0] * p, [], []
+    while any(pos[s] < len(plans[s]) for s in range(p)):
+        moved = False
+        for s, st in enumerate(stages):
+            if pos[s] == len(plans[s]):
+                continue
+            kind, i = plans[s][pos[s]]
+            if kind == "F":
+                if s > 0 and (s, i) not in to_next:
+                    continue  # irecv would wait
+                inp = xs[i] if s == 0 else to_next.pop((s, i))
+                out = st(inp, ys[i] if st.last else None)
+                kept[s][i] = (inp, out)
+                if st.last:
+                    losses.append(out.detach())
+                else:
+                    to_next[(s + 1, i)] = out.detach().requires_grad_()  # isend: a fresh leaf on the next stage
+            else:
+                if not st.last and (s, i) not in to_prev:
+                    continue
+                inp, out = kept[s].pop(i)
+                grad = torch.tensor(1.0 / m) if st.last else to_prev.pop((s, i))
+                torch.autograd.backward(out, grad)
+                if s > 0:
+                    to_prev[(s - 1, i)] = inp.grad  # isend of the input's gradient
+            held[s] = max(held[s], len(kept[s]))
+            ran.append((s, kind, i))
+            pos[s] += 1
+            moved = True
+        if not moved:
+            raise RuntimeError(f"deadlock: the stages wait at {[plans[s][pos[s]:pos[s] + 1] for s in range(p)]}")
+    first, last = stages[0].wte.weight, stages[-1].wte.weight
+    total = first.grad + last.grad  # the tied embedding: both uses' gradients
+    first.grad, last.grad = total, total.clone()
+    return torch.stack(losses).mean(), held, ran
+
+# %% [markdown]
+# Checked against the dense GPT on a batch of 12 sequences: the loss and every gradient, for both schedules, $p = 2$
+# and $p = 4$ stages and several $m$ (a micro-batch's loss is a mean over its tokens, so the mean over equal
+# micro-batches is the whole batch's loss). The real executor, `minite.parallel.pipeline.PipelineGPT`, is checked
+# against the same dense model on real ranks in section 5.
+
+# %%
+torch.manual_seed(0)
+cfg4 = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=64,
+                 backend="torch")
+dense4 = GPT(cfg4)
+x12, y12 = torch.randint(0, 64, (12, 16), generator=g), torch.randint(0, 64, (12, 16), generator=g)
+dense4.zero_grad(set_to_none=True)
+want = dense4(x12, y12)[1]
+want.backward()
+ref4 = dict(dense4.named_parameters())
+for p_ in (2, 4):
+    for name, sched in (("AFAB", afab_steps), ("1F1B", one_f_one_b)):
+        for m in (1, 3, 6):
+            sts = [Stage(dense4, r, s == 0, s == p_ - 1) for s, r in enumerate(partition(dense4, p_))]
+            got, held, _ = run_schedule(sts, sched, x12, y12, m)
+            worst = max(float((q.grad - ref4[n].grad).abs().max()) for st in sts for n, q in st.named_parameters())
+            assert abs(got.item() - want.item()) < 1e-5 and worst < 1e-5, (name, p_, m, worst)
+            print(f"p={p_} {name} m={m}: |loss - dense| {abs(got.item() - want.item()):.0e}, worst |grad - dense| "
+                  f"{worst:.0e}, micro-batches held per stage {held}")
+print("PASS: the executor matches the dense GPT for both schedules")
+
+# %% [markdown]
+# A schedule that waits on itself is caught. With $p = 2$, let stage 0 alternate one forward and one backward from
+# the start while stage 1 runs both forwards first: stage 1 waits for micro-batch 1's activation, which stage 0
+# sends only after micro-batch 0's backward, which waits for stage 1.
+
+# %%
+def stuck(p, m, s):
+    return [("F", 0), ("B", 0), ("F", 1), ("B", 1)] if s == 0 else afab_steps(p, m, s)
+
+try:
+    run_schedule([Stage(dense4, r, s == 0, s == 1) for s, r in enumerate(partition(dense4, 2))], stuck, x12, y12, 2)
+except RuntimeError as e:
+    print(e)
+
+# %% [markdown]
+# Laid out in time, 1F1B and AFAB take the same length:
+
+# %%
+fig, axs = plt.subplots(1, 2, figsize=(11, 3.4), layout="tight")
 for ax, (name, sched) in zip(axs, (("AFAB", afab_steps), ("1F1B", one_f_one_b))):
-    plot_timeline(simulate(sched, 4, 6), ax, f"{name}, p=4, m=6 (simulated)")
+    plot_timeline(simulate(sched, 4, 8), ax, f"{name}, p=4, m=8 (simulated)")
+    label(ax, "time, in units of one forward (t_F = 1, t_B = 2)")
+plt.show()
 
 # %% [markdown]
 # Same length, same bubble. What changed is how many micro-batches each stage has forwarded but not yet
-# backwarded, i.e. holds activations for:
+# backwarded, i.e. holds activations for; the executor counted it above, and so does this replay of the orders:
 
 # %%
 def max_in_flight(steps):
@@ -267,20 +383,35 @@ for name in tl[0]:
     idle = [1 - sum(e[3] - e[2] for e in ev[r]) / (t1 - t0) for r in ev]
     sched, m = name.split("_m")
     print(f"{sched:8} {m:>2}  {idle[0]:6.2f}  {idle[1]:6.2f}  {sum(idle) / 2:6.2f}  {tl[0][name]['bubble_formula']:7.2f}")
-fig, axs = plt.subplots(1, 2, figsize=(11, 2.4), layout="tight")
+print("\nm = 8, the runs plotted below: each stage's forward and backward times, shortest and longest (ms)")
+fig, axs = plt.subplots(1, 2, figsize=(11, 3.4), layout="tight")
 for ax, name in zip(axs, ("afab_m8", "1f1b_m8")):
     ev = best_run(name)
+    for r in ev:
+        dur = {k: [(b_ - a) * 1e3 for k_, _, a, b_ in ev[r] if k_ == k] for k in "FB"}
+        print(f"  {name} stage {r}: " + ", ".join(f"{'forward' if k == 'F' else 'backward'} "
+                                                  f"{min(v):.1f} to {max(v):.1f}" for k, v in dur.items()))
     plot_timeline({r: [(k, i, a * 1e3, b_ * 1e3) for k, i, a, b_ in ev[r]] for r in ev}, ax,
-                  f"{name}: measured, 2 ranks on 2 shared CPU cores (ms)")
+                  f"{name}: measured, 2 ranks on 2 shared CPU cores")
+    label(ax, "time since the step's first start (ms)")
+plt.show()
 
 # %% [markdown]
-# At $m = 1$ about half of the ranks' time is idle (the mean column), as the formula says. With more micro-batches the formula is a
-# lower bound that real runs do not reach: it assumes equal, constant step times, but here the last stage also
-# runs the head and the loss (a longer forward and backward), small micro-batches make per-step overheads
-# (Python, the message, `autograd`'s set-up) a larger share, and the two processes share 2 CPU cores with
-# everything else on the machine, so a step can lose its core half-way and the numbers change from run to run
-# (re-run the cell). The timelines show what the bubble *is*: the gap before stage 1's first forward and the gap
-# after stage 0's last forward while the first gradient travels back; 1F1B's interleaving does not remove them.
+# At $m = 1$ about half of the ranks' time is idle (the mean column), as the formula says. With more micro-batches
+# the formula is a lower bound that real runs do not reach, because its assumptions fail here:
+#
+# * **equal, constant step times.** The stages are balanced by parameter count (section 2), the head counted on
+#   the last stage, so at this size the last stage's steps are not visibly longer than the first's. What varies
+#   is the same step from one micro-batch to the next: the printed shortest and longest times of one kind on one
+#   stage differ by up to a factor of 2 or more. The two processes share 2 CPU cores with everything else on the
+#   machine, so a step that loses its core half-way runs long, and a stage can sit idle with its input ready (a
+#   gap in one row with no matching work in the other row). The numbers change from run to run (re-run the cell).
+# * **free messages**: every hand-over passes through gloo, and small micro-batches make the per-step overheads
+#   (Python, the message, `autograd`'s set-up) a larger share.
+#
+# Through that noise the timelines show what the bubble *is*: the gap before stage 1's first forward and the gap
+# on stage 0 after its last forward while the first gradient travels back; 1F1B's interleaving does not remove
+# them.
 #
 # ## 7. Activation memory per stage, measured
 #
@@ -321,6 +452,7 @@ plt.show()
 # runs the whole schedule inside `model(x, y)`; the loss it returns carries the gradients to `.grad` when
 # `minite.train` calls `loss.backward()` (scaled by $1/$`grad_accum`), clipping uses the norm over all stages, and
 # the checkpoint gathers the stages into the dense state dict. A test trains 20 steps this way and matches the
-# single-process curve. Beyond this chapter: the **interleaved** 1F1B (Megatron: $v$ chunks per rank divide the
-# bubble by $v$ for $v\times$ the messages) and the **zero-bubble** schedules, which split the backward into the
-# input gradient (on the critical path) and the weight gradient (that can fill the bubble).
+# single-process curve. Beyond minite's executor: the **interleaved** 1F1B (Narayanan et al. 2021: $v$ chunks of
+# layers per rank divide the bubble by $v$ for $v\times$ the messages; the exercise writes its order) and the
+# **zero-bubble** schedules (Qi et al. 2024), which split the backward into the input gradient (on the critical
+# path) and the weight gradient (that can fill the bubble).

@@ -37,8 +37,11 @@ import os, torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton or minite kernels
 import json, tempfile
+import math
 import matplotlib.pyplot as plt
+from matplotlib.patches import Patch
 from minite.ops import attention
+from minite.kernels.attention import attention_bwd
 from minite.parallel.launch import torchrun, results
 from minite.parallel.context import shard, positions
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -97,8 +100,9 @@ print("PASS: the LSE merge equals one call over all keys, and rows with no key g
 
 # %%
 def ring_simulated(q, k, v, cp, causal):
+    """The forward ring: (O, LSE) of every rank, concatenated in rank order."""
     Q, K, V = q.chunk(cp, 2), k.chunk(cp, 2), v.chunk(cp, 2)  # rank r holds chunk r
-    out = []
+    out, lses = [], []
     for r in range(cp):
         o = torch.zeros(Q[r].shape, device=q.device)
         lse = torch.full(Q[r].shape[:3], float("-inf"), device=q.device)
@@ -109,11 +113,12 @@ def ring_simulated(q, k, v, cp, causal):
             o_b, lse_b = attention(Q[r], K[src], V[src], causal=causal and src == r, return_lse=True)
             o, lse = merge(o, lse, o_b, lse_b)
         out.append(o)
-    return torch.cat(out, 2)
+        lses.append(lse)
+    return torch.cat(out, 2), torch.cat(lses, 2)
 
 q, k, v = (torch.randn(1, 2, 4 * 12, 16, generator=g).to(DEVICE) for _ in range(3))
 for causal in (False, True):
-    err = float((ring_simulated(q, k, v, 4, causal) - attention(q, k, v, causal=causal)).abs().max())
+    err = float((ring_simulated(q, k, v, 4, causal)[0] - attention(q, k, v, causal=causal)).abs().max())
     print(f"causal={causal}: max |ring over 4 ranks - one call| = {err:.1e}")
     assert err < 1e-5
 print("PASS: the simulated ring equals the single-process kernel")
@@ -124,8 +129,12 @@ print("PASS: the simulated ring equals the single-process kernel")
 # The simulation hides a problem: with contiguous chunks rank 0 computes one (causal) block and rank $cp-1$
 # computes $cp$ of them. The ring moves at the pace of the slowest rank, so about half the machine idles.
 #
-# The fix (Megatron-LM, also Striped/"zig-zag" attention): cut the sequence into $2\,cp$ chunks and give rank $r$
-# chunks $r$ and $2cp-1-r$: one early, one late. Then every step costs the same on every rank:
+# Two fixes are in use. **Striped attention** (Brandon et al. 2023) deals the tokens out one at a time: rank $r$
+# holds tokens $r, r + cp, r + 2cp, \dots$, so every rank's tokens are spread evenly over the sequence (each block
+# then needs a causal mask shifted by one token between ranks). The **zig-zag** layout (Megatron-LM's CP,
+# Transformer Engine, also known from the ring-flash-attention code) is the one minite uses: cut the sequence into
+# $2\,cp$ chunks and give rank $r$ chunks $r$ and $2cp-1-r$, one early, one late. Then every step costs the same
+# on every rank:
 # * step 0, my own block: a plain causal call on my tokens (their local order follows the global one);
 # * a block from a lower rank $s < r$: both my chunks see its first chunk $s$ completely and its chunk $2cp-1-s$
 #   not at all: **all my queries × the first half** of the block, non-causal;
@@ -145,8 +154,11 @@ for ax, balanced in zip(axes, (False, True)):
             owner[qc, :qc + 1] = r
     ax.imshow(owner, cmap="tab10", vmin=0, vmax=9)
     work = [int((owner == r).sum()) for r in range(cp)]
-    ax.set(title=f"{'balanced' if balanced else 'contiguous'}: tiles per rank {work}", xlabel="key chunk",
-           ylabel="query chunk")
+    ax.set(title=f"{'balanced' if balanced else 'contiguous'}: tiles per rank {work}",
+           xlabel=f"key chunk (T/{n} tokens each)", ylabel=f"query chunk (T/{n} tokens each)")
+ax.legend(handles=[Patch(color=plt.get_cmap("tab10")(r / 9), label=f"computed by rank {r}") for r in range(cp)] +
+          [Patch(facecolor="white", edgecolor="k", label="masked (future keys)")], loc="upper left",
+          bbox_to_anchor=(1.02, 1), fontsize=8)
 plt.show()
 
 # %% [markdown]
@@ -161,6 +173,78 @@ plt.show()
 # * $dK, dV$ of a block belong to the rank that owns that block. So the backward ring sends K/V around again, and a
 #   **dK/dV accumulator travels with it**: each rank adds its share and passes it on; after $cp$ hops it is home.
 #
+# One block's backward is chapter 07's, written here in PyTorch for a block of $n_q$ query rows and $n_k$ keys
+# ($S = QK^\top\cdot\text{scale}$, the causal mask applied to the diagonal block only):
+#
+# $$P = e^{S - \mathrm{LSE}},\quad dV \mathrel{+}= P^\top dO,\quad D = \mathrm{rowsum}(dO \circ O),\quad
+#   dS = P \circ (dO\,V^\top - D),\quad dQ \mathrel{+}= dS\,K\cdot\text{scale},\quad
+#   dK \mathrel{+}= dS^\top Q\cdot\text{scale}.$$
+#
+# The ring below simulates the ranks as list entries again. `carry[r]` is what rank $r$ holds at a step: a block's
+# $K$, $V$, the $dK$/$dV$ accumulated for it so far, and whose block it is. After the compute, every rank passes
+# its `carry` to rank $r+1$; after $cp$ steps each accumulator is back with its owner. The ranks hold contiguous
+# chunks, as in section 2; `RingAttention` runs the same steps on the balanced plan of section 3 (half blocks off
+# the diagonal), and section 5 checks it on real ranks.
+
+# %%
+def block_bwd(do, q, k, v, o, lse, causal, scale):
+    """dq, dk, dv of one (query block, key block) pair, given the FINAL o and lse of the query rows."""
+    s_ = q @ k.transpose(-1, -2) * scale  # (B, H, nq, nk)
+    if causal:
+        s_ = s_.masked_fill(torch.ones(s_.shape[-2:], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    p_ = torch.exp(s_ - lse[..., None])  # the true probabilities: lse is the final one
+    dv = p_.transpose(-1, -2) @ do
+    delta = (do * o).sum(-1, keepdim=True)  # (B, H, nq, 1)
+    ds = p_ * (do @ v.transpose(-1, -2) - delta)
+    return ds @ k * scale, ds.transpose(-1, -2) @ q * scale, dv
+
+
+def ring_backward_simulated(do, q, k, v, o, lse, cp, causal):
+    """dq, dk, dv of the whole sequence, computed by cp simulated ranks that each hold one contiguous chunk."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    Q, K, V, O, L, dO = (t.chunk(cp, 2) for t in (q, k, v, o, lse, do))
+    dq = [torch.zeros_like(Q[r]) for r in range(cp)]  # stays on its rank
+    carry = [(K[r], V[r], torch.zeros_like(K[r]), torch.zeros_like(V[r]), r) for r in range(cp)]
+    for step in range(cp):
+        for r in range(cp):
+            k_b, v_b, dk_b, dv_b, src = carry[r]
+            assert src == (r - step) % cp  # the block that left rank src `step` hops ago
+            if causal and src > r:
+                continue  # entirely in the future of my queries: nothing to add
+            g_q, g_k, g_v = block_bwd(dO[r], Q[r], k_b, v_b, O[r], L[r], causal and src == r, scale)
+            dq[r] += g_q
+            carry[r] = (k_b, v_b, dk_b + g_k, dv_b + g_v, src)
+        carry = [carry[(r - 1) % cp] for r in range(cp)]  # every rank sends to r + 1, receives from r - 1
+    assert [c[4] for c in carry] == list(range(cp))  # after cp hops every accumulator is home
+    return torch.cat(dq, 2), torch.cat([c[2] for c in carry], 2), torch.cat([c[3] for c in carry], 2)
+
+# %% [markdown]
+# Checked twice: the whole backward against autograd through plain PyTorch attention on the full sequence, and each
+# block's gradients against minite's backward launcher (`minite.kernels.attention.attention_bwd`, the chapter-07
+# kernel that `RingAttention` calls per block), given the same final $O$ and LSE.
+
+# %%
+q, k, v, do = (torch.randn(1, 2, 4 * 12, 16, generator=g, dtype=torch.float64).to(DEVICE) for _ in range(4))
+for causal in (False, True):
+    qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
+    s_full = qa @ ka.transpose(-1, -2) / math.sqrt(16)
+    if causal:
+        s_full = s_full.masked_fill(torch.ones(48, 48, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    (torch.softmax(s_full, -1) @ va).backward(do)  # autograd on the full sequence, one process
+    o, lse = ring_simulated(q.float(), k.float(), v.float(), 4, causal)
+    got = ring_backward_simulated(do, q, k, v, o.double(), lse.double(), 4, causal)
+    err = max(float((a - b.grad).abs().max()) for a, b in zip(got, (qa, ka, va)))
+    print(f"causal={causal}: max |ring backward over 4 ranks - autograd| = {err:.1e}")
+    assert err < 1e-4  # the forward ran in fp32 (the kernel), the backward in fp64
+qb, kb, vb, dob = (t[:, :, :12].float() for t in (q, k, v, do))  # one diagonal block of 12 tokens
+ob, lb = attention(qb, kb, vb, causal=True, return_lse=True)
+mine = block_bwd(dob, qb, kb, vb, ob, lb, True, 1 / math.sqrt(16))
+err = max(float((a - b).abs().max()) for a, b in zip(mine, attention_bwd(dob, qb, kb, vb, ob, lb, True)))
+print(f"one causal block: max |block_bwd - minite's launcher| = {err:.1e}")
+assert err < 1e-5
+print("PASS: the backward ring equals autograd, block by block equal to minite's kernel")
+
+# %% [markdown]
 # `minite.parallel.context.RingAttention` is that (≈ 60 lines): an `autograd.Function` whose forward is the ring of
 # section 2 with the balanced plan of section 3, and whose backward is the ring of this section. Each step posts the
 # `isend` of the block it holds (and the `irecv` of the next) **before** computing, so the transfer runs while the
@@ -276,9 +360,11 @@ plt.show()
 #   Megatron still offers the all-gather: one collective instead of $cp - 1$ dependent steps, simpler to overlap,
 #   fine when K/V are small (GQA with few kv heads).
 #
-# On GPUs the ring's overlap is what makes it free: a step's transfer of $2\,b\,(T/cp)\,h_{kv}$ bytes must hide
-# behind a step's attention FLOPs, $\approx 4\,b\,(T/cp)^2 h$ (half that off the diagonal when balanced): the
-# ratio grows with $T/cp$, so CP pays at long context, exactly where it is needed.
+# On GPUs the ring's overlap is what makes it free: a step's transfer of K and V, $2\,b\,(T/cp)\,h_{kv}$ elements
+# ($h_{kv}$ = kv heads × head size; 2 bytes each in bf16), must hide behind a step's attention FLOPs,
+# $\approx 4\,b\,(T/cp)^2 h$ ($QK^\top$ and $PV$, 2 FLOPs per multiply-add; half that off the diagonal when
+# balanced). FLOPs per byte sent are then about $(T/cp)\,h / h_{kv}$: the ratio grows with $T/cp$, so CP pays at
+# long context, exactly where it is needed.
 #
 # ## 7. Why not PyTorch's own?
 #

@@ -24,14 +24,14 @@
 #    `torchrun --nproc-per-node 2 -m minite.parallel.workers one_f_one_b`: every rank runs a real pipeline step with
 #    your order and compares its loss and gradients with the dense GPT.
 # 2. **Balanced stages**: where to cut a list of layer costs into $p$ contiguous stages.
-# 3. **A whole Triton kernel from a spec**: accumulating a micro-batch's gradient into an fp32 main-gradient buffer.
+# 3. **The interleaved 1F1B schedule** (Megatron-LM): each rank holds several chunks of layers, which divides the
+#    bubble by the number of chunks.
 
 # %%
 import os, torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton or minite kernels
 import inspect, itertools
-from minite._triton import triton, tl
 from minite.parallel.workers.grade import run_graded
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _ = torch.manual_seed(0)
@@ -134,41 +134,85 @@ print("balanced_cuts: optimal on 20 random cases, 40 layers into 6 stages ok")
 print("PASS: balanced_cuts")
 
 # %% [markdown]
-# ## Task 3 — the main-gradient accumulation kernel
+# ## Task 3 — the interleaved 1F1B schedule
 #
-# A pipeline stage runs `m` backwards per step (and `grad_accum` steps per update); mixed-precision training keeps
-# each parameter's gradient in an fp32 *main-gradient* buffer and adds every micro-batch's contribution to it
-# (Megatron's `main_grad`). Write `grad_accum_kernel(ACC, G, n, scale, BLOCK)`: one program per `BLOCK`
-# consecutive elements of the flat buffers; `ACC` holds `n` fp32 numbers and is updated in place to
-# `ACC + scale * G`, where `G` holds `n` gradients in fp32, fp16 or bf16 and the product is formed in fp32. The
-# tail past `n` must not be read or written. Nothing else is given.
+# Narayanan et al. (2021, section 2.2) cut the model into $p \cdot v$ chunks of consecutive layers and give rank
+# $d$ of $p$ the $v$ chunks $d,\ d + p,\ \dots,\ d + (v-1)p$: a micro-batch then passes through every rank $v$
+# times. Call chunk `c` of rank `d` (0 ≤ c < v) the **virtual stage** $s = c \cdot p + d$. Its dependencies:
+#
+# * the forward of micro-batch $i$ on virtual stage $s > 0$ needs the forward of $i$ on $s - 1$ (on rank
+#   $(s-1) \bmod p$);
+# * the backward of $i$ on $s < pv - 1$ needs the backward of $i$ on $s + 1$; on the last virtual stage it needs
+#   only its own forward.
+#
+# Write `interleaved_1f1b(p, v, m, rank)`: the steps rank `rank` runs for one optimizer step, in order, each a tuple
+# `("F", c, i)` or `("B", c, i)` of plain `int`s (chunk `c` of this rank, micro-batch `i`), every forward and every
+# backward of the $v$ chunks × $m$ micro-batches exactly once. `m` is a multiple of `p`. When every rank runs its
+# list in order, a step starting as soon as its rank is free and its dependency has finished, with a chunk's forward
+# taking $1/v$ time units and its backward $2/v$ (a whole stage's work split into $v$ chunks) and messages taking
+# no time:
+#
+# * no rank ever waits forever, and the step ends at $3m + 3(p-1)/v$: the bubble of chapter 12's 1F1B, divided by $v$;
+# * no rank holds more than $pv + p - 1$ chunk forwards whose backward has not run yet (AFAB order would hold all
+#   $mv$).
+#
+# Megatron-LM's order meets both: forwards run through the micro-batches in groups of $p$ (the group through
+# chunk 0, then the same group through chunk 1, …), backwards through the same groups with the chunks in reverse
+# order; each rank runs some forwards first (a warm-up: how many, for rank $d$, is yours to work out), then
+# alternates one forward and one backward, then runs the backwards left. Any order that meets the two properties is
+# accepted.
 
-# %% minite={"task": "grad_accum_kernel"}
-@triton.jit
-def grad_accum_kernel(ACC, G, n, scale, BLOCK: tl.constexpr):
+# %% minite={"task": "interleaved_1f1b"}
+def interleaved_1f1b(p, v, m, rank):
     ### BEGIN SOLUTION
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    idx = start + tl.arange(0, BLOCK)
-    keep = idx < n
-    grad = tl.load(G + idx, mask=keep, other=0.0).to(tl.float32)
-    acc = tl.load(ACC + idx, mask=keep, other=0.0)
-    tl.store(ACC + idx, acc + scale * grad, mask=keep)
+    total = m * v
+
+    def chunk_mb(k, backward):  # the k-th forward (or backward) of this rank: (chunk, micro-batch)
+        c = (k % (p * v)) // p
+        return (v - 1 - c if backward else c), (k // (p * v)) * p + k % p
+
+    warm = min((p - rank - 1) * 2 + (v - 1) * p, total)  # until the first backward can arrive
+    order = [("F", *chunk_mb(k, False)) for k in range(warm)]
+    nf, nb = warm, 0
+    while nf < total:
+        order += [("F", *chunk_mb(nf, False)), ("B", *chunk_mb(nb, True))]
+        nf, nb = nf + 1, nb + 1
+    return order + [("B", *chunk_mb(k, True)) for k in range(nb, total)]
     ### END SOLUTION
 
-# %% minite={"check": "grad_accum_kernel"} tags=["nbval-check-output"]
-# CHECK: grad_accum_kernel
-gen = torch.Generator().manual_seed(9)
-worst = 0.0
-for n, dtype in ((1000, torch.float32), (777, torch.float16), (1025, torch.bfloat16)):
-    acc0 = torch.randn(n + 7, generator=gen)  # 7 guard elements past n must stay untouched
-    grads = [torch.randn(n, generator=gen).to(dtype) for _ in range(3)]
-    acc = acc0.clone().to(DEVICE)
-    want = acc0.clone()
-    for gr in grads:
-        grad_accum_kernel[(triton.cdiv(n, 256),)](acc, gr.to(DEVICE), n, 0.25, BLOCK=256)
-        want[:n] += 0.25 * gr.float()
-    worst = max(worst, float((acc.cpu() - want).abs().max()))
-    assert torch.equal(acc.cpu()[n:], acc0[n:]), "wrote past n"
-print(f"max |kernel - reference| over fp32/fp16/bf16 gradients: {'below 1e-6' if worst < 1e-6 else worst}")
-assert worst < 1e-6
-print("PASS: grad_accum_kernel")
+# %% minite={"check": "interleaved_1f1b"} tags=["nbval-check-output"]
+# CHECK: interleaved_1f1b
+def simulate_chunks(orders, p, v):
+    """Run every rank's order (times in units of 1/v); (end of the step x v, the most chunk forwards held per
+    rank) or (-1, [...]) when the ranks wait for each other forever."""
+    done, free, pos, live, held = {}, [0] * p, [0] * p, [0] * p, [0] * p
+    while any(pos[d] < len(orders[d]) for d in range(p)):
+        moved = False
+        for d in range(p):
+            if pos[d] == len(orders[d]):
+                continue
+            kind, c, i = orders[d][pos[d]]
+            s = c * p + d
+            dep = ("F", s - 1, i) if kind == "F" else ("B", s + 1, i) if s < p * v - 1 else ("F", s, i)
+            if dep in done or (kind == "F" and s == 0):
+                start = max(free[d], done.get(dep, 0))
+                done[(kind, s, i)] = free[d] = start + (1 if kind == "F" else 2)
+                live[d] += 1 if kind == "F" else -1
+                held[d] = max(held[d], live[d])
+                pos[d] += 1
+                moved = True
+        if not moved:
+            return -1, held
+    return max(free), held
+
+
+for p, v, m in ((2, 2, 2), (2, 2, 4), (4, 2, 8), (4, 3, 8), (2, 3, 6), (3, 2, 6), (4, 2, 4), (3, 3, 9)):
+    orders = [list(interleaved_1f1b(p, v, m, d)) for d in range(p)]
+    for o in orders:
+        assert sorted(o) == sorted((k, c, i) for k in "FB" for c in range(v) for i in range(m)), (p, v, m, o)
+        assert all(type(c) is int and type(i) is int for _, c, i in o)
+    end, held = simulate_chunks(orders, p, v)
+    print(f"p={p} v={v} m={m}: the step ends at {end}/{v}, chunk forwards held per rank {held}")
+    assert end == 3 * m * v + 3 * (p - 1), (p, v, m, end)  # 3m + 3(p-1)/v, times v
+    assert max(held) <= p * v + p - 1, (p, v, m, held)
+print("PASS: interleaved_1f1b")

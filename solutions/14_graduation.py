@@ -17,12 +17,12 @@
 # %% [markdown]
 # # 14 — Graduation: exercises
 #
-# Four graded tasks, each a piece the lesson used but did not write. Fill in each region between
+# Four graded tasks on choosing and running a layout, none of them written in the lesson. Fill in each region between
 # `### BEGIN YOUR CODE` and `### END YOUR CODE` (delete the `raise NotImplementedError()`), run the cell, then its
 # check cell.
 #
-# 1. **A whole Triton kernel from a spec**: the mixed-precision AdamW step of an fp16 run (unscale, update the fp32
-#    master weights, write the 16-bit copy the model computes with), and its launcher.
+# 1. **A layout planner**: the memory one rank needs under a dp × tp × pp × cp layout, and the layout a cluster
+#    should run.
 # 2. **The layout check**: every reason a parallel layout cannot work, with its numbers.
 # 3. **Resharding the fused QKV weight** from one tensor-parallel degree to another, without a dense copy on disk.
 # 4. **Utilisation with recompute**: MFU and HFU.
@@ -31,102 +31,101 @@
 import os, torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton or minite kernels
-import math
-from minite._triton import triton, tl
 from minite.testing import check_op
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _ = torch.manual_seed(0)
 
 # %% [markdown]
-# ## Task 1 — the fused mixed-precision AdamW step
+# ## Task 1 — plan the layout: memory per rank, then the best layout that fits
 #
-# In an fp16 run (`--precision fp16`) the loss is multiplied by a scale $S$ before the backward, so the gradients
-# that arrive are $S$ times too large and stored in fp16; the optimizer keeps fp32 **master** weights and moments,
-# and the model computes with a 16-bit copy of the weights. Write `amp_adamw_kernel` from this spec; nothing else
-# is given.
+# A mixed-precision run with AdamW keeps, per parameter, a bf16 weight (2 bytes), a bf16 gradient (2 bytes), and
+# the optimizer's fp32 master weight and two fp32 moments (12 bytes). Under ZeRO-1 (`zero=True`) those 12 bytes are
+# sharded over the `dp` data-parallel ranks; the weight and its gradient are not. Tensor and pipeline parallelism
+# split the parameters themselves: a rank holds $1/(tp \cdot pp)$ of them (count every parameter that way, the
+# embedding included).
 #
-# * One program per `BLOCK` consecutive elements of flat, contiguous tensors of `n` elements; mask the tail.
-# * Inputs: `G` (scaled gradients, fp16), `P` (fp32 master weights), `M`, `V` (fp32 first and second moments),
-#   `Q` (the 16-bit model copy, fp16), and the scalars `inv_scale` ($1/S$), `lr`, `beta1`, `beta2`, `eps`, `wd`,
-#   `bc1` $= 1 - \beta_1^t$, `bc2` $= 1 - \beta_2^t$ for step $t$.
-# * In place: `P`, `M`, `V` get exactly what `torch.optim.AdamW` (decoupled weight decay `wd` on every element,
-#   `amsgrad=False`) computes for fp32 parameters whose gradient is the *unscaled* gradient (in fp32); `Q` gets the
-#   new `P` rounded to fp16.
+# Activations: chapter 11's count (Korthikanti et al. 2022, flash attention, no $s^2$ term) is $34\,s\,b\,h$ bytes
+# per layer for $s$ tokens, micro-batch $b$ and width $h$, divided by $tp$ with sequence parallelism (assume it on).
+# Context parallelism gives each rank $s = T/cp$ tokens. The pipeline runs 1F1B with at least `pp` micro-batches,
+# and you are asked for the worst rank, the first stage: work out how many micro-batches of activations it holds at
+# once (chapter 12), each for its `n_layer / pp` layers.
 #
-# Then write the launcher `amp_adamw_(p, g, m, v, q, *, step, lr, betas, eps, weight_decay, inv_scale)`: it checks
-# that the five tensors have the same number of elements (a `ValueError` naming the sizes otherwise), launches the
-# kernel with `BLOCK = 256` and returns nothing. (The caller skips the step when a gradient is not finite.)
+# 1. `memory_per_rank(dp, tp, pp, cp, *, n_params, n_layer, n_embd, T, micro_batch, zero)` returns those bytes (a
+#    float): parameter-related bytes plus the first stage's activations. Nothing else counts (no buffers, no
+#    temporaries, no fragmentation).
+# 2. `plan_layout(world, mem_bytes, *, n_params, n_layer, n_head, n_embd, T, micro_batch, gpus_per_node)` returns
+#    the layout `(dp, tp, pp, cp)` to run, or `None` when none fits. A layout is allowed when
+#    `dp * tp * pp * cp == world`, `tp` divides `n_head` and stays inside one node (`tp <= gpus_per_node`), `pp`
+#    divides `n_layer`, `cp == 1` or `T` splits into `2 cp` chunks, and `memory_per_rank(..., zero=True)` is at
+#    most `mem_bytes`. Among the allowed layouts pick the one with the **largest dp** (the cheapest communication),
+#    then the **smallest pp** (the smallest bubble), then the **smallest cp**; `tp` is then what the world leaves.
 
-# %% minite={"task": "amp_adamw_kernel"}
-@triton.jit
-def amp_adamw_kernel(G, P, M, V, Q, n, inv_scale, lr, beta1, beta2, eps, wd, bc1, bc2, BLOCK: tl.constexpr):
+# %% minite={"task": "plan_layout"}
+def memory_per_rank(dp, tp, pp, cp, *, n_params, n_layer, n_embd, T, micro_batch, zero):
     ### BEGIN SOLUTION
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    offs = start + tl.arange(0, BLOCK)
-    live = offs < n
-    grad = tl.load(G + offs, mask=live, other=0.0).to(tl.float32) * inv_scale
-    w = tl.load(P + offs, mask=live, other=0.0)
-    m1 = tl.load(M + offs, mask=live, other=0.0)
-    m2 = tl.load(V + offs, mask=live, other=0.0)
-    w = w * (1.0 - lr * wd)  # decoupled decay first, as torch does
-    m1 = beta1 * m1 + (1.0 - beta1) * grad
-    m2 = beta2 * m2 + (1.0 - beta2) * grad * grad
-    denom = tl.sqrt(m2) / tl.sqrt(bc2) + eps
-    w = w - (lr / bc1) * (m1 / denom)
-    tl.store(P + offs, w, mask=live)
-    tl.store(M + offs, m1, mask=live)
-    tl.store(V + offs, m2, mask=live)
-    tl.store(Q + offs, w.to(Q.dtype.element_ty), mask=live)
+    shard = n_params / (tp * pp)  # the parameters this rank holds
+    states = 12 / dp if zero else 12  # fp32 master + two fp32 moments; ZeRO-1 shards them over dp
+    # 1F1B: the first stage holds pp micro-batches of n_layer / pp layers each, n_layer layers' worth in all
+    act = 34 * (T / cp) * micro_batch * n_embd / tp * n_layer
+    return shard * (2 + 2 + states) + act
     ### END SOLUTION
 
 
-def amp_adamw_(p, g, m, v, q, *, step, lr, betas, eps, weight_decay, inv_scale):
+def plan_layout(world, mem_bytes, *, n_params, n_layer, n_head, n_embd, T, micro_batch, gpus_per_node):
     ### BEGIN SOLUTION
-    sizes = [t.numel() for t in (p, g, m, v, q)]
-    if len(set(sizes)) != 1:
-        raise ValueError(f"amp_adamw_: p, g, m, v, q must have the same number of elements, got {sizes}")
-    b1, b2 = betas
-    n = sizes[0]
-    amp_adamw_kernel[(triton.cdiv(n, 256),)](g, p, m, v, q, n, inv_scale, lr, b1, b2, eps, weight_decay,
-                                             1.0 - b1**step, 1.0 - b2**step, BLOCK=256)
+    best = None
+    for tp in range(1, world + 1):
+        for pp in range(1, world // tp + 1):
+            for cp in range(1, world // (tp * pp) + 1):
+                if world % (tp * pp * cp) or tp > gpus_per_node or n_head % tp or n_layer % pp:
+                    continue
+                if cp > 1 and T % (2 * cp):
+                    continue
+                dp = world // (tp * pp * cp)
+                need = memory_per_rank(dp, tp, pp, cp, n_params=n_params, n_layer=n_layer, n_embd=n_embd, T=T,
+                                       micro_batch=micro_batch, zero=True)
+                if need <= mem_bytes and (best is None or (-dp, pp, cp) < best[0]):
+                    best = ((-dp, pp, cp), (dp, tp, pp, cp))
+    return None if best is None else best[1]
     ### END SOLUTION
 
-# %% minite={"check": "amp_adamw_kernel"} tags=["nbval-check-output"]
-# CHECK: amp_adamw_kernel
-HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+# %% minite={"check": "plan_layout"} tags=["nbval-check-output"]
+# CHECK: plan_layout
+M7 = dict(n_params=6.7e9, n_layer=32, n_embd=4096, T=4096, micro_batch=1)  # a 7B Llama shape
+LAYOUTS = [(1, 1, 1, 1, True), (2, 2, 1, 1, True), (1, 8, 2, 1, True), (4, 2, 2, 1, True), (2, 2, 1, 4, True),
+           (4, 2, 2, 1, False)]
+# bytes, worked out by hand from the spec: e.g. one process holds 16 bytes x 6.7e9 parameters = 107.2 GB, plus
+# 34 x 4096 x 4096 x 32 = 18.25 GB of activations
+WANT_BYTES = [1.25454e11, 4.26268e10, 8.9817e9, 2.08518e10, 3.57817e10, 3.59268e10]
 
 
-def fused(p0, grads, scale):
-    p, q = p0.clone().to(DEVICE), p0.half().to(DEVICE)
-    m, v = torch.zeros_like(p), torch.zeros_like(p)
-    for t, g in enumerate(grads, 1):
-        amp_adamw_(p, (g * scale).half().to(DEVICE), m, v, q, step=t, inv_scale=1.0 / scale, **HP)
-    return p.cpu(), m.cpu(), v.cpu(), q.cpu()
+def memories(cases):
+    return torch.tensor([memory_per_rank(*c[:4], **M7, zero=bool(c[4])) for c in cases.tolist()],
+                        dtype=torch.float64)
 
 
-def torch_adamw(p0, grads, scale):
-    w = torch.nn.Parameter(p0.clone())
-    opt = torch.optim.AdamW([w], **HP)
-    for g in grads:
-        w.grad = (g * scale).half().float() / scale  # what the fp16 gradient holds, unscaled
-        opt.step()
-    st = opt.state[w]
-    return w.detach(), st["exp_avg"], st["exp_avg_sq"], w.detach().half()
+assert check_op("memory_per_rank", memories, lambda cases: torch.tensor(WANT_BYTES, dtype=torch.float64),
+                torch.tensor(LAYOUTS), grad=False, rtol=1e-5, atol=0.0)
+H7 = dict(n_params=6.7e9, n_layer=32, n_head=32, n_embd=4096, T=4096, micro_batch=1)
+H70 = dict(n_params=70e9, n_layer=80, n_head=64, n_embd=8192, T=4096, micro_batch=1)  # a 70B Llama shape
+CLUSTERS = [  # (world, bytes per GPU, model, the layout that the rules pick; (0, 0, 0, 0): none fits)
+    (16, 80e9, H7, (16, 1, 1, 1)), (8, 40e9, H7, (4, 2, 1, 1)), (64, 80e9, H70, (8, 8, 1, 1)),
+    (32, 48e9, H70, (1, 8, 4, 1)), (64, 48e9, H70, (4, 8, 2, 1)), (16, 80e9, {**H7, "T": 131072}, (1, 8, 1, 2)),
+    (16, 80e9, H70, (0, 0, 0, 0))]
 
 
-gen = torch.Generator().manual_seed(5)
-for n, steps in ((1000, 1), (37, 3), (513, 2)):
-    p0 = torch.randn(n, generator=gen)
-    grads = torch.randn(steps, n, generator=gen)
-    assert check_op(f"amp_adamw_kernel n={n} steps={steps}", fused, torch_adamw, p0, grads, 1024.0, grad=False)
-try:
-    amp_adamw_(torch.zeros(4), torch.zeros(4).half(), torch.zeros(4), torch.zeros(5), torch.zeros(4).half(),
-               step=1, inv_scale=1.0, **HP)
-    raised = False
-except ValueError:
-    raised = True
-assert raised
-print("PASS: amp_adamw_kernel")
+def plans(index):
+    return torch.tensor([plan_layout(w, mem, **m, gpus_per_node=8) or (0, 0, 0, 0)
+                         for w, mem, m, _ in (CLUSTERS[i] for i in index.tolist())], dtype=torch.float32)
+
+
+assert check_op("plan_layout", plans, lambda index: torch.tensor([c[3] for c in CLUSTERS], dtype=torch.float32),
+                torch.arange(len(CLUSTERS)), grad=False)
+for w, mem, m, want in CLUSTERS:
+    got = plan_layout(w, mem, **m, gpus_per_node=8)
+    print(f"{w:3} GPUs of {mem / 1e9:.0f} GB, {m['n_params'] / 1e9:.1f}B parameters, T={m['T']:6}: "
+          f"(dp, tp, pp, cp) = {got}")
+print("PASS: plan_layout")
 
 # %% [markdown]
 # ## Task 2 — every reason a layout cannot work
@@ -185,8 +184,11 @@ def broken_rules(cases):  # (len(cases), 5): 1.0 where the case breaks the rule
     return torch.tensor(out)
 
 
-# the reference run records the solution's answers; yours are compared with them
-assert check_op("layout_errors", broken_rules, broken_rules, torch.tensor(CASES), grad=False)
+# worked out by hand from the rules, one row per case: (world, heads, layers, sequence, batch)
+BROKEN = [[0, 0, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 0, 1, 0],
+          [0, 0, 0, 0, 1], [1, 1, 1, 0, 1], [0, 0, 0, 1, 0], [0, 0, 0, 0, 0]]
+assert check_op("layout_errors", broken_rules, lambda cases: torch.tensor(BROKEN, dtype=torch.float32),
+                torch.tensor(CASES), grad=False)
 mentions = []
 for case in CASES:
     w, dp, tp, pp, cp, h, L, T, b = case
@@ -284,9 +286,12 @@ def all_utilization(cases):  # (cases, modes, 2): (mfu, hfu)
                          for tps, N, Nb, L, C, T, peak in cases.tolist()], dtype=torch.float64)
 
 
-# the reference run records the solution's answers; yours are compared with them
-assert check_op("utilization", all_utilization, all_utilization, torch.tensor(CASES4, dtype=torch.float64),
-                grad=False)
+# (mfu, hfu) for none, selective, full, worked out by hand from PaLM's count (6 significant digits)
+WANT4 = [[(0.156021, 0.156021), (0.156021, 0.156021), (0.156021, 0.193831)],
+         [(0.122453, 0.122453), (0.122453, 0.122453), (0.122453, 0.160743)],
+         [(0.0556779, 0.0556779), (0.0556779, 0.0556779), (0.0556779, 0.0724372)]]
+assert check_op("utilization", all_utilization, lambda cases: torch.tensor(WANT4, dtype=torch.float64),
+                torch.tensor(CASES4, dtype=torch.float64), grad=False, rtol=1e-5, atol=0.0)
 for mode in MODES:
     mfu, hfu = utilization(180e3, n_params=124e6, n_block_params=85e6, n_layer=12, n_embd=768, T=1024,
                            peak_flops=989e12, recompute=mode)

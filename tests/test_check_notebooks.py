@@ -210,3 +210,127 @@ def test_interpreter_only_in_the_guarded_first_cell(chapter):
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "check_notebooks.py"), "--root", str(chapter),
                           "--only", "gpu"], capture_output=True, text=True)
     assert out.returncode == 1 and "notebooks/gpu: " in out.stdout and "(cell 0)" in out.stdout
+
+
+# ------------------------------------------------------------------------ self_checks: every check can fail
+AREA = (f"def area(r):\n    {BEGIN}\n    return math.pi * r * r\n    {END}\n\n\n"
+        "def area_ref_given(r):\n    return math.pi * r ** 2")
+
+
+def _solution(chapter, check_src, task_src=AREA):
+    """Rewrite solution 42 as setup + one task cell ('area') + one check cell holding `check_src`."""
+    _pair(chapter / "solutions" / "42_norm", [
+        _cell(SETUP + "\nimport math\nfrom minite.testing import check_op, assert_close"),
+        _cell(task_src, task="area"),
+        _cell(f"# CHECK: area\nr = torch.linspace(0.5, 2.0, 7)\n{check_src}\nprint('PASS: area')", check="area"),
+    ])
+
+
+@pytest.mark.parametrize("check, why", [
+    # 14_graduation's Tasks 2 and 4 before the fix: the learner's function wrapped, then compared with itself
+    ("def wrap(r):\n    return area(r)\nassert check_op('area', wrap, wrap, r, grad=False)",
+     "the reference is the tested expression itself (wrap)"),
+    ("assert check_op('area', area, area, r, grad=False)", "the reference is the tested expression itself (area)"),
+    ("assert_close(area(r), area(r), name='area')", "the reference is the tested expression itself"),
+    ("assert check_op('area', area, lambda t: area(t) + 0, r, grad=False)", "calls the answers (area)"),
+    ("def wrap(r):\n    return area(r)\nassert check_op('area', area, ref=wrap, fn=area, grad=False)",
+     "calls the answers (wrap)"),
+    ("want = 2 * math.pi\nassert_close(area(r), expected=area(r) * 1)", "calls the answers (area)"),
+])
+def test_a_check_whose_reference_is_the_answer_fails(chapter, check, why):
+    _solution(chapter, check)
+    problems = cn.self_checks(chapter)
+    assert len(problems) == 1 and problems[0].startswith("solutions/42_norm.ipynb: check 'area'") \
+        and why in problems[0], problems
+
+
+@pytest.mark.parametrize("check", [
+    "assert check_op('area', area, lambda t: math.pi * t ** 2, r, grad=False)",   # a formula
+    "assert check_op('area', area, area_ref_given, r, grad=False)",  # given code in the task cell, not the answer
+    "a = area(r)\nassert_close(a, torch.pi * r * r, name='area')",
+    # data derived from the answer may appear on both sides: a property check (04_rope's permutation)
+    "a = area(r)\nassert_close(a[[1, 0]], (math.pi * r * r)[[1, 0]])",
+])
+def test_an_independent_reference_passes(chapter, check):
+    _solution(chapter, check)
+    assert cn.self_checks(chapter) == []
+
+
+# ------------------------------------------------------------------------ authors_words: the learner's voice
+@pytest.mark.parametrize("text, hit", [
+    ("It has not been run on a GPU for this edition.", "'edition'"),
+    ("No GPU run was done in this session.", "'this session'"),
+    ("The goal stands as the issue sets it.", "'as the issue'"),
+    ("Fixed in (issue 26).", "'issue 26'"),
+    ("Measured by another helper.", "'another helper'"),
+    ("The brief asks for this.", "'The brief'"),
+])
+def test_words_for_authors_fail(chapter, text, hit):
+    text_py = _lesson(chapter, "x = 1")
+    (chapter / "notebooks" / "42_norm.py").write_text(text_py + f"\n# %% [markdown]\n# {text}\n")
+    problems = cn.authors_words(chapter)
+    assert len(problems) == 1 and problems[0].startswith("notebooks/42_norm.py:") and hit in problems[0], problems
+
+
+def test_words_for_learners_pass(chapter):
+    text_py = _lesson(chapter, "x = 1  # a Triton helper, inlined by the compiler")
+    (chapter / "notebooks" / "42_norm.py").write_text(
+        text_py + "\n# %% [markdown]\n# The issue is that fp16 overflows; a training session on one GPU; the other "
+        "helper function; pytorch#147793 names a PyTorch bug.\n")
+    assert cn.authors_words(chapter) == []
+
+
+def test_every_check_of_the_course_can_fail():
+    assert cn.self_checks(ROOT) == []
+
+
+def test_the_course_speaks_to_learners():
+    assert cn.authors_words(ROOT) == []
+
+
+# ------------------------------------------------------------------------ a wrong answer passes no check
+# Chapter 14's tasks are plain Python (no kernel, no torchrun): its grading takes seconds. Each answer below is a
+# plausible mistake; the grader must fail every task.
+WRONG_14 = {
+    "plan_layout": [  # pipeline stages counted as dividing the activations; no search at all
+        "return n_params / (tp * pp) * (4 + (12 / dp if zero else 12)) + 34 * T / cp * micro_batch * n_embd / tp "
+        "* n_layer / pp",
+        "return (world, 1, 1, 1)"],
+    "layout_errors": [  # the batch rule forgotten
+        "found = {}\nif dp * tp * pp * cp != world:\n    found['world'] = f'{dp * tp * pp * cp} != {world}'\n"
+        "if n_head % tp:\n    found['heads'] = f'{n_head} {tp}'\nif pp > n_layer:\n    found['layers'] = f'{pp} "
+        "{n_layer}'\nif cp > 1 and T % (2 * cp):\n    found['sequence'] = f'{T} {2 * cp}'\nreturn found"],
+    "reshard_qkv": [  # the shards re-cut as one block, ignoring the q / k / v layout
+        "return list(torch.cat(shards).chunk(new_tp))"],
+    "utilization": [  # selective recompute counted as a full one
+        "if recompute not in ('none', 'selective', 'full'):\n    raise ValueError(recompute)\n"
+        "need = 6 * n_params + 12 * n_layer * n_embd * T\n"
+        "again = 0 if recompute == 'none' else 2 * n_block_params + 4 * n_layer * n_embd * T\n"
+        "return tokens_per_s * need / peak_flops, tokens_per_s * (need + again) / peak_flops"],
+}
+
+
+@pytest.mark.notebook
+def test_wrong_answers_pass_no_check_of_chapter_14(tmp_path):
+    from minite.grading import STUB, grade
+    solution = ROOT / "solutions" / "14_graduation.ipynb"
+    ex = nbformat.read(ROOT / "exercises" / solution.name, as_version=4)
+    for cell in ex.cells:
+        todo = list(WRONG_14.get(cell.get("metadata", {}).get("minite", {}).get("task"), []))
+        if todo:
+            out = []
+            for ln in cell.source.splitlines():
+                if ln.strip() == STUB:
+                    ind = ln[: len(ln) - len(ln.lstrip())]
+                    out += [ind + a if a else a for a in todo.pop(0).splitlines()]
+                else:
+                    out.append(ln)
+            assert not todo, "one wrong answer per region"
+            cell.source = "\n".join(out)
+    assert {c.metadata.get("minite", {}).get("task") for c in ex.cells} - {None} == set(WRONG_14)
+    student = tmp_path / "exercises" / solution.name
+    student.parent.mkdir(parents=True)
+    nbformat.write(ex, student)
+    rep = grade(student, solution, timeout=120)
+    assert rep.total == len(WRONG_14) and rep.score == 0, rep.summary()
+    assert sorted(rep.failed) == sorted(WRONG_14), rep.summary()

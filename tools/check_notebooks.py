@@ -14,8 +14,14 @@
   `input_precision=`; a cell that forces `backend="triton"` makes no CPU tensor (torch.randn/zeros/... without
   `device=` or `.to(DEVICE)`); TRITON_INTERPRET is set only by the first code cell, only when no CUDA device is
   present.
+* **checks that can fail** (`self_checks`, static, on solutions/*.ipynb): in a check cell, the reference of
+  `check_op(name, fn, ref, ...)` and the expected side of `assert_close(actual, expected)` must not depend on the
+  answers (a function or constant a task's solution region defines, or a function that uses one), nor be the
+  same expression as the side under test. Such a check passes for any answer when the notebook runs it.
+* **the learner's voice** (`authors_words`, on the .py of notebooks/ and solutions/): no text written for the
+  course's authors rather than its learners: editions, work sessions, issue numbers, briefs, helper sessions.
 
-    python tools/check_notebooks.py [--root DIR] [--only copies,pairs,outputs,exercises,gpu]
+    python tools/check_notebooks.py [--root DIR] [--only copies,pairs,outputs,exercises,gpu,selfcheck,voice]
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from minite.grading import BEGIN, generate_all, regions  # noqa: E402
+from minite.grading.flow import loads  # noqa: E402
 
 RUN = 12     # a run of this many consecutive tokens of an answer found in the lesson counts as copied ...
 SHARE = 0.7  # ... and an answer is a copy when such runs cover this share of its tokens. Not lower: a 2-D
@@ -323,8 +330,131 @@ def gpu_portability(root: Path) -> list[str]:
             problems += [f"{folder}/{py.name}:{n}: {msg}" for n, msg in sorted(found)]
     return problems
 
+
+# ------------------------------------------------------------------------ checks that can fail
+def _reference_args(call) -> tuple | None:
+    """(tested, reference) expressions of a `check_op(name, fn, ref, ...)` or `assert_close(actual, expected)`
+    call, or None for any other call."""
+    f = call.func
+    name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+    kw = {k.arg: k.value for k in call.keywords}
+    if name == "check_op":
+        args = list(call.args[1:3])
+        tested, ref = (args + [None, None])[:2]
+        return kw.get("fn", tested), kw.get("ref", ref)
+    if name == "assert_close":
+        args = list(call.args[:2])
+        tested, ref = (args + [None, None])[:2]
+        return kw.get("actual", tested), kw.get("expected", ref)
+    return None
+
+
+def _answer_names(cell, label: str) -> set[str]:
+    """Names a task cell binds at module level with a solution region inside (or around) the statement: the
+    learner's functions, kernels, classes and constants. Given code around them (a launcher, a spec) is not."""
+    tree = _parse(cell.source)
+    spans = regions(cell.source, label)
+    out = set()
+    for st in tree.body if tree else []:
+        first, last = st.lineno - 1, st.end_lineno - 1  # 0-based lines, as regions() counts
+        if not any(first <= b <= last or b <= first <= e for b, e in spans):
+            continue
+        if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(st.name)
+        elif isinstance(st, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for t in st.targets if isinstance(st, ast.Assign) else [st.target]:
+                out |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return out
+
+
+def _calls_answers(trees, answers: set[str]) -> set[str]:
+    """The answers, and every function (def, or a name bound to a lambda) whose body reads one of them,
+    transitively, in any cell: what a reference must not call."""
+    funcs = {}
+    for tree in trees:
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                funcs.setdefault(n.name, set()).update(loads(n))
+            elif isinstance(n, ast.Assign) and isinstance(n.value, ast.Lambda):
+                for t in n.targets:
+                    if isinstance(t, ast.Name):
+                        funcs.setdefault(t.id, set()).update(loads(n.value))
+    out = set(answers)
+    while True:
+        more = {name for name, used in funcs.items() if used & out} - out
+        if not more:
+            return out
+        out |= more
+
+
+def self_checks(root: Path) -> list[str]:
+    """A check whose reference is the learner's own code: `check_op(name, f, f)`, `assert_close(y, y)`, or a
+    reference that calls (or reads) an answer: a function or constant a task cell's solution region defines, or a
+    function whose body uses one (`check_op("t", wrap, wrap)` where `wrap` calls the task). Run in the notebook,
+    such a check passes for any answer. Data derived from an answer may appear in a reference (checking a
+    property: `ref(x[..., perm])` against `mine(x)[..., perm]`)."""
+    problems = []
+    for sol in sorted((root / "solutions").glob("*.ipynb")):
+        cells = [c for c in nbformat.read(sol, as_version=4).cells if c.cell_type == "code"]
+        trees = [t for t in (_parse(c.source) for c in cells) if t is not None]
+        answers = set()
+        for c in cells:
+            if "task" in c.metadata.get("minite", {}):
+                answers |= _answer_names(c, f"{sol.name} task {c.metadata['minite']['task']}")
+        forbidden = _calls_answers(trees, answers)
+        for i, cell in enumerate(cells):
+            what = cell.metadata.get("minite", {})
+            tree = _parse(cell.source)
+            if "check" not in what or tree is None:
+                continue
+            for node in ast.walk(tree):
+                pair = _reference_args(node) if isinstance(node, ast.Call) else None
+                if not pair or pair[1] is None:
+                    continue
+                tested, ref = pair
+                where = f"solutions/{sol.name}: check {what['check']!r} (line {node.lineno} of its cell)"
+                if tested is not None and ast.dump(tested) == ast.dump(ref):
+                    problems.append(f"{where}: the reference is the tested expression itself "
+                                    f"({ast.unparse(ref)[:60]}): the check passes for any answer")
+                elif loads(ref) & forbidden:
+                    problems.append(f"{where}: the reference {ast.unparse(ref)[:60]!r} calls the answers "
+                                    f"({', '.join(sorted(loads(ref) & forbidden))}): compare with an independent "
+                                    "reference (a formula, a library call, recorded numbers)")
+    return problems
+
+
+# ------------------------------------------------------------------------ the learner's voice
+# Words written for the course's authors (the work that made a lesson), not for its learners. Precise on purpose:
+# "a Triton helper", "the issue is that ...", "a training session" stay legal.
+AUTHORS_WORDS = [
+    (re.compile(r"\beditions?\b", re.I), "an edition of the course"),
+    (re.compile(r"\b(this|that|previous|earlier|next|another|other|current|in a later) (work )?sessions?\b", re.I),
+     "a work session"),
+    (re.compile(r"\bissues? ?#?\d+\b", re.I), "an issue number"),
+    (re.compile(r"\b(as|per) the issue\b|\bthe issue (sets|says|asks|requires|wants|lists|demands)\b", re.I),
+     "the issue that asked for the work"),
+    (re.compile(r"\b(the|my|this) brief\b", re.I), "a brief"),
+    (re.compile(r"\bhelpers? (sessions?|agents?)\b|\b(another|the other) helper\b(?!\s+(function|kernel|method))",
+                re.I), "a helper session"),
+]
+
+
+def authors_words(root: Path) -> list[str]:
+    """Lines of a lesson or solution (markdown, code, comments) that speak to the authors, not the learner."""
+    problems = []
+    for folder in ("notebooks", "solutions"):
+        for py in sorted((root / folder).glob("*.py")):
+            for n, line in enumerate(py.read_text().splitlines(), 1):
+                for pattern, what in AUTHORS_WORDS:
+                    m = pattern.search(line)
+                    if m:
+                        problems.append(f"{folder}/{py.name}:{n}: {m.group(0)!r} names {what}: write to the "
+                                        "learner (what is measured, what is not, and why)")
+    return problems
+
+
 CHECKS = {"copies": copied_answers, "pairs": pairs_out_of_sync, "outputs": exercises_with_outputs,
-          "exercises": exercises_stale, "gpu": gpu_portability}
+          "exercises": exercises_stale, "gpu": gpu_portability, "selfcheck": self_checks, "voice": authors_words}
 
 
 def main(argv=None) -> int:
