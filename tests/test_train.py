@@ -218,3 +218,64 @@ def test_the_best_checkpoint_is_kept_beside_the_last(run_cfg):
     assert s["best_val_loss"] == pytest.approx(min(vals.values()), abs=1e-6)
     model, tok = msample.load_model(str(out / "ckpt_best.pt"))
     assert torch.equal(model.state_dict()["wte.weight"], best["model"]["wte.weight"])
+
+
+# ------------------------------------------------------------------------------------------------ TensorBoard
+def _scalars(out: Path) -> dict:
+    """{tag: [(step, value), ...]} read back from out's event files by TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    ea = EventAccumulator(str(out))
+    ea.Reload()
+    return {tag: [(e.step, e.value) for e in ea.Scalars(tag)] for tag in ea.Tags()["scalars"]}
+
+
+def test_tensorboard_writes_the_logged_scalars(run_cfg, tmp_path):
+    over = {"train.tensorboard": True, "train.max_iters": 8, "train.eval_interval": 4, "train.log_interval": 1}
+    s = train(run_cfg(**over))
+    out = tmp_path / "out"
+    sc = _scalars(out)
+    assert {"loss", "val_loss", "lr", "tokens_per_s", "grad_norm"} <= set(sc)
+    assert [st for st, _ in sc["loss"]] == list(range(1, 9))
+    for st, v in sc["loss"]:
+        assert v == pytest.approx(s["losses"][st], rel=1e-6, abs=1e-6), st  # fp32 events of the rounded loss
+    rows = [json.loads(r) for r in (out / "log.jsonl").read_text().splitlines()]
+    assert sc["val_loss"] == [(r["step"], pytest.approx(r["val_loss"], rel=1e-6)) for r in rows if "val_loss" in r]
+    assert [st for st, _ in sc["val_loss"]] == [0, 4, 8]
+    assert all(v > 0 for _, v in sc["grad_norm"]) and len(sc["grad_norm"]) == 8
+    assert sc["lr"][0][1] == pytest.approx(rows[1]["lr"], rel=1e-6)
+    # a resumed run drops the events after its checkpoint: each step once, as in the uninterrupted run
+    cut = run_cfg(**over, **{"train.out_dir": str(tmp_path / "cut")})
+
+    def crash(step, loss):
+        if step == 6:
+            raise Interrupt
+    with pytest.raises(Interrupt):
+        train(cut, callback=crash)
+    train(cut, resume=True, resume_overrides={"train.out_dir": str(tmp_path / "cut")})
+    again = _scalars(tmp_path / "cut")
+    assert [st for st, _ in again["loss"]] == list(range(1, 9))
+    assert [v for _, v in again["loss"]] == [v for _, v in sc["loss"]]
+    assert [st for st, _ in again["val_loss"]] == [0, 4, 8]
+    # a new run replacing this one (--train.overwrite) starts its events anew
+    train(run_cfg(**{**over, "train.max_iters": 2, "train.overwrite": True}))
+    assert [st for st, _ in _scalars(out)["loss"]] == [1, 2]
+
+
+def test_tensorboard_measures_the_grad_norm_without_clipping(run_cfg, tmp_path):
+    # grad_clip=0: the norm is measured with max_norm=inf, which must leave the run bit for bit as it was
+    over = {"train.grad_clip": 0.0, "train.max_iters": 4, "train.eval_interval": 4, "train.log_interval": 1}
+    plain = train(run_cfg(**over, **{"train.out_dir": str(tmp_path / "plain")}))
+    tb = train(run_cfg(**over, **{"train.out_dir": str(tmp_path / "tb"), "train.tensorboard": True}))
+    assert tb["losses"] == plain["losses"]
+    norms = _scalars(tmp_path / "tb")["grad_norm"]
+    assert [st for st, _ in norms] == [1, 2, 3, 4] and all(v > 0.1 for _, v in norms)
+    assert "grad_norm" not in json.loads((tmp_path / "plain" / "log.jsonl").read_text().splitlines()[1])
+
+
+def test_tensorboard_missing_is_a_clear_error(run_cfg, tmp_path, monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if tensorboard were not installed
+    with pytest.raises(ConfigError, match=r"--train.tensorboard=True needs the tensorboard package, which is not "
+                                          r"installed here: pip install tensorboard \(or pip install 'minite\[tb\]'\)"):
+        train(run_cfg(**{"train.tensorboard": True}))
+    assert not (tmp_path / "out").exists()  # refused before anything was written
