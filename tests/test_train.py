@@ -190,6 +190,64 @@ def test_pick_threads_leaves_the_rng_alone(run_cfg):
     assert n >= 1 and torch.equal(state, torch.get_rng_state())  # timing must not change the run
 
 
+@pytest.mark.parametrize("slow", [1, 2])
+def test_sample_picks_its_threads_like_train(run_cfg, monkeypatch, capsys, slow):
+    # was (issue 26): minite.sample always ran one thread (train times all cores against one). Here two cores and
+    # a clock on which decoding is slow under `slow` threads: the CLI must time both and keep the other.
+    import types
+
+    from minite import resources
+    from minite.models.gpt import GPT
+    cfg = run_cfg(**{"train.max_iters": 1, "train.eval_interval": 1})
+    train(cfg)
+    ckpt = str(Path(cfg.train.out_dir) / "ckpt.pt")
+    monkeypatch.setenv("MINITE_BACKEND", "torch")  # the checkpoint samples with backend auto: not interpreted here
+    monkeypatch.setattr(resources, "_cores", lambda: 2)
+    clock, real, calls = [0.0], GPT.generate, []
+    monkeypatch.setattr(resources, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def generate(self, *a, **k):
+        calls.append(torch.get_num_threads())
+        clock[0] += 1.0 if torch.get_num_threads() == slow else 0.1
+        return real(self, *a, **k)
+    monkeypatch.setattr(GPT, "generate", generate)
+    assert msample.main(["--ckpt", ckpt, "--max_new_tokens", "3"]) == 0
+    assert sorted(set(calls)) == [1, 2] and torch.get_num_threads() == 3 - slow  # timed both, kept the faster
+    assert calls[-1] == 3 - slow  # and sampled with it
+    calls.clear()
+    assert msample.main(["--ckpt", ckpt, "--max_new_tokens", "3", "--threads", "3"]) == 0
+    assert calls == [3] and torch.get_num_threads() == 3  # told: no timing
+    with pytest.raises(SystemExit):
+        msample.main(["--ckpt", ckpt, "--threads", "-1"])
+    assert "--threads=-1: must be >= 0" in capsys.readouterr().err
+
+
+def test_pick_decode_threads_leaves_the_rng_alone(run_cfg):
+    from minite.models.gpt import GPT, GPTConfig
+    from minite.resources import pick_decode_threads
+    model = GPT(GPTConfig(**{**run_cfg().model.to_dict(), "vocab_size": 40, "dropout": 0.1}))  # train mode: dropout
+    state = torch.get_rng_state()
+    assert pick_decode_threads(model, 2, 5, new_tokens=2) >= 1 and torch.equal(state, torch.get_rng_state())
+
+
+def test_pick_decode_threads_does_not_time_the_triton_interpreter(run_cfg, monkeypatch):
+    # an interpreted sample took 11 s on 1 thread and 137 s with the 2-thread probe: there it is 1, untimed
+    from minite import resources
+    from minite._triton import interpreting
+    from minite.models.gpt import GPT, GPTConfig
+    assert interpreting()  # tests/conftest.py
+    monkeypatch.setattr(resources, "_cores", lambda: 2)
+    model = GPT(GPTConfig(**{**run_cfg().model.to_dict(), "vocab_size": 40, "backend": "auto"}))
+
+    def timed(*a, **k):
+        raise Interrupt("timed")
+    monkeypatch.setattr(model, "generate", timed)
+    assert resources.pick_decode_threads(model, 2, 5) == 1
+    with pytest.raises(Interrupt, match="timed"):  # the torch backend is timed
+        model.backend = "torch"
+        resources.pick_decode_threads(model, 2, 5)
+
+
 # ------------------------------------------------------------------------------------------ runs never clobber
 def test_a_new_run_refuses_an_out_dir_holding_another_run(run_cfg, capsys):
     # was (issue 26): a quick --train.max_iters 10 silently replaced a 1500-step out/ckpt.pt
