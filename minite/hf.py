@@ -26,12 +26,17 @@ flash-attention kernel for a prefill, the split-KV decode kernel for one new tok
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 from torch import nn
 
 from minite.models.gpt import GPT, GPTConfig
 from minite.nn import Linear, RMSNorm
 from minite.ops import attention, decode_attention, rope, swiglu
+
+if TYPE_CHECKING:  # an optional dependency (minite[hf]): for the annotations only
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaPreTrainedModel
 
 __all__ = ["from_hf_llama", "to_hf_llama", "swap_llama_layers", "gpt_config_from_llama", "MiniteLlamaAttention",
            "MiniteLlamaMLP"]
@@ -107,7 +112,7 @@ def _pairs(n_layer: int, bias: bool):
             yield g + f"mlp.down.{s}", [h + f"mlp.down_proj.{s}"]
 
 
-def gpt_config_from_llama(config, *, block_size: int | None = None, vocab_multiple: int = 64,
+def gpt_config_from_llama(config: LlamaConfig, *, block_size: int | None = None, vocab_multiple: int = 64,
                           backend: str = "auto") -> GPTConfig:
     """The GPTConfig of a LlamaConfig (no checks: from_hf_llama refuses what does not map)."""
     return GPTConfig(vocab_size=config.vocab_size, block_size=block_size or config.max_position_embeddings,
@@ -119,7 +124,7 @@ def gpt_config_from_llama(config, *, block_size: int | None = None, vocab_multip
 
 
 @torch.no_grad()
-def from_hf_llama(hf_model, *, block_size: int | None = None, vocab_multiple: int = 64,
+def from_hf_llama(hf_model: LlamaForCausalLM, *, block_size: int | None = None, vocab_multiple: int = 64,
                   backend: str = "auto") -> GPT:
     """A minite GPT with the weights of a transformers ``LlamaForCausalLM`` (copied: q/k/v and gate/up are fused).
 
@@ -144,7 +149,7 @@ def from_hf_llama(hf_model, *, block_size: int | None = None, vocab_multiple: in
 
 
 @torch.no_grad()
-def to_hf_llama(gpt: GPT):
+def to_hf_llama(gpt: GPT) -> LlamaForCausalLM:
     """A transformers ``LlamaForCausalLM`` with the weights of a minite GPT (tied embedding, the V real rows)."""
     tf = _transformers()
     c = gpt.config
@@ -188,7 +193,7 @@ def _rmsnorm(norm: nn.Module, backend: str | None) -> RMSNorm:
 class MiniteLlamaMLP(nn.Module):
     """HF's LlamaMLP on minite: ``down_proj(swiglu(gate_proj(x), up_proj(x)))``, minite Linears on HF's weights."""
 
-    def __init__(self, mlp: nn.Module, backend: str | None = None):
+    def __init__(self, mlp: nn.Module, backend: str | None = None) -> None:
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = (_linear(getattr(mlp, f"{n}_proj"), backend)
                                                         for n in ("gate", "up", "down"))
@@ -236,7 +241,7 @@ class MiniteLlamaAttention(nn.Module):
     """HF's LlamaAttention on minite: minite Linears on HF's q/k/v/o weights, minite's rope kernel with HF's cos/sin
     tables (so HF's RoPE scaling types work), HF's cache, then minite's flash attention (or split-KV decode)."""
 
-    def __init__(self, attn: nn.Module, backend: str | None = None):
+    def __init__(self, attn: nn.Module, backend: str | None = None) -> None:
         super().__init__()
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (_linear(getattr(attn, f"{n}_proj"), backend)
                                                               for n in "qkvo")
@@ -245,7 +250,8 @@ class MiniteLlamaAttention(nn.Module):
         tf_major_minor = tuple(int(p) for p in _transformers().__version__.split(".")[:2])
         self._returns_cache = tf_major_minor < (4, 48)  # 4.45-4.47 return (out, weights, past_key_value)
 
-    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, **kwargs):
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                attention_mask: torch.Tensor | None = None, **kwargs: Any) -> tuple:
         B, T, _ = hidden_states.shape
         D = self.head_dim
         q = self.q_proj(hidden_states).view(B, T, -1, D).transpose(1, 2)  # (B, H, T, D)
@@ -275,7 +281,7 @@ class MiniteLlamaAttention(nn.Module):
         return f"layer_idx={self.layer_idx}, head_dim={self.head_dim}, backend={self.backend!r}"
 
 
-def swap_llama_layers(hf_model, *, backend: str | None = None):
+def swap_llama_layers(hf_model: LlamaPreTrainedModel, *, backend: str | None = None) -> LlamaPreTrainedModel:
     """Run a transformers Llama on minite's kernels, in place, and return it: in every decoder layer the two RMSNorms
     become ``minite.nn.RMSNorm``, the attention ``MiniteLlamaAttention``, the MLP ``MiniteLlamaMLP`` (and the final
     norm too), all holding the model's own Parameters. ``backend`` as everywhere in minite (None: auto)."""

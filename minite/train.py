@@ -29,6 +29,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -335,7 +336,7 @@ def evaluate(model: GPT, ids: np.ndarray, cfg: RunConfig, block: int, dev, ctx) 
 
 
 # ----------------------------------------------------------------------------------------------- 4. the loop
-def loop(run: Run, callback=None) -> dict:
+def loop(run: Run, callback: Callable[[int, float], None] | None = None) -> dict:
     """Evaluate, checkpoint, log and step until stop_at (or max_iters); returns the summary.
     callback(step, loss): called after every optimizer step (tests stop runs there)."""
     t = run.cfg.train
@@ -518,7 +519,8 @@ def _announce(run: Run) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- train
-def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrides: dict | None = None) -> dict:
+def train(cfg: RunConfig, *, resume: bool = False, callback: Callable[[int, float], None] | None = None,
+          resume_overrides: dict | None = None) -> dict:
     """Run training; returns a summary dict (val_loss, losses per step, tokens_per_s, sample, ...).
 
     resume: continue from ``<out_dir>/ckpt.pt``: its configuration, then `resume_overrides` (only train/data keys
