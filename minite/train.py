@@ -5,6 +5,7 @@
     python -m minite.train --out_dir out/mine --resume       # continue exactly where a run stopped
     torchrun --nproc-per-node 4 -m minite.train --parallel.tp=2 --parallel.pp=2 --train.stop_at=500   # chapters 10-14
     python -m minite.train --init_from out/ckpt.pt --lora.r=8 --data notes.txt --out_dir out/lora   # LoRA (ch. 09)
+    python -m minite.train --train.tensorboard=True          # also TensorBoard scalars in out_dir (minite[tb])
     python -m minite.train --help                            # every field, its doc and its default
 
 One loop, nanoGPT-style: AdamW with warm-up and cosine decay, gradient clipping and accumulation, fixed val batches,

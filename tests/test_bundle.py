@@ -40,6 +40,13 @@ def test_the_bundle_has_a_learners_readme(course):
     assert not (course / "tools" / "bundle_README.md").exists() and not (course / "docs").exists()
 
 
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_the_bundles_make_test_runs_the_lessons_and_the_exercises(course):
+    plan = subprocess.run(["make", "-n", "-o", str(VENV / ".minite-setup"), "test", f"VENV={VENV}"], cwd=course,
+                          capture_output=True, text=True, check=True).stdout
+    assert "-m pytest" in plan and " notebooks " in plan and "exercises/test_exercises.py" in plan, plan
+
+
 @pytest.mark.notebook
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_make_check_self_checks_an_exercise_in_the_unzipped_bundle(course):
