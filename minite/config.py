@@ -106,6 +106,8 @@ class TrainConfig:
     threads: int = _doc("CPU threads for torch (0 = all cores this process may use)", 0)
     sample_tokens: int = _doc("characters of text to sample at the end (0 = none)", 300)
     progress: bool = _doc("show a tqdm progress bar", True)
+    tensorboard: bool = _doc("also write TensorBoard scalars into out_dir (loss, val loss, lr, tokens/s, grad norm; "
+                             "rank 0); needs the tensorboard package: pip install 'minite[tb]'", False)
     init_from: str = _doc("fine-tune from this checkpoint (its model and vocab; see --lora.*); also --init_from", "")
     compile: str = _doc("torch.compile: auto | off | default | reduce-overhead | max-autotune-no-cudagraphs "
                         "(auto = reduce-overhead on CUDA for bf16/fp32 runs of >= 500 steps; minite/compile.py)",

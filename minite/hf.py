@@ -23,8 +23,15 @@ training softmax, so pass ``vocab_multiple=1`` for a loss equal to HF's); to_hf_
 KV cache. The swapped attention uses HF's own ``Cache`` object (whatever ``generate`` made: dynamic or static),
 not minite's ``KVCache``: HF owns the cache's life cycle (beam reordering, cropping). minite's kernels read it: the
 flash-attention kernel for a prefill, the split-KV decode kernel for one new token.
+
+Masks. minite's kernels take causal attention and no mask. A padded batch (left or right padding, as a tokenizer
+makes for batched ``generate``) runs exactly all the same: each sequence's real tokens are gathered and attend
+causally to each other, one flash-attention launch per sequence. Any other mask (a sliding window, a bias) is
+refused with a NotImplementedError.
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -32,6 +39,9 @@ from torch import nn
 from minite.models.gpt import GPT, GPTConfig
 from minite.nn import Linear, RMSNorm
 from minite.ops import attention, decode_attention, rope, swiglu
+
+if TYPE_CHECKING:  # an optional dependency (minite[hf]): for the annotations only
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaPreTrainedModel
 
 __all__ = ["from_hf_llama", "to_hf_llama", "swap_llama_layers", "gpt_config_from_llama", "MiniteLlamaAttention",
            "MiniteLlamaMLP"]
@@ -107,7 +117,7 @@ def _pairs(n_layer: int, bias: bool):
             yield g + f"mlp.down.{s}", [h + f"mlp.down_proj.{s}"]
 
 
-def gpt_config_from_llama(config, *, block_size: int | None = None, vocab_multiple: int = 64,
+def gpt_config_from_llama(config: LlamaConfig, *, block_size: int | None = None, vocab_multiple: int = 64,
                           backend: str = "auto") -> GPTConfig:
     """The GPTConfig of a LlamaConfig (no checks: from_hf_llama refuses what does not map)."""
     return GPTConfig(vocab_size=config.vocab_size, block_size=block_size or config.max_position_embeddings,
@@ -119,7 +129,7 @@ def gpt_config_from_llama(config, *, block_size: int | None = None, vocab_multip
 
 
 @torch.no_grad()
-def from_hf_llama(hf_model, *, block_size: int | None = None, vocab_multiple: int = 64,
+def from_hf_llama(hf_model: LlamaForCausalLM, *, block_size: int | None = None, vocab_multiple: int = 64,
                   backend: str = "auto") -> GPT:
     """A minite GPT with the weights of a transformers ``LlamaForCausalLM`` (copied: q/k/v and gate/up are fused).
 
@@ -144,7 +154,7 @@ def from_hf_llama(hf_model, *, block_size: int | None = None, vocab_multiple: in
 
 
 @torch.no_grad()
-def to_hf_llama(gpt: GPT):
+def to_hf_llama(gpt: GPT) -> LlamaForCausalLM:
     """A transformers ``LlamaForCausalLM`` with the weights of a minite GPT (tied embedding, the V real rows)."""
     tf = _transformers()
     c = gpt.config
@@ -188,7 +198,7 @@ def _rmsnorm(norm: nn.Module, backend: str | None) -> RMSNorm:
 class MiniteLlamaMLP(nn.Module):
     """HF's LlamaMLP on minite: ``down_proj(swiglu(gate_proj(x), up_proj(x)))``, minite Linears on HF's weights."""
 
-    def __init__(self, mlp: nn.Module, backend: str | None = None):
+    def __init__(self, mlp: nn.Module, backend: str | None = None) -> None:
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = (_linear(getattr(mlp, f"{n}_proj"), backend)
                                                         for n in ("gate", "up", "down"))
@@ -209,34 +219,77 @@ def _rope_hf(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend) -> 
     return torch.cat([rope(x[b:b + 1], c[b], s[b], backend=backend) for b in range(x.shape[0])])
 
 
-def _visible_keys(mask, T: int, T_k: int) -> int:
+def _keep(mask: torch.Tensor) -> torch.Tensor:
+    """HF's mask as booleans (True = attend), after refusing an additive mask that is a bias, not -inf / 0."""
+    if mask.dim() == 2 or mask.dtype == torch.bool:
+        return mask.bool()
+    keep = mask == 0  # additive (eager attention): 0 = attend, the dtype's minimum = masked
+    if not bool((mask[~keep] <= torch.finfo(mask.dtype).min / 2).all()):
+        raise NotImplementedError("minite.hf: the attention mask adds a bias to the scores; minite's attention "
+                                  "kernels take causal attention and padding only")
+    return keep
+
+
+def _visible_keys(mask, T: int, T_k: int) -> int | None:
     """n such that query i sees keys j <= i + n - T (bottom-right causal over the first n cached keys), read from
-    HF's mask; any other mask (padding in a batch, a sliding window) is refused: minite's kernels take no mask."""
+    HF's mask; None when the mask is anything else (a padded batch: _padded_attention)."""
     if mask is None:  # HF skipped the mask for SDPA's is_causal, which is top-left aligned: with T > 1 queries only
         return T_k if T == 1 else T  # the first T keys are seen (a static cache's prefill pads the keys beyond)
     if not isinstance(mask, torch.Tensor) or mask.dim() not in (2, 4):
         raise NotImplementedError(f"minite.hf: an attention mask of type {type(mask).__name__} is not supported")
-    keep = mask.bool() if mask.dim() == 2 or mask.dtype == torch.bool else mask == 0  # additive: 0 = attend
+    keep = _keep(mask)
     if mask.dim() == 2:  # flash-attention style (B, T_k) padding mask
         keep_ok, n = bool(keep.all()), keep.shape[-1]
     else:  # (B, 1 or H, T, T_mask)
         n = int(keep[0, 0, -1].sum())  # the last query sees every visible key
         causal = torch.ones(T, keep.shape[-1], dtype=torch.bool, device=keep.device).tril(n - T)
         keep_ok = torch.equal(keep, causal.expand_as(keep))
-        if keep_ok and mask.is_floating_point() and (~keep).any():  # the others must be "-inf", not a bias
-            keep_ok = bool((mask[~keep] <= torch.finfo(mask.dtype).min / 2).all())
-    if not keep_ok or n > T_k:
-        raise NotImplementedError("minite.hf: the attention mask is not plain causal attention (a padded batch?); "
-                                  "minite's attention kernels take no mask: generate one sequence at a time, or a "
-                                  "batch of equal lengths")
-    return n
+    return n if keep_ok and n <= T_k else None
+
+
+def _padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                      backend: str | None) -> torch.Tensor:
+    """Attention over a padded batch (left or right padding), exact for every real token: each sequence's real
+    keys, gathered, then minite's causal attention over them, one launch per sequence. q (B, H, T, D) sit at
+    positions p0 .. p0 + T - 1 of the keys k/v (B, KVH, T_k, D): the newest T (a dynamic cache), or followed by a
+    static cache's unused slots. Padding queries get zeros: their outputs reach only padding keys of later
+    layers, which every real query masks. Any other mask is refused."""
+    B, _, T, _ = q.shape
+    T_k = k.shape[2]
+    keep = _keep(mask)  # (B, T_k) real tokens, or (B, 1 or H, T, T_k) query x key
+    if mask.dim() == 4:
+        if keep.shape[-1] != T_k or not torch.equal(keep, keep[:, :1].expand_as(keep)):
+            raise NotImplementedError(_MASK_REFUSED)
+        keep = keep[:, 0]  # (B, T, T_k)
+    real = keep.any(1) if keep.dim() == 3 else keep  # (B, T_k): keys some query attends: the real tokens
+    p0 = T_k - T
+    if keep.dim() == 3 and keep.any():  # a real query's last visible key is itself: p0 = its column - its row
+        last = T_k - 1 - keep.flip(-1).int().argmax(-1)  # (B, T) each row's last visible key
+        p0 = int((last - torch.arange(T, device=q.device))[keep.any(-1)].max())  # padding rows see less
+    if real.shape[-1] != T_k or p0 + T > T_k:
+        raise NotImplementedError(_MASK_REFUSED)
+    queries = real[:, p0:p0 + T]  # (B, T): which of this call's queries are real tokens
+    causal = torch.ones(T, T_k, dtype=torch.bool, device=q.device).tril(p0)  # (T, T_k): key j <= p0 + i
+    if keep.dim() == 3 and not torch.equal(keep[queries], (causal[None] & real[:, None])[queries]):
+        raise NotImplementedError(_MASK_REFUSED)  # e.g. a sliding window
+    y = q.new_zeros(q.shape)  # (B, H, T, D)
+    for b in range(B):
+        qb = q[b:b + 1, :, queries[b]]  # (1, H, T_b, D): the real queries are the last T_b real keys
+        kb, vb = k[b:b + 1, :, real[b]], v[b:b + 1, :, real[b]]  # (1, KVH, n_b, D)
+        if qb.shape[2]:
+            y[b:b + 1, :, queries[b]] = attention(qb, kb, vb, causal=True, scale=scale, backend=backend)
+    return y
+
+
+_MASK_REFUSED = ("minite.hf: the attention mask is neither causal attention nor causal attention over a padded "
+                 "batch (left or right padding); minite's attention kernels take no other mask")
 
 
 class MiniteLlamaAttention(nn.Module):
     """HF's LlamaAttention on minite: minite Linears on HF's q/k/v/o weights, minite's rope kernel with HF's cos/sin
     tables (so HF's RoPE scaling types work), HF's cache, then minite's flash attention (or split-KV decode)."""
 
-    def __init__(self, attn: nn.Module, backend: str | None = None):
+    def __init__(self, attn: nn.Module, backend: str | None = None) -> None:
         super().__init__()
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (_linear(getattr(attn, f"{n}_proj"), backend)
                                                               for n in "qkvo")
@@ -245,7 +298,8 @@ class MiniteLlamaAttention(nn.Module):
         tf_major_minor = tuple(int(p) for p in _transformers().__version__.split(".")[:2])
         self._returns_cache = tf_major_minor < (4, 48)  # 4.45-4.47 return (out, weights, past_key_value)
 
-    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, **kwargs):
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                attention_mask: torch.Tensor | None = None, **kwargs: Any) -> tuple:
         B, T, _ = hidden_states.shape
         D = self.head_dim
         q = self.q_proj(hidden_states).view(B, T, -1, D).transpose(1, 2)  # (B, H, T, D)
@@ -262,7 +316,9 @@ class MiniteLlamaAttention(nn.Module):
             cache_kwargs = {"sin": sin, "cos": cos, "cache_position": kwargs.get("cache_position")}
             k, v = cache.update(k, v, self.layer_idx, cache_kwargs)  # (B, KVH, T_k, D): past + new (static: padded)
         n = _visible_keys(attention_mask, T, k.shape[2])
-        if T == 1 and not torch.is_grad_enabled():  # a decode step: minite's split-KV kernel over the n keys
+        if n is None:  # a padded batch: each sequence's real tokens, one launch each
+            y = _padded_attention(q, k, v, attention_mask, self.scaling, self.backend)
+        elif T == 1 and not torch.is_grad_enabled():  # a decode step: minite's split-KV kernel over the n keys
             lengths = torch.full((B,), n, device=q.device)
             y = decode_attention(q[:, :, 0], k, v, lengths, scale=self.scaling, max_len=n,
                                  backend=self.backend)[:, :, None]  # (B, H, 1, D)
@@ -275,7 +331,7 @@ class MiniteLlamaAttention(nn.Module):
         return f"layer_idx={self.layer_idx}, head_dim={self.head_dim}, backend={self.backend!r}"
 
 
-def swap_llama_layers(hf_model, *, backend: str | None = None):
+def swap_llama_layers(hf_model: LlamaPreTrainedModel, *, backend: str | None = None) -> LlamaPreTrainedModel:
     """Run a transformers Llama on minite's kernels, in place, and return it: in every decoder layer the two RMSNorms
     become ``minite.nn.RMSNorm``, the attention ``MiniteLlamaAttention``, the MLP ``MiniteLlamaMLP`` (and the final
     norm too), all holding the model's own Parameters. ``backend`` as everywhere in minite (None: auto)."""

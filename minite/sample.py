@@ -17,6 +17,7 @@ from minite.checkpoint import CheckpointError, load_checkpoint
 from minite.data import Tokenizer
 from minite.finetune import dense_weights
 from minite.models.gpt import GPT, GPTConfig
+from minite.resources import pick_decode_threads
 
 __all__ = ["load_model", "sample", "main"]
 
@@ -44,6 +45,16 @@ def sample(model: GPT, tok: Tokenizer, prompt: str = "\n", *, max_new_tokens: in
     return [tok.decode(row.tolist()) for row in out]
 
 
+def _set_threads(model: GPT, tok: Tokenizer, args: argparse.Namespace) -> None:
+    """--threads N, or (0, on the CPU) the faster of all cores and 1 for this decode, as minite.train does."""
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    elif next(model.parameters()).device.type == "cpu":
+        n = pick_decode_threads(model, args.num_samples, len(tok.encode(args.prompt or "\n")),
+                                use_cache=not args.no_cache)
+        torch.set_num_threads(n)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m minite.sample", description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", default="out/ckpt.pt", help="checkpoint file (default: out/ckpt.pt)")
@@ -55,13 +66,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument("--no_cache", action="store_true", help="recompute the whole context every token (no KV cache)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads (default: 1: one token at a time is small "
-                   "ops, where threads mostly wait for each other; 0 = all cores)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (default: 0 = as minite.train picks them: "
+                   "the faster of all cores and 1, timed on a few tokens; one token at a time is small ops, where "
+                   "threads on busy cores mostly wait for each other)")
     args = p.parse_args(argv)
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
+    if args.threads < 0:
+        p.error(f"--threads={args.threads}: must be >= 0 (0 = picked)")
     try:
         model, tok = load_model(args.ckpt, args.device)
+        _set_threads(model, tok, args)
         texts = sample(model, tok, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        top_k=args.top_k, num_samples=args.num_samples, seed=args.seed,
                        use_cache=not args.no_cache)

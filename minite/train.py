@@ -5,6 +5,7 @@
     python -m minite.train --out_dir out/mine --resume       # continue exactly where a run stopped
     torchrun --nproc-per-node 4 -m minite.train --parallel.tp=2 --parallel.pp=2 --train.stop_at=500   # chapters 10-14
     python -m minite.train --init_from out/ckpt.pt --lora.r=8 --data notes.txt --out_dir out/lora   # LoRA (ch. 09)
+    python -m minite.train --train.tensorboard=True          # also TensorBoard scalars in out_dir (minite[tb])
     python -m minite.train --help                            # every field, its doc and its default
 
 One loop, nanoGPT-style: AdamW with warm-up and cosine decay, gradient clipping and accumulation, fixed val batches,
@@ -29,6 +30,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,6 +85,8 @@ def resolve(cfg: RunConfig, *, resume: bool = False, overrides: dict | None = No
         print(f"minite.train: removed {tmp.name} ({size / 1e6:.1f} MB), left by a checkpoint write that was "
               f"interrupted", flush=True)
     state = None
+    if cfg.train.tensorboard:
+        _summary_writer()  # not installed: say so now, before any data or model is built
     if not resume:
         _check_no_other_run(cfg, ckpt_path)
     if resume:
@@ -170,6 +174,8 @@ class Run:
     elapsed_before: float = 0.0  # seconds the run had taken before a resume
     train_time: float = 0.0
     losses: dict = field(default_factory=dict)  # {step: the global batch's train loss}
+    grad_norm: torch.Tensor | None = None  # the last step's global gradient norm, before clipping
+    tb: object = None  # --train.tensorboard: rank 0's SummaryWriter
 
     @property
     def cfg(self) -> RunConfig:
@@ -304,8 +310,8 @@ def train_step(run: Run) -> float:
             (run.scaler.scale(loss) if run.scaler is not None else loss).backward()
     if run.scaler is not None:
         run.scaler.unscale_(run.opt)
-    if t.grad_clip > 0:
-        run.par.clip(run.model, run.opt, t.grad_clip)
+    if t.grad_clip > 0 or t.tensorboard:  # the norm before clipping; max_norm=inf measures it and clips nothing
+        run.grad_norm = run.par.clip(run.model, run.opt, t.grad_clip or math.inf)
     if run.scaler is not None:
         run.scaler.step(run.opt)  # skips the update when a gradient overflowed
         run.scaler.update()
@@ -331,7 +337,7 @@ def evaluate(model: GPT, ids: np.ndarray, cfg: RunConfig, block: int, dev, ctx) 
 
 
 # ----------------------------------------------------------------------------------------------- 4. the loop
-def loop(run: Run, callback=None) -> dict:
+def loop(run: Run, callback: Callable[[int, float], None] | None = None) -> dict:
     """Evaluate, checkpoint, log and step until stop_at (or max_iters); returns the summary.
     callback(step, loss): called after every optimizer step (tests stop runs there)."""
     t = run.cfg.train
@@ -359,8 +365,9 @@ def loop(run: Run, callback=None) -> dict:
             run.losses[run.step] = loss
             tps = tokens_per_step * (run.step - start_step) / max(run.train_time, 1e-9)
             if run.step % t.log_interval == 0 or run.step == t.max_iters:
-                _write(log, step=run.step, loss=round(loss, 6), lr=_lr_at(run.step - 1, t), tokens_per_s=round(tps),
-                       elapsed_s=round(run.elapsed(), 2))
+                norm = {} if run.grad_norm is None else {"grad_norm": round(float(run.grad_norm), 6)}
+                _write(run, log, step=run.step, loss=round(loss, 6), lr=_lr_at(run.step - 1, t),
+                       tokens_per_s=round(tps), elapsed_s=round(run.elapsed(), 2), **norm)
             if pbar is not None:
                 pbar.update(1)
                 pbar.set_postfix(loss=f"{loss:.3f}", val=f"{run.val_loss:.3f}@{run.val_step}", tok_s=f"{tps:,.0f}",
@@ -372,6 +379,8 @@ def loop(run: Run, callback=None) -> dict:
             pbar.set_postfix(val=f"{run.val_loss:.3f}@{run.val_step}", refresh=True)  # the final evaluation's
             pbar.close()
         log.close()
+        if run.tb is not None:
+            run.tb.close()
     if run.par.is_main:
         _plot(run.out / "log.jsonl", run.out / "loss.png")
     tps = tokens_per_step * (run.step - start_step) / max(run.train_time, 1e-9)
@@ -382,20 +391,38 @@ def loop(run: Run, callback=None) -> dict:
 
 def _open_log(run: Run):
     """log.jsonl for appending (rank 0; the others write to os.devnull). A resumed run forgets the lines written
-    after its checkpoint (the steps about to be redone) and a line cut short by a kill; a fresh one starts anew."""
+    after its checkpoint (the steps about to be redone) and a line cut short by a kill; a fresh one starts anew.
+    --train.tensorboard: the same for rank 0's TensorBoard events in out_dir (run.tb, a SummaryWriter)."""
     log_path = run.out / "log.jsonl"
+    resumed = run.plan.resume is not None
     if run.par.is_main and log_path.exists():
-        if run.plan.resume is not None:
+        if resumed:
             rows = [r for r in log_path.read_text().splitlines() if (d := _json_or_none(r)) and d["step"] <= run.step]
             log_path.write_text("".join(r + "\n" for r in rows))
         else:
             log_path.unlink()
+            for f in run.out.glob("events.out.tfevents.*"):  # the replaced run's TensorBoard events
+                f.unlink()
     run.out.mkdir(parents=True, exist_ok=True)
+    if run.cfg.train.tensorboard and run.par.is_main:  # purge_step: TensorBoard drops the old events from there on
+        run.tb = _summary_writer()(str(run.out), purge_step=run.step + 1 if resumed else None)
     return open(log_path if run.par.is_main else os.devnull, "a")
 
 
-def _write(log, **row) -> None:
+def _write(run: Run, log, **row) -> None:
     log.write(json.dumps(row) + "\n")
+    if run.tb is not None:  # --train.tensorboard: every number of the line, tagged with its key, at its step
+        for key in row.keys() - {"step"}:
+            run.tb.add_scalar(key, row[key], row["step"])
+
+
+def _summary_writer():
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise ConfigError("--train.tensorboard=True needs the tensorboard package, which is not installed here: "
+                          f"pip install tensorboard (or pip install 'minite[tb]') ({e})") from None
+    return SummaryWriter
 
 
 def _json_or_none(line: str) -> dict | None:
@@ -410,7 +437,7 @@ def _evaluate(run: Run, log) -> None:
     """Val loss now; a new best (after step 0) is also written to ckpt_best.pt, beside the last checkpoint."""
     run.val_loss = evaluate(run.model, run.plan.data.split("val"), run.cfg, run.plan.block, run.dev, run.ctx)
     run.val_step = run.step
-    _write(log, step=run.step, val_loss=round(run.val_loss, 6), elapsed_s=round(run.elapsed(), 2),
+    _write(run, log, step=run.step, val_loss=round(run.val_loss, 6), elapsed_s=round(run.elapsed(), 2),
            train_time_s=round(run.train_time, 2))
     log.flush()
     if run.val_loss < run.best_val:
@@ -493,7 +520,8 @@ def _announce(run: Run) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- train
-def train(cfg: RunConfig, *, resume: bool = False, callback=None, resume_overrides: dict | None = None) -> dict:
+def train(cfg: RunConfig, *, resume: bool = False, callback: Callable[[int, float], None] | None = None,
+          resume_overrides: dict | None = None) -> dict:
     """Run training; returns a summary dict (val_loss, losses per step, tokens_per_s, sample, ...).
 
     resume: continue from ``<out_dir>/ckpt.pt``: its configuration, then `resume_overrides` (only train/data keys

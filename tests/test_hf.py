@@ -294,13 +294,47 @@ def test_swapped_bf16_error_within_hf_own(device):
     assert e_sw <= 2 * e_hf + dtype_tols(torch.bfloat16)["atol"], (e_sw, e_hf)
 
 
+PADDINGS = {"left": [[0, 0, 1, 1, 1, 1, 1, 1], [1] * 8], "right": [[1, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0, 0, 0]]}
+
+
 @pytest.mark.triton
-def test_swapped_refuses_a_padded_batch(device):
+@pytest.mark.parametrize("variant", ["tied", "eager"])  # HF's masks: boolean (SDPA) and additive floats (eager)
+@pytest.mark.parametrize("padding", list(PADDINGS))
+def test_swapped_padded_batch_matches_hf(device, variant, padding):
+    # was: refused. Each sequence's real tokens attend to its real tokens only, as in HF; padding positions'
+    # logits are HF's own garbage and not compared.
+    hf, x = llama(device, variant), ids(device)
+    mask = torch.tensor(PADDINGS[padding], device=device)
+    with torch.no_grad():
+        out, ref = _swapped(hf)(x, attention_mask=mask).logits, hf(x, attention_mask=mask).logits
+        plain = hf(x).logits  # what ignoring the padding would give
+    real = mask.bool()
+    if padding != "right":  # padding before real tokens changes them (causal: padding after them cannot)
+        assert (plain - ref)[real].abs().max() > 0.1
+    assert_close(out[real], ref[real], name=f"swapped vs HF logits of the real tokens, {padding} padding")
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_swapped_greedy_generate_on_a_left_padded_batch(device, cache):
     hf, x = llama(device), ids(device)
-    mask = torch.ones_like(x)
-    mask[0, :2] = 0  # left padding: minite's attention kernels take no mask
-    with pytest.raises(NotImplementedError, match="not plain causal attention"):
-        _swapped(hf)(x, attention_mask=mask)
+    mask = torch.tensor(PADDINGS["left"], device=device)  # as a tokenizer with padding_side="left" makes it
+    kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
+              **({"cache_implementation": "static"} if cache == "static" else {}))
+    ref = hf.generate(x, **kw)
+    assert torch.equal(_swapped(hf).generate(x, **kw), ref)
+    assert not torch.equal(ref[0], hf.generate(x, **{**kw, "attention_mask": torch.ones_like(mask)})[0])
+
+
+@pytest.mark.triton
+def test_swapped_refuses_a_mask_that_is_not_causal_padding(device):
+    hf, x = llama(device), ids(device)
+    T = x.shape[1]
+    i = torch.arange(T, device=device)
+    window = ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 3))[None, None].expand(2, 1, T, T)  # 3 keys
+    with pytest.raises(NotImplementedError, match="neither causal attention nor causal attention over a padded "
+                                                  "batch"):
+        _swapped(hf)(x, attention_mask=window)
 
 
 @pytest.mark.parametrize("over, field", [({"hidden_act": "gelu"}, "hidden_act='gelu'"),

@@ -16,6 +16,7 @@ def test_wheel_installs_in_a_fresh_venv_and_runs_a_kernel():
                          timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "softmax kernel ok" in out.stdout and "/venv/" in out.stdout, out.stdout
+    assert "(typed: py.typed)" in out.stdout, out.stdout  # type checkers read minite's hints from the wheel
 
 
 def test_imports_stay_light_and_the_facades_are_whole():

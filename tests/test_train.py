@@ -190,6 +190,64 @@ def test_pick_threads_leaves_the_rng_alone(run_cfg):
     assert n >= 1 and torch.equal(state, torch.get_rng_state())  # timing must not change the run
 
 
+@pytest.mark.parametrize("slow", [1, 2])
+def test_sample_picks_its_threads_like_train(run_cfg, monkeypatch, capsys, slow):
+    # was (issue 26): minite.sample always ran one thread (train times all cores against one). Here two cores and
+    # a clock on which decoding is slow under `slow` threads: the CLI must time both and keep the other.
+    import types
+
+    from minite import resources
+    from minite.models.gpt import GPT
+    cfg = run_cfg(**{"train.max_iters": 1, "train.eval_interval": 1})
+    train(cfg)
+    ckpt = str(Path(cfg.train.out_dir) / "ckpt.pt")
+    monkeypatch.setenv("MINITE_BACKEND", "torch")  # the checkpoint samples with backend auto: not interpreted here
+    monkeypatch.setattr(resources, "_cores", lambda: 2)
+    clock, real, calls = [0.0], GPT.generate, []
+    monkeypatch.setattr(resources, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def generate(self, *a, **k):
+        calls.append(torch.get_num_threads())
+        clock[0] += 1.0 if torch.get_num_threads() == slow else 0.1
+        return real(self, *a, **k)
+    monkeypatch.setattr(GPT, "generate", generate)
+    assert msample.main(["--ckpt", ckpt, "--max_new_tokens", "3"]) == 0
+    assert sorted(set(calls)) == [1, 2] and torch.get_num_threads() == 3 - slow  # timed both, kept the faster
+    assert calls[-1] == 3 - slow  # and sampled with it
+    calls.clear()
+    assert msample.main(["--ckpt", ckpt, "--max_new_tokens", "3", "--threads", "3"]) == 0
+    assert calls == [3] and torch.get_num_threads() == 3  # told: no timing
+    with pytest.raises(SystemExit):
+        msample.main(["--ckpt", ckpt, "--threads", "-1"])
+    assert "--threads=-1: must be >= 0" in capsys.readouterr().err
+
+
+def test_pick_decode_threads_leaves_the_rng_alone(run_cfg):
+    from minite.models.gpt import GPT, GPTConfig
+    from minite.resources import pick_decode_threads
+    model = GPT(GPTConfig(**{**run_cfg().model.to_dict(), "vocab_size": 40, "dropout": 0.1}))  # train mode: dropout
+    state = torch.get_rng_state()
+    assert pick_decode_threads(model, 2, 5, new_tokens=2) >= 1 and torch.equal(state, torch.get_rng_state())
+
+
+def test_pick_decode_threads_does_not_time_the_triton_interpreter(run_cfg, monkeypatch):
+    # an interpreted sample took 11 s on 1 thread and 137 s with the 2-thread probe: there it is 1, untimed
+    from minite import resources
+    from minite._triton import interpreting
+    from minite.models.gpt import GPT, GPTConfig
+    assert interpreting()  # tests/conftest.py
+    monkeypatch.setattr(resources, "_cores", lambda: 2)
+    model = GPT(GPTConfig(**{**run_cfg().model.to_dict(), "vocab_size": 40, "backend": "auto"}))
+
+    def timed(*a, **k):
+        raise Interrupt("timed")
+    monkeypatch.setattr(model, "generate", timed)
+    assert resources.pick_decode_threads(model, 2, 5) == 1
+    with pytest.raises(Interrupt, match="timed"):  # the torch backend is timed
+        model.backend = "torch"
+        resources.pick_decode_threads(model, 2, 5)
+
+
 # ------------------------------------------------------------------------------------------ runs never clobber
 def test_a_new_run_refuses_an_out_dir_holding_another_run(run_cfg, capsys):
     # was (issue 26): a quick --train.max_iters 10 silently replaced a 1500-step out/ckpt.pt
@@ -218,3 +276,64 @@ def test_the_best_checkpoint_is_kept_beside_the_last(run_cfg):
     assert s["best_val_loss"] == pytest.approx(min(vals.values()), abs=1e-6)
     model, tok = msample.load_model(str(out / "ckpt_best.pt"))
     assert torch.equal(model.state_dict()["wte.weight"], best["model"]["wte.weight"])
+
+
+# ------------------------------------------------------------------------------------------------ TensorBoard
+def _scalars(out: Path) -> dict:
+    """{tag: [(step, value), ...]} read back from out's event files by TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    ea = EventAccumulator(str(out))
+    ea.Reload()
+    return {tag: [(e.step, e.value) for e in ea.Scalars(tag)] for tag in ea.Tags()["scalars"]}
+
+
+def test_tensorboard_writes_the_logged_scalars(run_cfg, tmp_path):
+    over = {"train.tensorboard": True, "train.max_iters": 8, "train.eval_interval": 4, "train.log_interval": 1}
+    s = train(run_cfg(**over))
+    out = tmp_path / "out"
+    sc = _scalars(out)
+    assert {"loss", "val_loss", "lr", "tokens_per_s", "grad_norm"} <= set(sc)
+    assert [st for st, _ in sc["loss"]] == list(range(1, 9))
+    for st, v in sc["loss"]:
+        assert v == pytest.approx(s["losses"][st], rel=1e-6, abs=1e-6), st  # fp32 events of the rounded loss
+    rows = [json.loads(r) for r in (out / "log.jsonl").read_text().splitlines()]
+    assert sc["val_loss"] == [(r["step"], pytest.approx(r["val_loss"], rel=1e-6)) for r in rows if "val_loss" in r]
+    assert [st for st, _ in sc["val_loss"]] == [0, 4, 8]
+    assert all(v > 0 for _, v in sc["grad_norm"]) and len(sc["grad_norm"]) == 8
+    assert sc["lr"][0][1] == pytest.approx(rows[1]["lr"], rel=1e-6)
+    # a resumed run drops the events after its checkpoint: each step once, as in the uninterrupted run
+    cut = run_cfg(**over, **{"train.out_dir": str(tmp_path / "cut")})
+
+    def crash(step, loss):
+        if step == 6:
+            raise Interrupt
+    with pytest.raises(Interrupt):
+        train(cut, callback=crash)
+    train(cut, resume=True, resume_overrides={"train.out_dir": str(tmp_path / "cut")})
+    again = _scalars(tmp_path / "cut")
+    assert [st for st, _ in again["loss"]] == list(range(1, 9))
+    assert [v for _, v in again["loss"]] == [v for _, v in sc["loss"]]
+    assert [st for st, _ in again["val_loss"]] == [0, 4, 8]
+    # a new run replacing this one (--train.overwrite) starts its events anew
+    train(run_cfg(**{**over, "train.max_iters": 2, "train.overwrite": True}))
+    assert [st for st, _ in _scalars(out)["loss"]] == [1, 2]
+
+
+def test_tensorboard_measures_the_grad_norm_without_clipping(run_cfg, tmp_path):
+    # grad_clip=0: the norm is measured with max_norm=inf, which must leave the run bit for bit as it was
+    over = {"train.grad_clip": 0.0, "train.max_iters": 4, "train.eval_interval": 4, "train.log_interval": 1}
+    plain = train(run_cfg(**over, **{"train.out_dir": str(tmp_path / "plain")}))
+    tb = train(run_cfg(**over, **{"train.out_dir": str(tmp_path / "tb"), "train.tensorboard": True}))
+    assert tb["losses"] == plain["losses"]
+    norms = _scalars(tmp_path / "tb")["grad_norm"]
+    assert [st for st, _ in norms] == [1, 2, 3, 4] and all(v > 0.1 for _, v in norms)
+    assert "grad_norm" not in json.loads((tmp_path / "plain" / "log.jsonl").read_text().splitlines()[1])
+
+
+def test_tensorboard_missing_is_a_clear_error(run_cfg, tmp_path, monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if tensorboard were not installed
+    with pytest.raises(ConfigError, match=r"--train.tensorboard=True needs the tensorboard package, which is not "
+                                          r"installed here: pip install tensorboard \(or pip install 'minite\[tb\]'\)"):
+        train(run_cfg(**{"train.tensorboard": True}))
+    assert not (tmp_path / "out").exists()  # refused before anything was written

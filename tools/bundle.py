@@ -3,11 +3,16 @@
     python tools/bundle.py [--out dist/minite-course.zip]
 
 Holds the tracked files (`git ls-files`, or the folder walked when there is no git) except solutions/ and
-tests/ (whose grading tests read the solutions), .ci/, the raw benchmark logs and this script, plus a marker file
-that makes the bundle's Makefile stand alone: `make test` runs the lessons, `make grade NB=...` a self-check of
-the notebook's own check cells, `make check-fast` ruff. It refuses to write a bundle in which a notebook or an
-exercise still holds a solution region. Grading for credit stays with the instructor, who keeps solutions/:
-`make grade NB=<a learner's exercise>` in the full repository.
+tests/ (whose grading tests read the solutions), .ci/, the raw benchmark logs and the tools a learner does not
+run (this script and its templates, the wheel smoke test, the solutions/exercises sync check) and the
+chapter authors' template (docs/), plus:
+  README.md                   the learner's own (tools/bundle_README.md, the chapter list filled in), replacing the
+                              course repository's, which is written for whoever maintains and grades the course
+  exercises/test_exercises.py (tools/bundle_test_exercises.py) every exercise runs and fails only at its stubs
+  .learner-bundle             the marker that makes the bundle's Makefile stand alone: `make test` runs the lessons
+                              and the exercises, `make check NB=...` (and `make grade`) a self-check of the
+                              notebook's own check cells, `make check-fast` ruff and the budgets
+It refuses to write a bundle in which a notebook or an exercise still holds a solution region.
 """
 from __future__ import annotations
 
@@ -19,10 +24,12 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+TOOLS = Path(__file__).resolve().parent
 LEFT_OUT = ("solutions/", "tests/", "dist/", ".git/", ".venv/", "build/", ".ci/", "benchmarks/results/logs_",
-            "tools/bundle.py")
-MARK = ".learner-bundle"  # the Makefile sees it: test = the lessons, grade = a self-check, check-fast = ruff
+            "tools/bundle", "tools/wheel_smoke.py", "tools/check_notebooks.py", "docs/chapter_template.md")
+MARK = ".learner-bundle"  # the Makefile sees it: test = lessons + exercises, grade = check = a self-check
 BEGIN = "### BEGIN SOLUTION"
+EXERCISE_TEST = "exercises/test_exercises.py"
 
 
 def files(root: Path) -> list[str]:
@@ -47,6 +54,30 @@ def _lines(path: Path) -> list[str]:
     return text.splitlines()
 
 
+def _title(path: Path) -> str:
+    """The first markdown heading of a notebook (its chapter title), or its file name."""
+    try:
+        cells = json.loads(path.read_text()).get("cells", [])
+    except (OSError, ValueError, AttributeError):
+        return path.stem
+    for c in cells:
+        src = c.get("source", "")
+        for line in ("".join(src) if isinstance(src, list) else src).splitlines():
+            if c.get("cell_type") == "markdown" and line.startswith("#"):
+                return line.lstrip("#").strip()
+    return path.stem
+
+
+def readme(root: Path, names: list[str]) -> str:
+    """The learner's README: tools/bundle_README.md with its chapter list, one line per lesson in the bundle."""
+    lines = []
+    for n in names:
+        if n.startswith("notebooks/") and n.endswith(".ipynb"):
+            ex = "exercises/" + n.split("/", 1)[1]
+            lines.append(f"- {_title(root / n)}: [lesson]({n})" + (f", [exercise]({ex})" if ex in names else ""))
+    return (TOOLS / "bundle_README.md").read_text().replace("{{CHAPTERS}}", "\n".join(lines))
+
+
 def bundle(root: Path, out: Path) -> list[str]:
     names = files(root)
     leaks = [n for n in names if n.startswith(("notebooks/", "exercises/")) and n.endswith((".py", ".ipynb"))
@@ -56,9 +87,12 @@ def bundle(root: Path, out: Path) -> list[str]:
     out.parent.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
         for n in names:
-            z.write(root / n, f"minite-course/{n}")
-        z.writestr(f"minite-course/{MARK}", "A learner's bundle: no solutions/, no tests/ (make test runs the lessons; "
-                   "make grade NB=... runs a self-check; grading for credit is your instructor's).\n")
+            if n != "README.md":
+                z.write(root / n, f"minite-course/{n}")
+        z.writestr("minite-course/README.md", readme(root, names))
+        z.write(TOOLS / "bundle_test_exercises.py", f"minite-course/{EXERCISE_TEST}")
+        z.writestr(f"minite-course/{MARK}", "A learner's bundle: make test runs the lessons and the exercises; "
+                   "make check NB=... is a self-check of a notebook's own check cells.\n")
     return names
 
 

@@ -9,7 +9,8 @@
    downloaded or unpacked again: that is what keeps this step to seconds.
 3. ``pip install --no-deps`` of the wheel into that venv (pip run from here with ``--python``).
 4. In that venv, from a folder outside the source tree and without PYTHONPATH: ``import minite`` (from the venv,
-   not from the checkout) and one Triton kernel (softmax) under ``TRITON_INTERPRET=1``, compared with torch.
+   not from the checkout), its ``py.typed`` marker (PEP 561) installed, and one Triton kernel (softmax) under
+   ``TRITON_INTERPRET=1``, compared with torch.
 Prints each step's time; exits non-zero on any failure.
 """
 from __future__ import annotations
@@ -34,10 +35,13 @@ os.environ["TRITON_INTERPRET"] = "1"
 import torch, minite
 from minite import ops
 assert "site-packages" in minite.__file__ and not minite.__file__.startswith(sys.argv[1]), minite.__file__
+from pathlib import Path
+assert (Path(minite.__file__).parent / "py.typed").is_file(), "the wheel lacks minite/py.typed (PEP 561)"
 x = torch.randn(5, 37, generator=torch.Generator().manual_seed(0))
 y = ops.softmax(x, backend="triton")
 assert torch.allclose(y, torch.softmax(x, -1), atol=1e-6), (y - torch.softmax(x, -1)).abs().max()
-print(f"minite {minite.__version__} from {minite.__file__}; torch {torch.__version__}; softmax kernel ok")
+print(f"minite {minite.__version__} from {minite.__file__} (typed: py.typed); torch {torch.__version__}; "
+      "softmax kernel ok")
 """
 
 

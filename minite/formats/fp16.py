@@ -65,7 +65,7 @@ class DynamicLossScaler:
         return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
     @torch.no_grad()
-    def unscale_(self, optimizer) -> bool:
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> bool:
         """Divide the grads of `optimizer`'s params by S in place; return (and remember) whether any is inf/NaN."""
         if not self.enabled:
             return False
@@ -81,7 +81,7 @@ class DynamicLossScaler:
         self._found_inf = bool(bad) if bad is not None else False
         return self._found_inf
 
-    def step(self, optimizer, *args, **kwargs) -> bool:
+    def step(self, optimizer: torch.optim.Optimizer, *args: object, **kwargs: object) -> bool:
         """Unscale (if not done) and call optimizer.step() unless inf/NaN was found. Returns True if it stepped."""
         if not self.enabled:
             optimizer.step(*args, **kwargs)

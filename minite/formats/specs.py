@@ -266,7 +266,8 @@ def _check_spec(spec) -> None:
         raise TypeError(f"spec must be a FormatSpec (FP32, FP16, BF16, E4M3, E5M2), got {type(spec).__name__}")
 
 
-def encode(x: torch.Tensor, spec: FormatSpec, *, saturate: bool | None = None, backend: str | None = None):
+def encode(x: torch.Tensor, spec: FormatSpec, *, saturate: bool | None = None,
+           backend: str | None = None) -> torch.Tensor:
     """Round `x` to `spec` (nearest, ties to even) and return the bit patterns as int32 (see module doc).
 
     `x`: a floating tensor of at most 32 bits (fp32/fp16/bf16/fp8: converted to fp32 exactly).

@@ -444,8 +444,8 @@ def _check_triton(q: torch.Tensor) -> None:
         raise ValueError(f"the Triton attention kernel supports head dim D <= {MAX_HEAD_DIM}, got D={q.shape[-1]}")
 
 
-def attention(q, k, v, *, causal: bool = True, scale: float | None = None, return_lse: bool = False,
-              backend: str | None = None):
+def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, scale: float | None = None,
+              return_lse: bool = False, backend: str | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Scaled dot-product attention; q (B, H, T_q, D), k/v (B, KVH, T_k, D) -> (B, H, T_q, D) in q's dtype.
     ``scale`` defaults to 1/sqrt(D); causal is bottom-right aligned. ``return_lse=True`` also returns the
     (B, H, T_q) fp32 log-sum-exp in natural-log units (-inf for rows that see no key)."""
@@ -458,8 +458,9 @@ def attention(q, k, v, *, causal: bool = True, scale: float | None = None, retur
     return attention_ref(q, k, v, causal, scale, return_lse)
 
 
-def attention_varlen(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, *, causal: bool = True,
-                     scale: float | None = None, return_lse: bool = False, backend: str | None = None):
+def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, *, causal: bool = True,
+                     scale: float | None = None, return_lse: bool = False,
+                     backend: str | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Packed variable-length attention in Transformer Engine's thd layout: q (total, H, D), k/v (total, KVH, D),
     sequence b is tokens cu_seqlens[b] : cu_seqlens[b+1] (int32, (B + 1,), starting at 0). No padding is computed
     and no token attends across sequences. LSE, when asked for, is (H, total) fp32."""

@@ -269,8 +269,8 @@ register_autograd("linear_cross_entropy", LinearCrossEntropyFunction.backward,
 
 
 # -------------------------------------------------------------------------------------------- 5. functional
-def cross_entropy(logits, target, *, ignore_index: int = -100, reduction: str = "mean",
-                  label_smoothing: float = 0.0, backend: str | None = None):
+def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100, reduction: str = "mean",
+                  label_smoothing: float = 0.0, backend: str | None = None) -> Tensor:
     """Cross-entropy of logits (N, V) against class indices target (N,). Returns an fp32 loss (fp64 for fp64):
     a scalar for reduction "mean" (over non-ignored rows) / "sum", or (N,) for "none".
 
@@ -288,8 +288,9 @@ def cross_entropy(logits, target, *, ignore_index: int = -100, reduction: str = 
     return cross_entropy_ref(logits, target.long(), ignore_index, reduction, label_smoothing)
 
 
-def linear_cross_entropy(x, weight, target, *, ignore_index: int = -100, reduction: str = "mean",
-                         label_smoothing: float = 0.0, chunk_size: int = 1024, backend: str | None = None):
+def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, *, ignore_index: int = -100,
+                         reduction: str = "mean", label_smoothing: float = 0.0, chunk_size: int = 1024,
+                         backend: str | None = None) -> Tensor:
     """cross_entropy(x @ weight.T, target) without materialising the (N, V) logits. x (N, C), weight (V, C),
     target (N,). Rows are processed `chunk_size` at a time; the gradients are computed during the forward."""
     for name, t in (("x", x), ("weight", weight), ("target", target)):
@@ -318,15 +319,16 @@ class LinearCrossEntropy(nn.Module):
     """The LM head and its loss in one: holds weight (V, C); forward(x (N, C), target (N,)) -> fp32 loss."""
 
     def __init__(self, dim: int, vocab: int, ignore_index: int = -100, chunk_size: int = 1024,
-                 backend: str | None = None):
+                 backend: str | None = None, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab, dim))
+        self.weight = nn.Parameter(torch.empty(vocab, dim, device=device, dtype=dtype))  # (V, C)
         nn.init.normal_(self.weight, std=0.02)
         self.ignore_index, self.chunk_size, self.backend = ignore_index, chunk_size, backend
 
-    def forward(self, x, target):  # x (N, C), target (N,)
+    def forward(self, x: Tensor, target: Tensor) -> Tensor:  # x (N, C), target (N,)
         return linear_cross_entropy(x, self.weight, target, ignore_index=self.ignore_index,
                                     chunk_size=self.chunk_size, backend=self.backend)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return f"dim={self.weight.shape[1]}, vocab={self.weight.shape[0]}, chunk_size={self.chunk_size}"

@@ -181,8 +181,9 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 # -------------------------------------------------------------------------------------------- 5. functional
-def decode_attention(q, k_cache, v_cache, lengths, *, scale: float | None = None, num_splits: int | None = None,
-                     max_len: int | None = None, backend: str | None = None):
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor, *,
+                     scale: float | None = None, num_splits: int | None = None, max_len: int | None = None,
+                     backend: str | None = None) -> torch.Tensor:
     """One decode step: q (B, H, D) against k/v caches (B, KVH, T_max, D), of which sequence b holds lengths[b]
     valid keys (the new token's included). Returns (B, H, D) in q's dtype. Inference only (no autograd).
 

@@ -262,7 +262,7 @@ def _check_size(op: str, x) -> None:
                          f"{MAX_FUSED_SIZE}. Use backend='torch'.")
 
 
-def rmsnorm(x, weight, *, eps: float = 1e-6, backend: str | None = None):
+def rmsnorm(x: Tensor, weight: Tensor, *, eps: float = 1e-6, backend: str | None = None) -> Tensor:
     """RMSNorm over the last dim: x (..., C), weight (C,) -> (..., C) in x.dtype."""
     _v.norm_args("rmsnorm", x, weight, None, eps)
     if x.numel() and resolve_backend(x, backend) == "triton":  # empty: nothing to launch, the reference is exact
@@ -271,7 +271,7 @@ def rmsnorm(x, weight, *, eps: float = 1e-6, backend: str | None = None):
     return rmsnorm_ref(x, weight, eps)
 
 
-def layernorm(x, weight, bias, *, eps: float = 1e-5, backend: str | None = None):
+def layernorm(x: Tensor, weight: Tensor, bias: Tensor, *, eps: float = 1e-5, backend: str | None = None) -> Tensor:
     """LayerNorm over the last dim: x (..., C), weight/bias (C,) -> (..., C) in x.dtype."""
     if bias is None:
         raise ValueError("layernorm: bias is required (pass torch.zeros(C) for none)")
@@ -286,12 +286,13 @@ def layernorm(x, weight, bias, *, eps: float = 1e-5, backend: str | None = None)
 class RMSNorm(nn.Module):
     """y = x / rms(x) * weight over the last dim. state_dict: {'weight'}."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, backend: str | None = None, *, device=None, dtype=None):
+    def __init__(self, dim: int, eps: float = 1e-6, backend: str | None = None, *,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))  # (C,)
         self.dim, self.eps, self.backend = dim, eps, backend
 
-    def forward(self, x):
+    def forward(self, x: Tensor) -> Tensor:
         return rmsnorm(x, self.weight, eps=self.eps, backend=self.backend)
 
     def extra_repr(self) -> str:
@@ -301,13 +302,14 @@ class RMSNorm(nn.Module):
 class LayerNorm(nn.Module):
     """y = (x - mean) / std * weight + bias over the last dim. state_dict: {'weight', 'bias'}."""
 
-    def __init__(self, dim: int, eps: float = 1e-5, backend: str | None = None, *, device=None, dtype=None):
+    def __init__(self, dim: int, eps: float = 1e-5, backend: str | None = None, *,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))  # (C,)
         self.bias = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype))  # (C,)
         self.dim, self.eps, self.backend = dim, eps, backend
 
-    def forward(self, x):
+    def forward(self, x: Tensor) -> Tensor:
         return layernorm(x, self.weight, self.bias, eps=self.eps, backend=self.backend)
 
     def extra_repr(self) -> str:

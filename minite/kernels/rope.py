@@ -25,7 +25,8 @@ __all__ = ["rope_cos_sin", "rope_ref", "rope_fwd", "rope_bwd", "RoPEFunction", "
 LAYOUTS = ("bhtd", "bthd")
 
 
-def rope_cos_sin(T: int, D: int, *, base: float = 10000.0, offset: int = 0, device=None):
+def rope_cos_sin(T: int, D: int, *, base: float = 10000.0, offset: int = 0,
+                 device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The cache: cos, sin of shape (T, D/2), fp32, for positions offset .. offset + T - 1."""
     if D <= 0 or D % 2:
         raise ValueError(f"rope_cos_sin: head dim D must be even and > 0 (pairs are rotated), got D={D}")
@@ -166,7 +167,8 @@ def _check_inputs(x, cos, sin, layout: str) -> None:
             raise ValueError(f"rope: {name} is on {c.device} but x is on {x.device}")
 
 
-def rope(x, cos, sin, *, layout: str = "bhtd", backend: str | None = None):
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, layout: str = "bhtd",
+         backend: str | None = None) -> torch.Tensor:
     """Rotate x (B, H, T, D) (or (B, T, H, D) with layout="bthd") by the angles in cos/sin (T, D/2)."""
     _check_inputs(x, cos, sin, layout)
     if x.numel() and resolve_backend(x, backend) == "triton":  # empty (D = 0, T = 0, ...): the reference
@@ -180,17 +182,19 @@ class RotaryEmbedding(nn.Module):
     rebuilt from (head_dim, max_seq_len, base). forward(x, offset) rotates positions offset .. offset + T - 1."""
 
     def __init__(self, head_dim: int, max_seq_len: int, base: float = 10000.0, backend: str | None = None,
-                 *, layout: str = "bhtd"):
+                 *, layout: str = "bhtd", device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         if layout not in LAYOUTS:
             raise ValueError(f"RotaryEmbedding: layout must be one of {LAYOUTS}, got {layout!r}")
-        cos, sin = rope_cos_sin(max_seq_len, head_dim, base=base)  # (T_max, D/2) each
+        cos, sin = rope_cos_sin(max_seq_len, head_dim, base=base)  # (T_max, D/2) each, fp32 (from fp64 angles)
+        cos, sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)  # as .to() would
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self.head_dim, self.max_seq_len, self.base = head_dim, max_seq_len, base
         self.backend, self.layout = backend, layout
 
-    def forward(self, x, offset: int = 0):
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
         _v.integer("RotaryEmbedding", "offset", offset)
         T = x.shape[2 if self.layout == "bhtd" else 1] if x.dim() == 4 else 0  # rope() validates x's shape
         if offset < 0 or offset + T > self.max_seq_len:

@@ -16,6 +16,8 @@ kernel (bottom-right causal, T_q < T_k) for a prefill.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -23,6 +25,9 @@ from minite.kernels.decode import decode_attention
 from minite.kernels.rope import RotaryEmbedding
 from minite.layers.linear import Linear
 from minite.ops import attention
+
+if TYPE_CHECKING:
+    from minite.layers.kv_cache import KVCache
 
 __all__ = ["CausalSelfAttention"]
 
@@ -42,7 +47,8 @@ class CausalSelfAttention(nn.Module):
     """
 
     def __init__(self, n_embd: int, n_head: int, n_kv_head: int | None = None, *, max_seq_len: int,
-                 rope_base: float = 10000.0, dropout: float = 0.0, bias: bool = False, backend: str | None = None):
+                 rope_base: float = 10000.0, dropout: float = 0.0, bias: bool = False, backend: str | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         n_kv_head = n_head if n_kv_head is None else n_kv_head
         if n_embd % n_head != 0:
@@ -55,13 +61,14 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, head_dim
         self.max_seq_len, self.backend = max_seq_len, backend
         # One fused projection for q, k and v: C -> (H + 2 * KVH) * D (one matmul instead of three).
-        self.qkv = Linear(n_embd, (n_head + 2 * n_kv_head) * head_dim, bias=bias)
-        self.proj = Linear(n_head * head_dim, n_embd, bias=bias)
+        self.qkv = Linear(n_embd, (n_head + 2 * n_kv_head) * head_dim, bias=bias, device=device, dtype=dtype)
+        self.proj = Linear(n_head * head_dim, n_embd, bias=bias, device=device, dtype=dtype)
         self.resid_dropout = nn.Dropout(dropout)
         # minite.nn.RotaryEmbedding: the cos/sin tables (max_seq_len, D/2), not saved in checkpoints.
-        self.rotary = RotaryEmbedding(head_dim, max_seq_len, base=rope_base, backend=backend)
+        self.rotary = RotaryEmbedding(head_dim, max_seq_len, base=rope_base, backend=backend, device=device,
+                                      dtype=dtype)
 
-    def forward(self, x: torch.Tensor, kv_cache=None, layer: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         B, T, C = x.shape  # batch, sequence length, model width
         pos = kv_cache.host_lengths if kv_cache is not None else [0] * B  # first position of x, per sequence
         if max(pos) + T > self.max_seq_len:

@@ -39,7 +39,7 @@ class KVCache(nn.Module):
     """
 
     def __init__(self, n_layer: int, batch_size: int, n_kv_head: int, max_len: int, head_dim: int, *,
-                 dtype: torch.dtype = torch.float32, device=None):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
         super().__init__()
         for name, val in (("n_layer", n_layer), ("batch_size", batch_size), ("n_kv_head", n_kv_head),
                           ("max_len", max_len), ("head_dim", head_dim)):
@@ -109,7 +109,7 @@ class KVCache(nn.Module):
                 self.k[layer][b, :, p:p + T] = k[b]
                 self.v[layer][b, :, p:p + T] = v[b]
 
-    def advance(self, n) -> None:
+    def advance(self, n: int | list[int] | tuple[int, ...] | torch.Tensor) -> None:
         """Move every sequence on by n tokens (an int, or one count per sequence: a right-padded prefill whose
         prompts hold fewer real tokens than the padded width; the padding's k/v are overwritten later).
         Atomic: everything is checked before anything moves, so a refused call leaves host and device lengths equal."""

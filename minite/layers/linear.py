@@ -36,8 +36,9 @@ class Linear(nn.Linear):
     exactly ``nn.Linear``'s, and an ``nn.Linear`` state_dict (no extra state) loads into it.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
-                 backend: str | None = None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None, *,
+                 backend: str | None = None) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.backend = backend
         self.fp8_states: dict[str, ScalingState] | None = None

@@ -98,9 +98,10 @@ class LoRALinear(Linear):
     are shared, not copied. ``lora_A`` (r, in) and ``lora_B`` (out, r) are the only Parameters it adds.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
-                 r: int = 8, alpha: float = 16.0, dropout: float = 0.0, use_rslora: bool = False,
-                 backend: str | None = None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None, *, r: int = 8,
+                 alpha: float = 16.0, dropout: float = 0.0, use_rslora: bool = False,
+                 backend: str | None = None) -> None:
         # Checked before anything divides by r: alpha < 0 flips the update, NaN poisons it, r = 0 divides by zero.
         r = _v.integer("LoRALinear", "r", r, lo=1)
         alpha = _v.real("LoRALinear", "alpha", alpha, gt=0)

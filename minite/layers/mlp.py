@@ -20,7 +20,8 @@ class SwiGLU(nn.Module):
     two; the kernel reads the two halves as strided views): the GPT's MLP is this module."""
 
     def __init__(self, dim: int, hidden: int, bias: bool = False, backend: str | None = None, *,
-                 fused: bool = False, device=None, dtype=None):
+                 fused: bool = False, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         where = {"bias": bias, "device": device, "dtype": dtype}
         if fused:
