@@ -14,7 +14,9 @@ RULES = [
     # non-finite masked K/V (_finite_kv, with why the kernel has none yet) and the scale / D checks
     ("minite/kernels/attention.py", 505),
     ("minite/kernels/cross_entropy.py", 335),  # CE and the fused linear-CE: 3 ops, 2 autograd formulas, +inf rule
-    ("minite/kernels/rmsnorm.py", 315),      # RMSNorm and LayerNorm: 4 ops, 2 autograd formulas
+    ("minite/kernels/rmsnorm.py", 320),      # RMSNorm and LayerNorm: 4 ops, 2 autograd formulas, typed device/dtype
+    ("minite/formats/specs.py", 305),        # bit specs, reference + Triton encode/decode, typed public API
+    ("minite/hf.py", 345),                   # Llama <-> GPT mapping, the layer swap, padded batches (issue 26)
     ("minite/train.py", 600),                # resolve, build, step, loop, the CLI, their checks; a statement a line
     ("minite/gpu_compile.py", 340),          # the sm_90/sm_80 gate: record, compile, ptxas, report
     ("minite/data.py", 360),                 # corpus preparation: registry, user file, tokenizers, batches, lock
