@@ -431,10 +431,10 @@ print("PASS: GQA dK/dV equal the per-head gradients summed over each group of 4"
 # %% [markdown]
 # ## 7. Numerics, and which kernel PyTorch's SDPA runs
 #
-# **Pre-scaled q.** nanoGPT's switch to `F.scaled_dot_product_attention` (PyTorch 2.0) came with a lesson in
-# fp16: $QK^\top$ of unscaled vectors can exceed fp16's 65504 before the $1/\sqrt{D}$ brings it back. Scaling $q$
-# first (or folding the scale into the kernel, as here, in fp32 after an fp32-accumulating `tl.dot`) keeps the
-# intermediate in range:
+# **Pre-scaled q.** In fp16, $QK^\top$ of unscaled vectors can exceed fp16's largest value, 65504, before the
+# $1/\sqrt{D}$ brings it back: one row of 128 entries of 30 already gives $30 \cdot 30 \cdot 128 = 115200$.
+# Scaling $q$ first (or folding the scale into the kernel, as here, in fp32 after an fp32-accumulating `tl.dot`)
+# keeps the intermediate in range:
 
 # %% tags=["nbval-check-output"]
 # CHECK: prescaled q
