@@ -75,7 +75,8 @@ gen = torch.Generator().manual_seed(0)  # every input below: drawn on the CPU fr
 # and re-reading an $(N, H)$ tensor. Numerically: for $g \ll 0$, $e^{-g}$ overflows to `inf` and
 # $\sigma = 1/(1+\infty) = 0$: no NaN, so $1/(1+e^{-g})$ is safe as written.
 #
-# (Other gates give other GLUs: GeGLU uses GELU, ReGLU uses ReLU. Exercise 05 builds GeGLU, forward and backward.)
+# (Other gates give other GLUs: GeGLU uses GELU, ReGLU uses ReLU. Exercise 05 builds GeGLU with dropout fused in,
+# forward and backward, the dropout mask regenerated from a seed rather than stored.)
 
 # %%
 g = torch.linspace(-6, 6, 241, dtype=torch.float64, requires_grad=True)
