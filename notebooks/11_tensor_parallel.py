@@ -20,8 +20,9 @@
 # Data parallelism copies the model; when one layer's weights, or its activations, no longer fit one device, the
 # layer itself must be split. Megatron-LM (Shoeybi et al. 2019) splits every transformer block over $t$ devices
 # (the *tensor-parallel* group, on the fastest links: one node) with **one all-reduce per block half** (attention,
-# MLP): two per block in the forward, and two in the backward. Sequence parallelism (Korthikanti et al. 2022) then splits what TP left
-# replicated (norms, dropout, residual adds) along the sequence, for the same communication volume.
+# MLP): two per block in the forward, and two in the backward. Sequence parallelism (Korthikanti et al. 2022) then
+# splits what TP left replicated (norms, dropout, residual adds) along the sequence, for the same communication
+# volume.
 #
 # | per block, activations $(B, T, C)$, $t$ ranks | weights per rank | communication (forward) |
 # |---|---|---|
@@ -29,7 +30,8 @@
 # | TP | $12C^2/t$ | 2 all-reduces of $BTC$ |
 # | TP + SP | $12C^2/t$ | 2 all-gathers + 2 reduce-scatters of $BTC$ (the same bytes) |
 #
-# Everything here is built from the dense layer (`from_dense`) and checked against it. The real runs use
+# Section 1 builds Megatron's two operators and a tensor-parallel MLP in cells, on simulated ranks; the rest runs
+# minite's layers, each built from its dense twin (`from_dense`) and checked against it. The real runs use
 # `torchrun` with CPU tensors over gloo on any machine (NCCL needs a GPU per rank); workers live in
 # `minite/parallel/`.
 
