@@ -461,8 +461,9 @@ for C, mf, mb, fb, lb in zip(sizes, series("minite", "fwd"), series("minite", "f
 #   1,024 / 4,096 / 16,384: 1.65× / 1.75× / 1.91× faster than `F.rms_norm`, 0.94× / 1.02× `torch.compile` and 1.03×
 #   Liger at 16,384, at 61–78 % of the HBM peak. The first run of the day had minite at 0.21× `F.rms_norm` at
 #   C = 1,024 (0.645 ms, 8 % of peak); the likely reason, never profiled: each program walked its short rows one at
-#   a time, waiting on every load. minite's kernels now take several short rows per program step (`BLOCK_ROWS` in `kernels/rmsnorm.py`) and cap
-#   the backward at 16 warps; the lesson's kernel above is the simpler one-row-at-a-time version.
+#   a time, waiting on every load. minite's kernels now take several short rows per program step (`BLOCK_ROWS` in
+#   `kernels/rmsnorm.py`) and cap the backward at 16 warps; the lesson's kernel above is the simpler
+#   one-row-at-a-time version.
 # * **LayerNorm (same kernels, `LAYERNORM=True`, backward capped at 32 warps,
 #   `rmsnorm_bwdwarps32_nvidia-h100-80gb-hbm3.json`) still has a bad point:** 0.094 / 0.276 ms at C = 1,024 / 4,096
 #   (0.95× / 1.09× `torch.compile`), but **2.18 ms at C = 16,384 against Liger's 1.50 (0.69×)**, at 37 % of the

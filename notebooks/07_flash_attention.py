@@ -541,8 +541,8 @@ if runs:
     title = f"D=64, T=1024, bf16 — {res['device']}, {res.get('date', '')}"
 else:
     log = results_path("logs_h100/final_bench_attention.log")[0].read_text()
-    rows = [(m[3], m[1] == "True", m[2], float(m[4])) for m in
-            re.findall(r"D=\s*(\d+) T=\s*\d+ causal=(\w+)\s+(fwd\+bwd|fwd)\s+(.+?)\s+[\d.]+ ms\s+([\d.]+) TFLOP/s", log)]
+    line = r"D=\s*(\d+) T=\s*\d+ causal=(\w+)\s+(fwd\+bwd|fwd)\s+(.+?)\s+[\d.]+ ms\s+([\d.]+) TFLOP/s"
+    rows = [(m[3], m[1] == "True", m[2], float(m[4])) for m in re.findall(line, log)]
     title = "D=64, T=1024, B·T=16k, bf16 — NVIDIA H100 80GB HBM3, 2026-11-23 (partial run)"
 impls = ["minite triton", "sdpa flash", "sdpa cudnn"]
 groups = [(c, m) for c in (False, True) for m in ("fwd", "fwd+bwd")]
