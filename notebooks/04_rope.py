@@ -320,10 +320,12 @@ plt.show()
 # %% [markdown]
 # ## 7. Measured on an H100
 #
-# `benchmarks/bench_rope.py` ran once on an **NVIDIA H100 80GB HBM3** on **2026-11-23** (torch 2.11, triton 3.6,
-# Liger-Kernel 0.8.5; JSON in `benchmarks/results/h100-2026-11-23_rope.json`): q (8, 32, 2048, D) and k
-# (8, 8, 2048, D) in bf16, both rotated, D = 64, 128, 256. Bytes: 2 passes over q and k forward, 4 forward+backward.
-# The plot shows the achieved share of the 3.35 TB/s HBM peak (Liger only has the bhtd layout).
+# `benchmarks/bench_rope.py` ran on an **NVIDIA H100 80GB HBM3** on **2026-11-23** (torch 2.11, triton 3.6,
+# Liger-Kernel 0.8.5). The newest recorded run, plotted here, is `benchmarks/results/rope_nvidia-h100-80gb-hbm3.json`
+# (CUDA-graph timer, L2 flushed before each replay, D = 64 and 128); the day's first run, which also had D = 256, is
+# kept as `h100-2026-11-23_rope.json`. q (8, 32, 2048, D) and k (8, 8, 2048, D) in bf16, both rotated. Bytes: 2
+# passes over q and k forward, 4 forward+backward. The plot shows the achieved share of the 3.35 TB/s HBM peak
+# (Liger only has the bhtd layout).
 
 # %%
 def results_file(name):
@@ -334,7 +336,7 @@ def results_file(name):
     raise FileNotFoundError(name)
 
 
-H100 = json.loads(results_file("h100-2026-11-23_rope.json").read_text())["results"]
+H100 = json.loads(results_file("rope_nvidia-h100-80gb-hbm3.json").read_text())["results"]  # newest run
 dims = sorted({r["D"] for r in H100})
 fig, axes = plt.subplots(1, 2, figsize=(12, 3.6), sharey=True)
 for ax, layout in zip(axes, ("bhtd", "bthd")):
@@ -348,7 +350,7 @@ for ax, layout in zip(axes, ("bhtd", "bthd")):
     ax.set_xticks(dims, [str(d) for d in dims])
     ax.set_ylim(0, 100)
     ax.set_xlabel("head dim D")
-    ax.set_title(f"RoPE q+k, layout {layout}, H100 80GB HBM3, 2026-11-23")
+    ax.set_title(f"RoPE q+k, {layout}, H100 80GB HBM3, 2026-11-23 (newest run)")
 axes[0].set_ylabel("% of 3.35 TB/s")
 axes[0].legend(fontsize=7, ncol=2)
 plt.tight_layout()
@@ -361,16 +363,15 @@ for r in H100:
 # %% [markdown]
 # What the numbers say, plainly:
 #
-# * **The forward is good in the bhtd layout:** 73–82 % of the HBM peak, 12× eager, level with `torch.compile` and
-#   2.8–3.1× faster than Liger-Kernel 0.8.5 (which reached 23–28 % of peak on this machine).
-# * **The bthd forward is weaker at small D:** 50 % of peak at D = 64 and 57 % at D = 128, where `torch.compile`
-#   reaches 72 % at D = 64. Same kernel, different strides; it has not been profiled yet.
-# * **Forward+backward at D = 64 is poor:** 0.76 ms, 13 % of peak, slower than D = 128 which moves twice the bytes.
-#   The backward is the same kernel with `SIGN = -1`, and the forward alone runs at 73 % at that size, so the kernel
-#   is not the whole story; the cause was not found on that run and is being investigated. `torch.compile`
-#   (0.69 ms) is no better there; Liger (0.56 ms) is.
-#
-# (On that run `torch.compile` hit dynamo's recompile limit for bthd at D ≥ 128: those compile points are eager.)
+# * **bhtd, the layout the GPT uses, is at the bytes bound both ways:** forward 74 % / 80 % of the HBM peak at
+#   D = 64 / 128, forward+backward 0.129 / 0.247 ms (78 % / 81 %), level with `torch.compile` (1.02× / 1.01×),
+#   12–13× eager, and 3.8× faster than Liger-Kernel 0.8.5 forward+backward (0.485 / 0.939 ms, 21 % of peak).
+# * **One weak point remains: the bthd forward at D = 128,** 0.177 ms (57 % of peak) against `torch.compile`'s
+#   0.130 (77 %): 0.74×. Same kernel, different strides; it has not been profiled. bthd at D = 64 (77 %) and bthd
+#   forward+backward at D = 128 (0.244 ms, 82 %) are fine.
+# * The day's first run had bhtd forward+backward at D = 64 at 0.758 ms (13 % of peak); the newest run of the same
+#   day, with the CUDA-graph timer, measures 0.129 ms. What made the difference (the timer, or the code changes
+#   between the two runs) was not isolated.
 
 # %%
 if torch.cuda.is_available():  # re-measure the lesson's kernel on this machine's GPU

@@ -19,9 +19,10 @@
 #
 # Data parallelism copies the model; when one layer's weights, or its activations, no longer fit one device, the
 # layer itself must be split. Megatron-LM (Shoeybi et al. 2019) splits every transformer block over $t$ devices
-# (the *tensor-parallel* group, on the fastest links: one node) with **two all-reduces per block half** in the
-# forward and two in the backward. Sequence parallelism (Korthikanti et al. 2022) then splits what TP left
-# replicated (norms, dropout, residual adds) along the sequence, for the same communication volume.
+# (the *tensor-parallel* group, on the fastest links: one node) with **one all-reduce per block half** (attention,
+# MLP): two per block in the forward, and two in the backward. Sequence parallelism (Korthikanti et al. 2022) then
+# splits what TP left replicated (norms, dropout, residual adds) along the sequence, for the same communication
+# volume.
 #
 # | per block, activations $(B, T, C)$, $t$ ranks | weights per rank | communication (forward) |
 # |---|---|---|
@@ -29,7 +30,8 @@
 # | TP | $12C^2/t$ | 2 all-reduces of $BTC$ |
 # | TP + SP | $12C^2/t$ | 2 all-gathers + 2 reduce-scatters of $BTC$ (the same bytes) |
 #
-# Everything here is built from the dense layer (`from_dense`) and checked against it. The real runs use
+# Section 1 builds Megatron's two operators and a tensor-parallel MLP in cells, on simulated ranks; the rest runs
+# minite's layers, each built from its dense twin (`from_dense`) and checked against it. The real runs use
 # `torchrun` with CPU tensors over gloo on any machine (NCCL needs a GPU per rank); workers live in
 # `minite/parallel/`.
 
@@ -55,9 +57,9 @@ _ = torch.manual_seed(0)
 # slice — and one sum at the end. Here the ranks are list entries:
 
 # %%
-g = torch.Generator().manual_seed(0)
-x = torch.randn(4, 16, generator=g)
-W1, W2 = torch.randn(64, 16, generator=g), torch.randn(16, 64, generator=g)  # up (column), down (row)
+gen = torch.Generator().manual_seed(0)
+x = torch.randn(4, 16, generator=gen)
+W1, W2 = torch.randn(64, 16, generator=gen), torch.randn(16, 64, generator=gen)  # up (column), down (row)
 t = 4
 dense = F.gelu(x @ W1.t()) @ W2.t()
 partial = [F.gelu(x @ W1.chunk(t, 0)[r].t()) @ W2.chunk(t, 1)[r].t() for r in range(t)]  # no talk in between
@@ -66,15 +68,116 @@ print("column -> gelu -> row, summed over ranks == dense:", torch.allclose(sum(p
 # %% [markdown]
 # The sum is an all-reduce. In autograd terms Megatron names two conjugate operators:
 # * **f** before the column layer: forward identity (every rank has $x$), backward **all-reduce** (each rank's
-#   $\partial L/\partial x$ is only its columns' contribution);
-# * **g** after the row layer: forward **all-reduce**, backward identity.
+#   $\partial L/\partial x$ is only its columns' contribution: $\partial L/\partial x = \sum_r
+#   \partial L/\partial y_r\, W_r$);
+# * **g** after the row layer: forward **all-reduce**, backward identity. After g every rank holds the same $y$
+#   and carries on with its own copy, so every rank computes the same, complete $\partial L/\partial y$ downstream;
+#   since $y = \sum_r y_r$, that is already each partial sum's gradient. Summing it again would count it $t$ times.
 #
-# `minite.parallel.comm` has one `autograd.Function` per primitive, each documented "forward: X / backward: Y":
+# One all-reduce per block half forward (after attention's output projection, after the MLP's down projection)
+# and one per half backward (at the f in front of qkv, and in front of the MLP).
+#
+# ### f and g, built for simulated ranks
+#
+# In one process a collective is an autograd `Function` whose arguments are *all* ranks' tensors, rank $r$ being
+# argument $r$; the world's backward is one `torch.autograd.backward` over every rank's output. On real ranks the
+# same two Functions take one tensor and a process group and call `dist.all_reduce`.
+
+# %%
+def all_reduce(tensors):
+    """Simulated all-reduce: every rank receives the sum of every rank's tensor."""
+    total = sum(tensors)
+    return [total.clone() for _ in tensors]
+
+
+class f(torch.autograd.Function):
+    """Megatron's f, on simulated ranks: forward identity / backward all-reduce of dL/dx."""
+
+    @staticmethod
+    def forward(ctx, *xs):
+        return tuple(x.clone() for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return tuple(all_reduce(grads))
+
+
+class g(torch.autograd.Function):
+    """Megatron's g, on simulated ranks: forward all-reduce of the partial sums / backward identity."""
+
+    @staticmethod
+    def forward(ctx, *partials):
+        return tuple(all_reduce(partials))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return grads
+
+
+# %% [markdown]
+# ### A column → row parallel SwiGLU MLP
+#
+# The GPT's MLP is SwiGLU, $\mathrm{down}(\mathrm{silu}(\mathrm{gate}(x)) \odot \mathrm{up}(x))$: gate and up are
+# column-parallel **with the same hidden units on the same rank** (the product is elementwise), down is
+# row-parallel. minite's fused `gate_up` weight (gate rows, then up rows) is sliced as `[gate rows of rank r ; up
+# rows of rank r]`. Each rank's shards are its own leaf tensors, so each rank gets its own gradients:
+
+# %%
+def shard_mlp(gate_up, down, t):
+    """Rank r's weights of a dense SwiGLU MLP (gate_up (2H, C), down (C, H)), as leaves that collect gradients."""
+    H = down.shape[1]
+    mine = [torch.arange(r * H // t, (r + 1) * H // t) for r in range(t)]
+    w_gu = [gate_up.detach()[torch.cat([m, H + m])].clone().requires_grad_() for m in mine]  # (2H/t, C)
+    w_down = [down.detach()[:, m].clone().requires_grad_() for m in mine]                     # (C, H/t)
+    return w_gu, w_down
+
+
+def tp_mlp(xs, w_gu, w_down):
+    """xs[r]: rank r's copy of x (B, T, C). Returns every rank's y (B, T, C): f, column, SwiGLU, row, g."""
+    xs = f.apply(*xs)
+    partials = []
+    for x, wgu, wd in zip(xs, w_gu, w_down):
+        gate, up = (x @ wgu.t()).chunk(2, dim=-1)  # my hidden units only: no communication
+        partials.append((F.silu(gate) * up) @ wd.t())  # my partial sum of y
+    return g.apply(*partials)
+
+
+# %% [markdown]
+# Checked against the dense MLP of a GPT block (`minite.models.gpt.MLP`, the same module every chapter trains):
+# every rank's output, every rank's $\partial L/\partial x$, and every rank's weight gradients against the matching
+# slices of the dense gradients, at $t = 2$ and $t = 4$.
+
+# %% tags=["nbval-check-output"]
+# CHECK: simulated f/g column -> row MLP vs the dense MLP
+from minite.parallel.workers.common import tiny_gpt
+from minite.parallel.workers.lessons import mlp_inputs
+dense_mlp = tiny_gpt().blocks[0].mlp
+x, dy = mlp_inputs(C=dense_mlp.dim)
+xd = x.clone().requires_grad_()
+dense_mlp(xd).backward(dy)
+H = dense_mlp.hidden
+for t in (2, 4):
+    w_gu, w_down = shard_mlp(dense_mlp.gate_up.weight, dense_mlp.down.weight, t)
+    xs = [x.clone().requires_grad_() for _ in range(t)]
+    ys = tp_mlp(xs, w_gu, w_down)
+    torch.autograd.backward(ys, [dy] * t)  # every rank back-propagates the same dL/dy from its own copy
+    for r in range(t):
+        m = torch.arange(r * H // t, (r + 1) * H // t)
+        assert torch.allclose(ys[r], dense_mlp(x), atol=1e-5)
+        assert torch.allclose(xs[r].grad, xd.grad, atol=1e-5)
+        assert torch.allclose(w_gu[r].grad, dense_mlp.gate_up.weight.grad[torch.cat([m, H + m])], atol=1e-5)
+        assert torch.allclose(w_down[r].grad, dense_mlp.down.weight.grad[:, m], atol=1e-5)
+print("PASS: f, column gate_up, SwiGLU, row down, g on t = 2 and 4 simulated ranks == the dense MLP, "
+      "output and every gradient")
+
+# %% [markdown]
+# minite's versions live in `minite.parallel.comm` (one `autograd.Function` per primitive, each documented
+# "forward: X / backward: Y", on a real process group) and `minite.parallel.tensor` (`ColumnParallelLinear`,
+# `RowParallelLinear`, `TPMLP`). Section 4 runs `TPMLP` on two real ranks and compares it with the cells above.
 
 # %%
 from minite.parallel import comm
-for name in ("CopyToParallel", "ReduceFromParallel", "GatherFromSequence", "ReduceScatterToSequence",
-             "ScatterToSequence", "GatherSplit"):
+for name in ("CopyToParallel", "ReduceFromParallel", "GatherFromSequence", "ReduceScatterToSequence"):
     print(f"{name:24} {getattr(comm, name).__doc__}")
 
 # %% [markdown]
@@ -106,10 +209,6 @@ except ParallelError as e:
     print("rejected:", e)
 
 # %% [markdown]
-# The MLP is SwiGLU, $\mathrm{down}(\mathrm{silu}(\mathrm{gate}(x)) \odot \mathrm{up}(x))$: gate and up are
-# column-parallel **with the same hidden units on the same rank** (the product is elementwise), down is
-# row-parallel. minite's fused `gate_up` weight is sliced as `[gate rows of rank r ; up rows of rank r]`.
-#
 # ## 3. The vocabulary: embedding and cross-entropy without gathering the logits
 #
 # Rank $r$ owns the token rows $[rV/t, (r+1)V/t)$ of the (tied) embedding. The embedding looks up the tokens it
@@ -125,7 +224,7 @@ except ParallelError as e:
 
 # %%
 N, V, t = 6, 40, 4
-logits, target = torch.randn(N, V, generator=g) * 3, torch.randint(0, V, (N,), generator=g)
+logits, target = torch.randn(N, V, generator=gen) * 3, torch.randint(0, V, (N,), generator=gen)
 shards = logits.chunk(t, dim=1)
 M = torch.stack([s.max(1).values for s in shards]).max(0).values             # all-reduce max
 S = sum(torch.exp(s - M[:, None]).sum(1) for s in shards)                    # all-reduce sum
@@ -152,11 +251,29 @@ print(f"vocab-parallel CE {float(loss):.6f}   F.cross_entropy {float(F.cross_ent
 out_dir = tempfile.mkdtemp()
 # The workers hold CPU tensors over gloo; the launcher decides how they run the CE kernel (the interpreter only on
 # a machine without a GPU), so no TRITON_INTERPRET here.
-res = torchrun(2, ["-m", "minite.parallel.workers", "tp", "sp", "vce", "--out", out_dir], timeout=240)
+res = torchrun(2, ["-m", "minite.parallel.workers", "tp", "sp", "vce", "tp_mlp", "--out", out_dir], timeout=240)
 assert res.returncode == 0, res.stdout[-2000:]
-for k, v in results(out_dir)[0].items():  # on a GPU machine the CPU workers skip the kernel check: "skipped"
-    print(f"{k:18} " + (f"skipped: {v['skipped']}" if "skipped" in v else
-                        f"max error {v['max_err']:.1e}  {'ok' if v['ok'] else 'FAIL'}"))
+ranks = results(out_dir)
+for k, v in ranks[0].items():  # on a GPU machine the CPU workers skip the kernel check: "skipped"
+    if k != "tp_mlp":  # the raw outputs of minite's TPMLP: compared with section 1's cells below
+        print(f"{k:18} " + (f"skipped: {v['skipped']}" if "skipped" in v else
+                            f"max error {v['max_err']:.1e}  {'ok' if v['ok'] else 'FAIL'}"))
+
+# %% [markdown]
+# The same launch ran minite's `TPMLP` (built by `from_dense` from the same dense MLP, inputs and $dy$) on two real
+# ranks over gloo. Section 1's simulated ranks must produce, rank by rank, what it produced:
+
+# %% tags=["nbval-check-output"]
+# CHECK: simulated f/g MLP vs minite's TPMLP on 2 real ranks
+w_gu, w_down = shard_mlp(dense_mlp.gate_up.weight, dense_mlp.down.weight, 2)
+xs = [x.clone().requires_grad_() for _ in range(2)]
+ys = tp_mlp(xs, w_gu, w_down)
+torch.autograd.backward(ys, [dy] * 2)
+for r in range(2):
+    theirs = {k: torch.tensor(v) for k, v in ranks[r]["tp_mlp"].items() if k in ("y", "dx", "d_gate_up", "d_down")}
+    for name, mine in (("y", ys[r]), ("dx", xs[r].grad), ("d_gate_up", w_gu[r].grad), ("d_down", w_down[r].grad)):
+        assert torch.allclose(mine, theirs[name], atol=1e-5), (r, name)
+print("PASS: rank by rank, the cells' f/g MLP == minite.parallel.tensor.TPMLP on real ranks (output, dx, dW)")
 
 # %% [markdown]
 # ## 5. Sequence parallelism and activation memory
@@ -172,9 +289,11 @@ for k, v in results(out_dir)[0].items():  # on a GPU machine the CPU workers ski
 # with the input-gradient GEMM on GPUs).
 #
 # Korthikanti et al. count the bytes of activations one layer keeps for backward (16-bit activations; $s$ sequence,
-# $b$ batch, $h$ width, $a$ heads): attention block $sbh(11 + 5as/h)$ and MLP $19sbh$, together
-# $sbh(34 + 5as/h)$. Under TP only the parts inside the column/row pairs shrink:
-# $sbh\,(10 + 24/t + 5as/(ht))$; with SP everything does: $sbh\,(34 + 5as/h)/t$.
+# $b$ batch, $h$ width, $a$ heads): attention block $sbh(11 + 5as/h)$, MLP $19sbh$, and the two layer norms'
+# inputs $2 \cdot 2sbh = 4sbh$; together $sbh(34 + 5as/h)$. Under TP only the parts inside the column/row pairs
+# shrink, $sbh\,(10 + 24/t + 5as/(ht))$: the 10 left whole are the norms' inputs (4), the inputs of the two column
+# linears (2 + 2) and the two dropout masks (1 + 1 byte per element). With SP everything does:
+# $sbh\,(34 + 5as/h)/t$.
 #
 # Our block differs in detail (fp32, RMSNorm, SwiGLU, RoPE, no dropout, the attention reference saving its
 # probabilities), so the constants differ; the *structure* is what we check. We measure, per rank, the bytes of

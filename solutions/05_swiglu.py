@@ -27,10 +27,12 @@
 # `approximate="none"`, not the tanh approximation (`approximate="tanh"`, GPT-2's "gelu_new"). Every task below uses
 # the erf form.
 #
-# Three graded tasks. Write your code between `### BEGIN YOUR CODE` and `### END YOUR CODE` (delete the
-# `raise NotImplementedError()` line), run the cell, then the `# CHECK` cell after it (do not edit check cells).
-# Tasks 2 and 3 are whole Triton kernels: only the signature and the spec are given. `tl.erf`, `tl.exp` and
-# `tl.sqrt` exist in Triton (and work on the CPU interpreter).
+# Three graded tasks: GELU's derivative, then GeGLU **with dropout fused in**, forward and backward, where the
+# backward regenerates the dropout mask from a seed instead of storing it. Write your code between
+# `### BEGIN YOUR CODE` and `### END YOUR CODE` (delete the `raise NotImplementedError()` line), run the cell, then
+# the `# CHECK` cell after it (do not edit check cells). Tasks 2 and 3 are whole Triton kernels: only the signature
+# and the spec are given. `tl.erf`, `tl.exp`, `tl.sqrt` and `tl.rand` exist in Triton (and work on the CPU
+# interpreter).
 
 # %%
 import os, torch
@@ -81,25 +83,57 @@ print("PASS: gelu_grad")
 
 
 # %% [markdown]
-# ## Task 2 — GeGLU's forward kernel (whole kernel)
+# ## Tasks 2 and 3 — GeGLU with dropout fused in, the mask never stored
 #
-# Spec. The grid is `(N, cdiv(H, BLOCK))`: program `(row, j)` computes columns `j * BLOCK .. j * BLOCK + BLOCK - 1`
-# (masked past `H`) of row `row` of $h = \mathrm{gelu}(g)\,u$ (exact GELU). Row `row` of the gate starts at
-# `G_ptr + row * g_stride` and of up at `U_ptr + row * u_stride` (gate and up may be strided halves of one
-# projection); columns are contiguous. `Y` is a contiguous (N, H) tensor. Inputs are fp32, fp16 or bf16: compute in
-# fp32 and round once, to `Y`'s dtype.
+# A GLU MLP with dropout applies it to the hidden activation: $y = \mathrm{gelu}(g)\,u \cdot m / (1 - p)$, with
+# $m_{ij} \in \{0, 1\}$ kept with probability $1 - p$ (inverted dropout: the kept values are scaled so that the
+# expectation is unchanged). Eager PyTorch makes a random tensor, a boolean mask it **stores for the backward**
+# ($N \cdot H$ bytes), and more passes. Fused, the mask is a pure function of a seed and the element's index:
+# Triton's `tl.rand(seed, offsets)` (counter-based Philox: the same `(seed, offset)` always gives the same number,
+# in any program, in any kernel), so the backward regenerates it instead of reading it back, as the lesson
+# recomputes the activation instead of storing it.
+#
+# The convention, which the checks rely on: element `(row, col)` of the (N, H) output uses the number
+# `tl.rand(seed, row * H + col)` and is **kept when that number is `>= p`**. The cell below writes those numbers
+# with a small helper kernel, for the reference only.
 
-# %% minite={"task": "geglu_fwd_kernel"}
+# %%
 @triton.jit
-def geglu_fwd_kernel(G_ptr, g_stride, U_ptr, u_stride, Y_ptr, H, BLOCK: tl.constexpr):
+def _uniform_kernel(R_ptr, n, seed, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # the flat index row * H + col
+    tl.store(R_ptr + offs, tl.rand(seed, offs), mask=offs < n)
+
+
+def geglu_dropout_ref(gate, up, p, seed):
+    """The spec: gelu(gate) * up * keep / (1 - p) in fp32, keep = (tl.rand(seed, row * H + col) >= p)."""
+    r = torch.empty(gate.numel(), device=gate.device)
+    _uniform_kernel[(triton.cdiv(r.numel(), 1024),)](r, r.numel(), seed, BLOCK=1024)
+    keep = (r.view(gate.shape) >= p).float()
+    return (F.gelu(gate.float(), approximate="none") * up.float() * keep / (1 - p)).to(gate.dtype)
+
+
+# %% [markdown]
+# **Task 2 — the forward kernel (whole kernel).** Grid `(N, cdiv(H, BLOCK))`: program `(row, j)` computes columns
+# `j * BLOCK .. j * BLOCK + BLOCK - 1` (masked past `H`) of row `row` of $y$. Row `row` of the gate starts at
+# `G_ptr + row * g_stride` and of up at `U_ptr + row * u_stride` (gate and up may be strided halves of one
+# projection); columns are contiguous. `Y` is a contiguous (N, H) tensor. `p` is the drop probability
+# ($0 \le p < 1$), `seed` an integer. Inputs are fp32, fp16 or bf16: compute in fp32 and round once, to `Y`'s dtype.
+# Store nothing but `Y`.
+
+# %% minite={"task": "geglu_dropout_fwd_kernel"}
+@triton.jit
+def geglu_dropout_fwd_kernel(G_ptr, g_stride, U_ptr, u_stride, Y_ptr, H, p, seed, BLOCK: tl.constexpr):
     ### BEGIN SOLUTION
-    r = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(0)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = c < H
-    a = tl.load(G_ptr + r * g_stride + c, mask=m, other=0.0).to(tl.float32)
-    b = tl.load(U_ptr + r * u_stride + c, mask=m, other=0.0).to(tl.float32)
-    out = 0.5 * a * (1.0 + tl.erf(a * 0.7071067811865476)) * b
-    tl.store(Y_ptr + r * H + c, out.to(Y_ptr.dtype.element_ty), mask=m)
+    keep = tl.rand(seed, r * H + c) >= p  # regenerated, never stored
+    r64 = r.to(tl.int64)
+    a = tl.load(G_ptr + r64 * g_stride + c, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(U_ptr + r64 * u_stride + c, mask=m, other=0.0).to(tl.float32)
+    act = 0.5 * a * (1.0 + tl.erf(a * 0.7071067811865476)) * b
+    out = tl.where(keep, act / (1.0 - p), 0.0)
+    tl.store(Y_ptr + r64 * H + c, out.to(Y_ptr.dtype.element_ty), mask=m)
     ### END SOLUTION
 
 
@@ -112,59 +146,68 @@ def _block(H):
     return max(16, min(1024 if torch.cuda.is_available() else 4096, triton.next_power_of_2(H)))
 
 
-def my_geglu_fwd(gate, up):
-    """Launcher (given): gate, up (..., H), rows may be strided -> h (..., H) contiguous."""
+def my_geglu_dropout_fwd(gate, up, p, seed):
+    """Launcher (given): gate, up (..., H), rows may be strided -> y (..., H) contiguous."""
     g, u = _rows(gate), _rows(up)
     N, H = g.shape
     y = torch.empty((N, H), dtype=g.dtype, device=g.device)
-    geglu_fwd_kernel[(N, triton.cdiv(H, _block(H)))](g, g.stride(0), u, u.stride(0), y, H, BLOCK=_block(H))
+    geglu_dropout_fwd_kernel[(N, triton.cdiv(H, _block(H)))](g, g.stride(0), u, u.stride(0), y, H, p, seed,
+                                                             BLOCK=_block(H))
     return y.view(gate.shape)
 
 
-# %% minite={"check": "geglu_fwd_kernel"} tags=["nbval-check-output"]
-# CHECK: geglu_fwd_kernel
+# %% minite={"check": "geglu_dropout_fwd_kernel"} tags=["nbval-check-output"]
+# CHECK: geglu_dropout_fwd_kernel
 ok = True
-for dtype in (torch.float32, torch.float16, torch.bfloat16):
+for dtype, p, seed in ((torch.float32, 0.25, 1), (torch.float16, 0.5, 2), (torch.bfloat16, 0.1, 3)):
     gate, up = randn(5, 37, seed=1, dtype=dtype, scale=3.0), randn(5, 37, seed=2, dtype=dtype)
-    ok &= check_op("geglu fwd kernel", my_geglu_fwd, geglu_ref, gate, up, grad=False)
+    ok &= check_op("geglu+dropout fwd", lambda g, u: my_geglu_dropout_fwd(g, u, p, seed),
+                   lambda g, u: geglu_dropout_ref(g, u, p, seed), gate, up, grad=False)
     gu = randn(2, 3, 2 * 45, seed=3, dtype=dtype, scale=2.0)  # strided halves of one projection
-    ok &= check_op("geglu fwd kernel, strided halves", lambda gu: my_geglu_fwd(*gu.split(45, -1)),
-                   lambda gu: geglu_ref(*gu.split(45, -1)), gu, grad=False)
+    ok &= check_op("geglu+dropout fwd, strided halves", lambda gu: my_geglu_dropout_fwd(*gu.split(45, -1), p, seed),
+                   lambda gu: geglu_dropout_ref(*gu.split(45, -1), p, seed), gu, grad=False)
+big = randn(64, 1000, seed=4, scale=3.0) + 10.0  # gelu(g) u != 0 everywhere: a zero is a dropped element
+dropped = float((my_geglu_dropout_fwd(big, torch.ones_like(big), 0.3, 5) == 0).float().mean())
+print(f"dropped fraction at p = 0.3: {dropped:.2f}")
+assert abs(dropped - 0.3) < 0.02
 assert ok
-print("PASS: geglu_fwd_kernel")
+print("PASS: geglu_dropout_fwd_kernel")
 
 
 # %% [markdown]
-# ## Task 3 — GeGLU's backward kernel (whole kernel)
-#
-# Spec. Same grid and indexing as task 2. Given the upstream gradient $\bar h$ (row stride `dy_stride`) and the saved
-# **inputs** gate and up (their row strides as in task 2), write $\partial L/\partial g$ to `DG` and
-# $\partial L/\partial u$ to `DU`, both contiguous (N, H), in their dtype. Nothing else was saved by the forward:
-# recompute what you need. Compute in fp32.
+# **Task 3 — the backward kernel (whole kernel).** Same grid and indexing as task 2. Given the upstream gradient
+# $\bar y$ (row stride `dy_stride`), the saved **inputs** gate and up (row strides as in task 2), `p` and `seed`,
+# write $\partial L/\partial g$ to `DG` and $\partial L/\partial u$ to `DU`, both contiguous (N, H), in their dtype.
+# The forward saved nothing else, no mask and no activation: regenerate and recompute what you need (task 1 gives
+# the derivative). Compute in fp32.
 
-# %% minite={"task": "geglu_bwd_kernel"}
+# %% minite={"task": "geglu_dropout_bwd_kernel"}
 @triton.jit
-def geglu_bwd_kernel(DY_ptr, dy_stride, G_ptr, g_stride, U_ptr, u_stride, DG_ptr, DU_ptr, H, BLOCK: tl.constexpr):
+def geglu_dropout_bwd_kernel(DY_ptr, dy_stride, G_ptr, g_stride, U_ptr, u_stride, DG_ptr, DU_ptr, H, p, seed,
+                             BLOCK: tl.constexpr):
     ### BEGIN SOLUTION
-    r = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(0)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = c < H
-    up_grad = tl.load(DY_ptr + r * dy_stride + c, mask=m, other=0.0).to(tl.float32)
-    a = tl.load(G_ptr + r * g_stride + c, mask=m, other=0.0).to(tl.float32)
-    b = tl.load(U_ptr + r * u_stride + c, mask=m, other=0.0).to(tl.float32)
+    scale = tl.where(tl.rand(seed, r * H + c) >= p, 1.0 / (1.0 - p), 0.0)  # the forward's mask, regenerated
+    r64 = r.to(tl.int64)
+    grad = tl.load(DY_ptr + r64 * dy_stride + c, mask=m, other=0.0).to(tl.float32) * scale
+    a = tl.load(G_ptr + r64 * g_stride + c, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(U_ptr + r64 * u_stride + c, mask=m, other=0.0).to(tl.float32)
     cdf = 0.5 * (1.0 + tl.erf(a * 0.7071067811865476))
     pdf = tl.exp(-0.5 * a * a) * 0.3989422804014327
-    tl.store(DU_ptr + r * H + c, (up_grad * a * cdf).to(DU_ptr.dtype.element_ty), mask=m)
-    tl.store(DG_ptr + r * H + c, (up_grad * b * (cdf + a * pdf)).to(DG_ptr.dtype.element_ty), mask=m)
+    tl.store(DU_ptr + r64 * H + c, (grad * a * cdf).to(DU_ptr.dtype.element_ty), mask=m)
+    tl.store(DG_ptr + r64 * H + c, (grad * b * (cdf + a * pdf)).to(DG_ptr.dtype.element_ty), mask=m)
     ### END SOLUTION
 
 
-class MyGeGLU(torch.autograd.Function):
+class MyGeGLUDropout(torch.autograd.Function):
     """Given: the forward is your task-2 kernel; the backward launches your task-3 kernel."""
     @staticmethod
-    def forward(ctx, gate, up):
-        ctx.save_for_backward(gate, up)  # the inputs only
-        return my_geglu_fwd(gate, up)
+    def forward(ctx, gate, up, p, seed):
+        ctx.save_for_backward(gate, up)  # the inputs only: no mask
+        ctx.p, ctx.seed = p, seed
+        return my_geglu_dropout_fwd(gate, up, p, seed)
 
     @staticmethod
     def backward(ctx, dy):
@@ -173,20 +216,22 @@ class MyGeGLU(torch.autograd.Function):
         N, H = g.shape
         dg = torch.empty((N, H), dtype=g.dtype, device=g.device)
         du = torch.empty((N, H), dtype=u.dtype, device=u.device)
-        geglu_bwd_kernel[(N, triton.cdiv(H, _block(H)))](d, d.stride(0), g, g.stride(0), u, u.stride(0), dg, du, H,
-                                                         BLOCK=_block(H))
-        return dg.view(gate.shape), du.view(up.shape)
+        geglu_dropout_bwd_kernel[(N, triton.cdiv(H, _block(H)))](d, d.stride(0), g, g.stride(0), u, u.stride(0), dg,
+                                                                 du, H, ctx.p, ctx.seed, BLOCK=_block(H))
+        return dg.view(gate.shape), du.view(up.shape), None, None
 
 
-# %% minite={"check": "geglu_bwd_kernel"} tags=["nbval-check-output"]
-# CHECK: geglu_bwd_kernel
+# %% minite={"check": "geglu_dropout_bwd_kernel"} tags=["nbval-check-output"]
+# CHECK: geglu_dropout_bwd_kernel
 ok = True
-for dtype in (torch.float32, torch.float16, torch.bfloat16):
+for dtype, p, seed in ((torch.float32, 0.25, 11), (torch.float16, 0.5, 12), (torch.bfloat16, 0.1, 13)):
     for k, shape in enumerate(((5, 37), (2, 3, 64))):
         gate, up = randn(*shape, seed=10 + k, dtype=dtype, scale=3.0), randn(*shape, seed=20 + k, dtype=dtype)
-        ok &= check_op("GeGLU fwd+bwd", MyGeGLU.apply, geglu_ref, gate, up)
+        ok &= check_op("GeGLU+dropout fwd+bwd", lambda g, u: MyGeGLUDropout.apply(g, u, p, seed),
+                       lambda g, u: geglu_dropout_ref(g, u, p, seed), gate, up)
     gu = randn(4, 2 * 29, seed=30, dtype=dtype, scale=2.0)
-    ok &= check_op("GeGLU fwd+bwd, strided halves", lambda gu: MyGeGLU.apply(*gu.split(29, -1)),
-                   lambda gu: geglu_ref(*gu.split(29, -1)), gu)
+    ok &= check_op("GeGLU+dropout fwd+bwd, strided halves",
+                   lambda gu: MyGeGLUDropout.apply(*gu.split(29, -1), p, seed),
+                   lambda gu: geglu_dropout_ref(*gu.split(29, -1), p, seed), gu)
 assert ok
-print("PASS: geglu_bwd_kernel")
+print("PASS: geglu_dropout_bwd_kernel")

@@ -19,8 +19,8 @@
 #
 # Three graded tasks. Write your code between `### BEGIN YOUR CODE` and `### END YOUR CODE` (replacing
 # `raise NotImplementedError()`), run the cell, then the `# CHECK` cell after it. The lesson
-# (`notebooks/07_flash_attention.ipynb`) built the forward kernel and derived the backward; here you write the
-# grouped-query reference, the packing of a padded batch, and the backward's dK/dV kernel.
+# (`notebooks/07_flash_attention.ipynb`) built the forward kernel and the two-kernel backward; here you write the
+# grouped-query reference, the packing of a padded batch, and FA2's one-kernel backward with an atomic dQ.
 
 # %%
 import os, torch
@@ -101,23 +101,29 @@ for b, n in enumerate(lengths):
 print("PASS: pack_thd")
 
 # %% [markdown]
-# ## Task 3 — the backward's dK/dV kernel (a whole kernel from its spec)
+# ## Task 3 — FA2's one-kernel backward, with dQ accumulated by atomics (a whole kernel from its spec)
 #
-# Write `dkdv_kernel`. Shapes: `Q, K, V, DO` are contiguous `(B*H, T, D)` (plain multi-head attention, $T_q = T_k
-# = T$, `D` a power of two $\ge 16$); `LSE` and `DELTA` are contiguous `(B*H, T)` fp32: the forward's natural-log
-# log-sum-exp per query row, and $\Delta = \mathrm{rowsum}(dO \circ O)$. `DK`, `DV` are `(B*H, T, D)` like `K`.
-# Grid `(cdiv(T, BLOCK_N), B*H)`: program `(j, bh)` owns keys `j*BLOCK_N ...` of head `bh`, loops over the query
-# tiles that can see them (with `CAUSAL`, query $i$ sees key $j$ iff $j \le i$: skip the tiles that cannot),
-# recomputes the probabilities from the LSE, and writes its rows of $dK$ and $dV$ once (no atomics).
-# `sm_scale` is the softmax scale $1/\sqrt{D}$. Accumulate in fp32; every `tl.dot` operand at least 16 × 16, and
-# every `tl.dot` with `input_precision="ieee"` (exact fp32 products: a GPU's default for fp32 tiles is TF32, whose
-# ~1e-3 error the fp32 check rejects; the CPU interpreter never rounds to TF32).
-# Derive the formulas from the lesson's section 5; the check compares with autograd.
+# The lesson wrote minite's backward as two kernels, so that every output has one writer. FA2's CUDA kernel makes
+# one pass instead: one program per key tile computes that tile's $dK$ and $dV$ **and**, for every query tile it
+# visits, adds its share of $dQ$ into a shared fp32 buffer with atomic adds. Write `bwd_atomic_kernel`.
+#
+# Shapes: `Q, K, V, DO` are contiguous `(B*H, T, D)` (plain multi-head attention, `D` a power of two $\ge 16$);
+# `LSE` and `DELTA` are contiguous `(B*H, T)` fp32: the forward's natural-log log-sum-exp per query row, and
+# $\Delta = \mathrm{rowsum}(dO \circ O)$. `DK`, `DV` are `(B*H, T, D)` like `K`; `DQ` is `(B*H, T, D)` **fp32,
+# zero-filled by the caller**. Grid `(cdiv(T, BLOCK_N), B*H)`: program `(j, bh)` owns keys `j*BLOCK_N ...` of head
+# `bh`, loops over the query tiles that can see them (with `CAUSAL`, query $i$ sees key $j$ iff $j \le i$: skip the
+# tiles that cannot), recomputes the probabilities from the LSE, writes its rows of $dK$ and $dV$ once, and adds
+# (`tl.atomic_add`, masked to the real rows) this key tile's contribution to the rows of `DQ` it visited, already
+# multiplied by the softmax scale `sm_scale` $= 1/\sqrt{D}$. Accumulate in fp32; every `tl.dot` operand at least
+# 16 × 16 and every `tl.dot` with `input_precision="ieee"` (a GPU's default for fp32 tiles is TF32, whose ~1e-3
+# error the fp32 check rejects). Derive the formulas from the lesson's section 5; the check compares all three
+# gradients with autograd. (On the CPU interpreter programs run one after another, so a race would never show
+# here: that is why the spec insists on `tl.atomic_add` rather than a load, add and store.)
 
-# %% minite={"task": "dkdv_kernel"}
+# %% minite={"task": "bwd_atomic_kernel"}
 @triton.jit
-def dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, sm_scale, CAUSAL: tl.constexpr, D: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def bwd_atomic_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, T, sm_scale, CAUSAL: tl.constexpr, D: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     ### BEGIN SOLUTION
     pid_n = tl.program_id(0).to(tl.int64)
     bh = tl.program_id(1).to(tl.int64)
@@ -143,35 +149,38 @@ def dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, sm_scale, CAUSAL: tl.constex
             keep = keep & (offs_n[:, None] <= offs_m[None, :])
         p_t = tl.where(keep, tl.exp(s_t - lse[None, :]), 0.0)
         dv += tl.dot(p_t, do, input_precision="ieee")
-        dp_t = tl.dot(v, tl.trans(do), input_precision="ieee")
-        ds_t = p_t * (dp_t - delta[None, :])
+        ds_t = p_t * (tl.dot(v, tl.trans(do), input_precision="ieee") - delta[None, :])
         dk += tl.dot(ds_t, q, input_precision="ieee")
+        dq_part = tl.dot(tl.trans(ds_t), k, input_precision="ieee") * sm_scale  # (BLOCK_M, D): dS K, this tile's share
+        tl.atomic_add(DQ + base + offs_m[:, None] * D + offs_d[None, :], dq_part, mask=m_ok[:, None])
     tl.store(DK + base + offs_n[:, None] * D + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty), mask=n_ok)
     tl.store(DV + base + offs_n[:, None] * D + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=n_ok)
     ### END SOLUTION
 
 
-def my_dkdv(q, k, v, do, causal, BLOCK_M=32, BLOCK_N=16):
+def my_backward(q, k, v, do, causal, BLOCK_M=32, BLOCK_N=16):
     B, H, T, D = q.shape
     o, lse = attention(q, k, v, causal=causal, return_lse=True)  # minite's forward: O and the LSE
     delta = (do.float() * o.float()).sum(-1)  # (B, H, T)
+    dq32 = torch.zeros(q.shape, device=q.device, dtype=torch.float32)  # the atomics' fp32 accumulator
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    dkdv_kernel[(triton.cdiv(T, BLOCK_N), B * H)](q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous(),
-                                                  lse.contiguous(), delta.contiguous(), dk, dv, T, 1 / math.sqrt(D),
-                                                  CAUSAL=causal, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
-    return dk, dv
+    bwd_atomic_kernel[(triton.cdiv(T, BLOCK_N), B * H)](q.contiguous(), k.contiguous(), v.contiguous(),
+                                                        do.contiguous(), lse.contiguous(), delta.contiguous(), dq32,
+                                                        dk, dv, T, 1 / math.sqrt(D), CAUSAL=causal, D=D,
+                                                        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    return dq32.to(q.dtype), dk, dv  # FA2's second, tiny kernel: cast the fp32 dQ to the input's type
 
 
-# %% minite={"check": "dkdv_kernel"} tags=["nbval-check-output"]
-# CHECK: dkdv_kernel
+# %% minite={"check": "bwd_atomic_kernel"} tags=["nbval-check-output"]
+# CHECK: bwd_atomic_kernel
 for T, D, causal, dtype in ((7, 16, True, torch.float32), (50, 32, True, torch.float16), (40, 16, False, torch.float32)):
     q, k, v = (randn(1, 2, T, D, seed=s, dtype=dtype) for s in (5, 6, 7))
     do = randn(1, 2, T, D, seed=8, dtype=dtype)
-    dk, dv = my_dkdv(q, k, v, do, causal)
+    got = my_backward(q, k, v, do, causal)
     qa, ka, va = (t.double().requires_grad_() for t in (q, k, v))
-    want = torch.autograd.grad(attention_ref(qa, ka, va, causal), (ka, va), do.double())
+    want = torch.autograd.grad(attention_ref(qa, ka, va, causal), (qa, ka, va), do.double())
     # fp32: exact ("ieee") products, as the spec asks; TF32 products (a GPU's default) err by ~1e-3 and fail here
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
-    assert_close(dk, want[0].to(dtype), name=f"dk T={T} causal={causal}", **tol)
-    assert_close(dv, want[1].to(dtype), name=f"dv T={T} causal={causal}", **tol)
-print("PASS: dkdv_kernel")
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert_close(a, b.to(dtype), name=f"{name} T={T} causal={causal}", **tol)
+print("PASS: bwd_atomic_kernel")

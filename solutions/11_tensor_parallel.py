@@ -17,115 +17,152 @@
 # %% [markdown]
 # # 11 — Tensor parallelism: exercises
 #
-# Two graded tasks. Fill in each region between `### BEGIN YOUR CODE` and `### END YOUR CODE` (delete the
-# `raise NotImplementedError()`), run the cell, then its check cell.
+# Two graded tasks, both run on 2 real ranks: the check cell writes your task cell to a file and launches
+# `torchrun --nproc-per-node 2 -m minite.parallel.workers TASK`, which imports it on every rank, runs it on that
+# rank's data and compares with the dense computation from the same seed. Fill in each region between
+# `### BEGIN YOUR CODE` and `### END YOUR CODE` (delete the `raise NotImplementedError()`), run the cell, then its
+# check cell. Inside a task cell you may use `torch` and `torch.distributed as dist` (imported in the grader's file)
+# and define any helper you need (an `autograd.Function`, for instance). An answer sets no attributes (`ctx.x = ...`
+# included).
 #
-# 1. **A row-parallel linear with the right gradients, graded on 2 real ranks** (the check cell writes your code to
-#    a file and launches `torchrun --nproc-per-node 2 -m minite.parallel.workers row_parallel_linear`, which
-#    imports it on every rank).
-# 2. **A whole Triton kernel from a spec**: the per-row statistics one rank contributes to a vocab-parallel
-#    cross-entropy.
+# 1. **The vocab-parallel embedding**: token rows split over the ranks, forward and backward.
+# 2. **A whole sequence-parallel region**: the reduce-scatter after a row-parallel linear, an RMSNorm on each
+#    rank's sequence chunk, and the all-gather before the next column-parallel linear, with the right gradients.
 
 # %%
 import os, torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton or minite kernels
+import linecache
 import torch.distributed as dist
-from minite._triton import triton, tl
 from minite.parallel.workers.grade import run_graded
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _ = torch.manual_seed(0)
 
-# %% [markdown]
-# ## Task 1 — the row-parallel linear, forward and backward
-#
-# `row_parallel_linear(x_local, w_local, group)`: the input's last dimension and the weight's columns are split
-# over the ranks of `group` (`None`: one process). `x_local` is (..., in/W), `w_local` is (out, in/W). Return
-# $y = x W^\top$ — the same full (..., out) tensor on every rank — such that autograd gives each rank the correct
-# `x_local.grad` and `w_local.grad` (the slices of the dense layer's gradients) when every rank calls
-# `y.backward(dy)` with the same `dy`. Work out what the backward of the sum over ranks is; define whatever helper
-# you need (an `autograd.Function`, for instance) inside this cell. `torch` and `torch.distributed as dist` are
-# imported in the grader's file.
 
-# %% minite={"task": "row_parallel_linear"}
+def cell_source(fn):
+    """The whole task cell `fn` was defined in, as run (inspect cannot fetch a class defined in a notebook cell)."""
+    return "".join(linecache.getlines(fn.__code__.co_filename))
+
+
+# %% [markdown]
+# ## Task 1 — the vocab-parallel embedding
+#
+# `vocab_parallel_embedding(tokens, weight_local, vocab_start, group)`: the embedding table $(V, C)$ is split by
+# rows over the ranks of `group`; this rank holds `weight_local`, the rows `[vocab_start, vocab_start + V/W)`.
+# `tokens` $(B, T)$ holds *global* token ids, the same on every rank. Return the full $(B, T, C)$ embedding,
+# the same tensor on every rank, such that when every rank calls `y.backward(dy)` with the same `dy` (every rank
+# continues with its own copy of `y`), `weight_local.grad` is exactly this rank's slice of the dense table's
+# gradient. A rank can look up only the tokens it owns: decide what it writes for the others, how the ranks'
+# results combine, and what that combination's backward must be.
+
+# %% minite={"task": "vocab_parallel_embedding"}
 ### BEGIN SOLUTION
-class _SumOverRanks(torch.autograd.Function):
+class _SumAcrossRanks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, group):
         y = y.clone()
-        if group is not None:
-            dist.all_reduce(y, group=group)
+        dist.all_reduce(y, group=group)
         return y
 
     @staticmethod
-    def backward(ctx, g):
-        return g, None  # every rank already holds the full dL/dy
+    def backward(ctx, grad):
+        return grad, None  # every rank already holds the whole dL/dy
 
 
-def row_parallel_linear(x_local, w_local, group):
-    return _SumOverRanks.apply(x_local @ w_local.t(), group)
+def vocab_parallel_embedding(tokens, weight_local, vocab_start, group):
+    rows = weight_local.shape[0]
+    mine = (tokens >= vocab_start) & (tokens < vocab_start + rows)
+    local = torch.where(mine, tokens - vocab_start, torch.zeros_like(tokens))
+    y = torch.nn.functional.embedding(local, weight_local) * mine[..., None]  # zeros for tokens I do not own
+    return _SumAcrossRanks.apply(y, group)
 ### END SOLUTION
 
-# %% minite={"check": "row_parallel_linear"} tags=["nbval-check-output"]
-# CHECK: row_parallel_linear
-import linecache  # the whole task cell, as run (inspect cannot fetch a class defined in a notebook cell)
-src = "".join(linecache.getlines(row_parallel_linear.__code__.co_filename))
-ok, msg = run_graded(src, "row_parallel_linear", world=2)
+# %% minite={"check": "vocab_parallel_embedding"} tags=["nbval-check-output"]
+# CHECK: vocab_parallel_embedding
+ok, msg = run_graded(cell_source(vocab_parallel_embedding), "vocab_parallel_embedding", world=2)
 print(msg)
 assert ok
-print("PASS: row_parallel_linear")
+print("PASS: vocab_parallel_embedding")
 
 # %% [markdown]
-# ## Task 2 — one rank's share of a vocab-parallel cross-entropy, as a Triton kernel
+# ## Task 2 — the sequence-parallel region around a norm
 #
-# Write `shard_stats_kernel` from this spec; nothing else is given. `X` is this rank's (N, Vs) slice of the logits
-# (row stride `stride`, fp32 or bf16; compute in fp32), covering the global vocabulary ids `[start, start + Vs)`.
-# `T` holds the N *global* target ids. One program per row, looping over the row in blocks of `BLOCK` columns.
-# Write, per row: `Mx` = the row's maximum over this shard, `S` = $\sum_v e^{x_v - Mx}$ over this shard, and `Xt` =
-# the target's logit if this shard owns the target, else 0.0. With these three numbers from every rank (one
-# all-reduce each, as the lesson shows) the loss needs no gathered logits.
+# Under sequence parallelism a block's norm sits between two collectives. Write
+# `sp_rmsnorm(partial, weight, group)`:
+# * `partial` $(B, T, C)$ is this rank's partial sum from a row-parallel linear: the true activation is
+#   $z = \sum_r \text{partial}_r$. Reduce-scatter it **along the sequence** (dim 1; $W$ divides $T$), so that this
+#   rank holds only its chunk of $z$, $(B, T/W, C)$, rank $r$ the $r$-th chunk;
+# * apply RMSNorm **to that chunk only**: $x / \sqrt{\mathrm{mean}(x^2) + 10^{-6}} \cdot w$ over the last dim, with
+#   `weight` $w$ $(C,)$ replicated on every rank;
+# * all-gather the normalised chunks along the sequence and return the full $(B, T, C)$, the input of the next
+#   column-parallel linear, on every rank.
+#
+# Gradients: every rank's next column linear sends back a *different* `dy` (its own columns' contribution), so
+# every rank calls `y.backward(dy_r)` with its own `dy_r`. Afterwards `partial.grad` must be, on every rank,
+# $\partial L/\partial z$ for $L$'s true upstream gradient $\sum_r dy_r$, and `weight.grad` must be the whole
+# dense gradient of $w$ on every rank (it is replicated: it must stay identical everywhere). Work out the backward
+# of each collective, and what each rank's norm alone cannot give the weight.
+#
+# An answer sets no attributes (`ctx.group = group` included): an `autograd.Function` defined *inside*
+# `sp_rmsnorm` sees `group` from the enclosing function.
 
-# %% minite={"task": "shard_stats_kernel"}
-@triton.jit
-def shard_stats_kernel(X, stride, T, Mx, S, Xt, Vs, start, BLOCK: tl.constexpr):
-    ### BEGIN SOLUTION
-    row = tl.program_id(0).to(tl.int64)
-    X += row * stride
-    cols = tl.arange(0, BLOCK)
-    m = tl.full((), float("-inf"), tl.float32)
-    s = tl.full((), 0.0, tl.float32)
-    for c0 in range(0, Vs, BLOCK):
-        mask = c0 + cols < Vs
-        x = tl.load(X + c0 + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-        m = m_new
-    t = tl.load(T + row) - start
-    own = (t >= 0) & (t < Vs)
-    xt = tl.load(X + tl.where(own, t, 0), mask=own, other=0.0).to(tl.float32)
-    tl.store(Mx + row, m)
-    tl.store(S + row, s)
-    tl.store(Xt + row, tl.where(own, xt, 0.0))
-    ### END SOLUTION
+# %% minite={"task": "sp_rmsnorm"}
+### BEGIN SOLUTION
+def sp_rmsnorm(partial, weight, group):
+    W, r = dist.get_world_size(group), dist.get_rank(group)
 
-# %% minite={"check": "shard_stats_kernel"} tags=["nbval-check-output"]
-# CHECK: shard_stats_kernel
-gen = torch.Generator().manual_seed(4)
-worst = 0.0
-for N, V, W, dtype in ((5, 100, 2, torch.float32), (3, 96, 4, torch.bfloat16)):
-    logits = (torch.randn(N, V, generator=gen) * 4).to(dtype)
-    target = torch.randint(0, V, (N,), generator=gen)
-    stats = []
-    for r, sh in enumerate(logits.chunk(W, dim=1)):
-        sh = sh.to(DEVICE)
-        out = [torch.empty(N, device=DEVICE) for _ in range(3)]
-        shard_stats_kernel[(N,)](sh, sh.stride(0), target.to(DEVICE), *out, sh.shape[1], r * (V // W), BLOCK=16)
-        stats.append([o.cpu() for o in out])
-    M = torch.stack([s[0] for s in stats]).max(0).values
-    lse = M + torch.log(sum(s[1] * torch.exp(s[0] - M) for s in stats))
-    loss = lse - sum(s[2] for s in stats)
-    ref = torch.nn.functional.cross_entropy(logits.float(), target, reduction="none")
-    worst = max(worst, float((loss - ref).abs().max()))
-print(f"per-row loss from the shards' statistics vs F.cross_entropy: {'below 1e-4' if worst < 1e-4 else worst}")
-assert worst < 1e-4
-print("PASS: shard_stats_kernel")
+    def reduce_scatter(x):  # gloo has no reduce_scatter: all-reduce, keep my chunk of the sequence
+        full = x.contiguous().clone()
+        dist.all_reduce(full, group=group)
+        return full.chunk(W, dim=1)[r].contiguous()
+
+    def all_gather(x):
+        parts = [torch.empty_like(x) for _ in range(W)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=1)
+
+    def all_reduce(x):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    class ScatterSeq(torch.autograd.Function):  # forward: reduce-scatter / backward: all-gather
+        @staticmethod
+        def forward(ctx, x):
+            return reduce_scatter(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return all_gather(grad)
+
+    class GatherSeq(torch.autograd.Function):  # forward: all-gather / backward: reduce-scatter
+        @staticmethod
+        def forward(ctx, x):
+            return all_gather(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return reduce_scatter(grad)
+
+    class SumGrad(torch.autograd.Function):  # forward: identity / backward: all-reduce (the replicated weight)
+        @staticmethod
+        def forward(ctx, w):
+            return w.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return all_reduce(grad)
+
+    x = ScatterSeq.apply(partial)  # (B, T/W, C): my chunk of the sum
+    w = SumGrad.apply(weight)  # my tokens give only part of dL/dw
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    return GatherSeq.apply(y)  # (B, T, C) on every rank
+### END SOLUTION
+
+# %% minite={"check": "sp_rmsnorm"} tags=["nbval-check-output"]
+# CHECK: sp_rmsnorm
+ok, msg = run_graded(cell_source(sp_rmsnorm), "sp_rmsnorm", world=2)
+print(msg)
+assert ok
+print("PASS: sp_rmsnorm")

@@ -35,6 +35,7 @@ from minite.parallel.workers import context, data, pipeline, tensor
 __all__ = ["CHECKS", "main", "report"]
 
 CHECKS = {**data.CHECKS, **tensor.CHECKS, **pipeline.CHECKS, **context.CHECKS}
+CHECKS.update(__import__("minite.parallel.workers.lessons", fromlist=["CHECKS"]).CHECKS)  # chapter 11's lesson/exercise
 
 
 def _parser() -> argparse.ArgumentParser:
