@@ -9,7 +9,6 @@ from minite.parallel.launch import triton_skipped
 from minite.parallel.sequence import TPGPT
 from minite.parallel.tensor import vocab_parallel_cross_entropy
 from minite.parallel.workers.common import CLIP, MID, STEPS, TOL, adamw, batches, dense_run, maxerr, result, tiny_gpt
-from minite.parallel.workers.grade import graded
 
 
 def _run_keeping_input_grad(model, x, y):
@@ -113,31 +112,9 @@ def sp_memory(dims, args) -> dict:
     return {"sp_memory": out}
 
 
-@graded("row_parallel_linear", tol=1e-5)
-def grade_row_parallel_linear(dims, student) -> float:
-    """y = x W^T with W's columns (and x's last dim) split over ranks: y, dx_local and dW_local vs dense."""
-    world, rank = dims.tp, dims.tp_rank
-    g = torch.Generator().manual_seed(7)
-    x = torch.randn(3, 5, 8 * world, generator=g)
-    w = torch.randn(6, 8 * world, generator=g)
-    dy = torch.randn(3, 5, 6, generator=g)
-    xd = x.clone().requires_grad_()
-    wd = w.clone().requires_grad_()
-    (xd @ wd.t()).backward(dy)
-    xl = x.chunk(world, -1)[rank].clone().requires_grad_()
-    wl = w.chunk(world, -1)[rank].clone().requires_grad_()
-    y = student.row_parallel_linear(xl, wl, dims.group("tp"))
-    y.backward(dy)
-    errs = [(y - xd @ wd.t()).abs().max(),
-            (xl.grad - xd.grad.chunk(world, -1)[rank]).abs().max(),
-            (wl.grad - wd.grad.chunk(world, -1)[rank]).abs().max()]
-    return float(max(errs))
-
-
 CHECKS = {  # name: (check, the axis of ParallelDims that takes the world)
     "tp": (check_tp, "tp"),
     "sp": (check_sp, "tp"),
     "vce": (check_vce, "tp"),
     "sp_memory": (sp_memory, "tp"),
-    "row_parallel_linear": (grade_row_parallel_linear, "tp"),
 }
