@@ -99,8 +99,13 @@ notebooks: $(STAMP)
 	@test -n "$(NB)" || { echo 'usage: make notebooks NB="notebooks/NN_topic.py [solutions/NN_topic.py ...]"'; exit 2; }
 	$(PY) tools/nbtool.py execute $(NB)
 
+ifeq ($(BUNDLE),)
 exercises: $(STAMP)
 	$(PY) -m minite.grading generate
+else
+exercises:  # the instructor's targets: they need solutions/ and tools/, which a learner's bundle leaves out
+	@echo "make exercises regenerates exercises/ from solutions/: the course repository has them, this bundle does not"; exit 2
+endif
 
 grade: $(STAMP)
 	@test -n "$(NB)" || { echo "usage: make grade NB=exercises/00_triton_from_zero.ipynb"; exit 2; }
@@ -117,8 +122,13 @@ check: $(STAMP)
 	@test -n "$(NB)" || { echo "usage: make check NB=exercises/00_triton_from_zero.ipynb"; exit 2; }
 	$(PY) -m minite.grading selfcheck $(NB) $(if $(TIMEOUT),--timeout $(TIMEOUT),)
 
+ifeq ($(BUNDLE),)
 bundle:
 	$(PYTHON) tools/bundle.py
+else
+bundle:
+	@echo "make bundle builds this zip from the course repository; this is already a learner's bundle"; exit 2
+endif
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(PY) $$b $(ARGS) || exit 1; done
