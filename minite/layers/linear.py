@@ -96,6 +96,8 @@ class Linear(nn.Linear):
         if not is_fp8_enabled():
             return F.linear(x, self.weight, self.bias)
         recipe = get_fp8_recipe()
+        if min(self.in_features, self.out_features) < recipe.min_dim:  # chapter 15's small-layer rule
+            return F.linear(x, self.weight, self.bias)
         return fp8_linear(x, self.weight, self.bias, recipe=recipe, states=self.fp8_states_for(recipe, x.device),
                           backend=self.backend)
 
