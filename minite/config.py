@@ -106,7 +106,7 @@ class TrainConfig:
     fp8_recipe: str = _doc("with --precision fp8: delayed | current | blockwise (1x128/128x128) | mxfp8; also "
                            "--fp8.recipe=R", "delayed")
     fp8_min_dim: int = _doc("with --precision fp8: Linear layers with min(in, out) < this stay unquantized "
-                            "(0 = none; chapter 15 derives ~2048-4096 on an H100); also --fp8.min_dim=N", 0)
+                            "(0 = none; chapter 15 models 2048 for an H100); also --fp8.min_dim=N", 0)
     threads: int = _doc("CPU threads for torch (0 = all cores this process may use)", 0)
     sample_tokens: int = _doc("characters of text to sample at the end (0 = none)", 300)
     progress: bool = _doc("show a tqdm progress bar", True)
