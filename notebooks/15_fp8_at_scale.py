@@ -292,9 +292,9 @@ for M, K, N in ((33, 200, 45), (64, 256, 130)):
 # %% [markdown]
 # minite's kernel is the same loop with two additions: B may be scaled per 128 × 1 *column* slice instead of per
 # tile (the weight-gradient GEMM needs that, below), and the MX variant, whose K step is 32 and whose scales are
-# E8M0 bytes decoded in the kernel (exercise task 3 writes an MX GEMM). On an H100 it runs 64 × 64 tiles (blockwise)
-# and 64 × 128 (MX): the largest the sm_90 compiler's register report allows without spilling (two fp32
-# accumulators per tile). **It has not been timed on a GPU yet**: `benchmarks/bench_fp8_block.py` compares it
+# E8M0 bytes decoded in the kernel (exercise task 3 writes an MX GEMM). On an H100 it runs 64 × 64 tiles at 8 warps
+# (blockwise) and 64 × 128 (MX): the largest the sm_90 compiler's register report allows without spilling (two
+# fp32 accumulators per tile). **It has not been timed on a GPU yet**: `benchmarks/bench_fp8_block.py` compares it
 # with bf16 and with cuBLAS's row-wise FP8 (`torch._scaled_mm`) at 4096³ and 8192³.
 #
 # **In a linear layer** every GEMM scales its operands along *its own* K:

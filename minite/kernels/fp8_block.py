@@ -174,9 +174,10 @@ def quantize_block_fwd(x: torch.Tensor, block, kind: str, fp8_dtype=torch.float8
 # H100 tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) per K block, NOT timed on a GPU (none was available when
 # this was written): chosen by the sm_90 compile gate's register report (ptxas -v, 2026-11-25) as the largest tiles
 # without spills. The blockwise kernel holds two fp32 accumulators (acc and the K-block's partial sum) and 128-wide
-# K tiles of pointers: 128 x 128 at 8 warps spilled 1240 bytes, 64 x 128 208, 64 x 64 at 4 warps 8. MX (32-wide K
-# tiles): 64 x 128 at 8 warps, no spill (128 x 128: 196 bytes). A sweep belongs in benchmarks/bench_fp8_block.py.
-GPU_TILES = {128: (64, 64, 4, 3), 32: (64, 128, 8, 4)}
+# K tiles: 128 x 128 at 8 warps spilled 1240 bytes, 64 x 128 208, 64 x 64 at 4 warps 8, at 8 warps none (190
+# registers). MX (32-wide K tiles): 64 x 128 at 8 warps, no spill (227 registers; 128 x 128: 196 bytes).
+# A timed sweep belongs in benchmarks/bench_fp8_block.py.
+GPU_TILES = {128: (64, 64, 8, 3), 32: (64, 128, 8, 4)}
 
 
 def _tiles(M: int, N: int, on_gpu: bool, sk: int) -> tuple[int, int, int, int]:
