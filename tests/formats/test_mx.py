@@ -175,3 +175,17 @@ def test_triton_mx_quantize_is_bit_exact(device, dtype, fp8):
     q = quantize_mx(x, fp8_dtype=fp8, backend="triton")
     _same_bits(q, quantize_mx_ref(x.cpu(), fp8_dtype=fp8))
     assert q.scale[7, 1] == 255 and q.scale[5].eq(0).all()                          # NaN block, zero row
+
+
+def test_mx_matches_torchao_where_it_is_installed():
+    # torchao's MX reference (torchao.prototype.mx_formats, FLOOR scale mode = the OCP rule). Not a dependency of
+    # minite: skipped without it. Checked by hand with torchao 0.18.0 (pip install --no-deps): equal bit for bit.
+    to_mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor").to_mx
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 1024, generator=g) * 10 ** (4 * torch.rand(64, 1024, generator=g) - 2)
+    x[3, :32] = 0.0
+    for fp8 in (E4, E5):
+        scale, data = to_mx(x, fp8, 32)
+        q = quantize_mx_ref(x, fp8_dtype=fp8)
+        assert torch.equal(scale.view(torch.uint8).reshape(q.scale.shape), q.scale)
+        assert torch.equal(data.view(torch.uint8), q.data.view(torch.uint8))
