@@ -131,10 +131,15 @@ def test_bad_arguments_are_named():
         quantize_blockwise_ref(torch.zeros(2, 3), (0, 128))
     with pytest.raises(ValueError, match="fp8_dtype must be"):
         quantize_mx_ref(torch.zeros(2, 3), fp8_dtype=torch.float16)
+
+
+@pytest.mark.triton
+def test_the_kernel_refuses_blocks_it_cannot_tile(device):
+    x = torch.zeros(2, 3).to(device)
     with pytest.raises(ValueError, match="power-of-two block >= 16 along a row, got 100"):
-        quantize_blockwise(torch.zeros(2, 3), (1, 100), backend="triton")
+        quantize_blockwise(x, (1, 100), backend="triton")
     with pytest.raises(ValueError, match=r"blocks \(1, B\) or \(B, B\), got \(64, 128\)"):
-        quantize_blockwise(torch.zeros(2, 3), (64, 128), backend="triton")
+        quantize_blockwise(x, (64, 128), backend="triton")
 
 
 # ------------------------------------------------------------------------------------ Triton == reference
