@@ -181,8 +181,10 @@ GPU_TILES = {128: (64, 64, 8, 3), 32: (64, 128, 8, 4)}
 
 
 def _tiles(M: int, N: int, on_gpu: bool, sk: int) -> tuple[int, int, int, int]:
-    if on_gpu:
-        return GPU_TILES[sk]
+    if on_gpu:  # fp8 tl.dot needs K >= 32 on the GPU; other block sizes take the nearer tuned entry
+        if sk < 32:
+            raise ValueError(f"block_scaled_gemm: on the GPU the scale block along K must be >= 32, got {sk}")
+        return GPU_TILES[128 if sk >= 128 else 32]
     def fit(n):  # interpreter: ~0.5 ms per program, so few programs; tl.dot dims >= 16 stay GPU-legal
         return max(16, min(64, triton.next_power_of_2(n)))
     return fit(M), fit(N), 4, 1
