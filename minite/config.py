@@ -103,6 +103,10 @@ class TrainConfig:
     device: str = _doc("auto | cpu | cuda | cuda:N (auto = cuda if available)", "auto")
     precision: str = _doc("auto | fp32 | bf16 | fp16 | fp8 (auto = bf16 on CUDA, fp32 on CPU); also --precision P",
                           "auto")
+    fp8_recipe: str = _doc("with --precision fp8: delayed | current | blockwise (1x128/128x128) | mxfp8; also "
+                           "--fp8.recipe=R", "delayed")
+    fp8_min_dim: int = _doc("with --precision fp8: Linear layers with min(in, out) < this stay unquantized "
+                            "(0 = none; chapter 15 models 2048 for an H100); also --fp8.min_dim=N", 0)
     threads: int = _doc("CPU threads for torch (0 = all cores this process may use)", 0)
     sample_tokens: int = _doc("characters of text to sample at the end (0 = none)", 300)
     progress: bool = _doc("show a tqdm progress bar", True)
@@ -132,6 +136,9 @@ class TrainConfig:
             "beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
             "device": (lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v) is not None, "auto, cpu, cuda or cuda:N"),
             "precision": (lambda v: v in ("auto", "fp32", "bf16", "fp16", "fp8"), "auto, fp32, bf16, fp16 or fp8"),
+            "fp8_recipe": (lambda v: v in ("delayed", "current", "blockwise", "mxfp8"),
+                           "delayed, current, blockwise or mxfp8"),
+            "fp8_min_dim": (lambda v: v >= 0, "an int >= 0 (0 = every layer in fp8)"),
             "compile": (lambda v: v in ("auto", "off", "default", "reduce-overhead", "max-autotune-no-cudagraphs"),
                         "auto, off, default, reduce-overhead or max-autotune-no-cudagraphs"),
             "init_from": (lambda v: not v or Path(v).is_file(), "an existing checkpoint file ('' = from scratch)"),
@@ -139,6 +146,9 @@ class TrainConfig:
         if self.recompute != "none" and self.precision == "fp8":  # minite/recompute.py: FP8 state is not replayed
             raise ConfigError(f"--train.recompute={self.recompute!r} does not work with --precision fp8 yet; "
                               "use --train.recompute=none")
+        if (self.fp8_recipe != "delayed" or self.fp8_min_dim) and self.precision != "fp8":  # would be ignored
+            raise ConfigError(f"--fp8.recipe={self.fp8_recipe!r} / --fp8.min_dim={self.fp8_min_dim} need "
+                              "--precision fp8")
         if not 0 <= self.stop_at <= self.max_iters:
             raise ConfigError(f"--train.stop_at={self.stop_at!r}: must be in [0, --train.max_iters={self.max_iters}]")
         if self.min_lr > self.lr:

@@ -20,7 +20,11 @@ RULES = [
     ("minite/train.py", 600),                # resolve, build, step, loop, the CLI, their checks; a statement a line
     ("minite/gpu_compile.py", 340),          # the sm_90/sm_80 gate: record, compile, ptxas, report
     ("minite/data.py", 360),                 # corpus preparation: registry, user file, tokenizers, batches, lock
-    ("minite/config.py", 340),               # five sections, each field's doc and its check; sub-section keys
+    # five sections, each field's doc and its check; sub-section keys; chapter 15: --fp8.recipe / --fp8.min_dim
+    ("minite/config.py", 350),
+    # chapter 15: three quantize configurations and the block-scaled GEMM, and the linear layer's autograd Function
+    # for the block recipes (its three GEMMs each scale along their own K)
+    ("minite/kernels/fp8_block.py", 330),
     # issue 22 wrote the parallel files one statement a line (nanoGPT's style) instead of packing them:
     ("minite/parallel/tensor.py", 330),      # TP layers, vocab-parallel CE, the SP column linear (from sequence.py)
     ("minite/parallel/context.py", 300),     # ring and all-gather attention, forward and backward

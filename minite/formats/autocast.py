@@ -17,7 +17,9 @@ import functools
 import threading
 
 from minite import _validate as _v
-from minite.formats.recipe import CurrentScaling, DelayedScaling
+from minite.formats.recipe import BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Scaling
+
+RECIPES = (DelayedScaling, CurrentScaling, BlockwiseScaling, MXFP8Scaling)
 
 __all__ = ["fp8_autocast", "is_fp8_enabled", "get_fp8_recipe"]
 
@@ -42,12 +44,13 @@ class fp8_autocast:  # noqa: N801 (lower case like torch.autocast and Transforme
     """Context manager (and decorator): FP8 GEMMs in ``minite.nn.Linear`` inside, with `recipe`.
 
     enabled: False makes a region that turns FP8 *off* (useful nested inside an enabled one).
-    recipe: ``DelayedScaling()`` (default) or ``CurrentScaling()``.
+    recipe: ``DelayedScaling()`` (default), ``CurrentScaling()``, ``BlockwiseScaling()`` or ``MXFP8Scaling()``.
     """
 
-    def __init__(self, enabled: bool = True, recipe: DelayedScaling | CurrentScaling | None = None):
-        if recipe is not None and not isinstance(recipe, (DelayedScaling, CurrentScaling)):
-            raise ValueError(f"recipe must be DelayedScaling or CurrentScaling, got {type(recipe).__name__}")
+    def __init__(self, enabled: bool = True, recipe=None):
+        if recipe is not None and not isinstance(recipe, RECIPES):
+            raise ValueError(f"recipe must be DelayedScaling, CurrentScaling, BlockwiseScaling or MXFP8Scaling, "
+                             f"got {type(recipe).__name__}")
         self.enabled = _v.boolean("fp8_autocast", "enabled", enabled)  # bool("false") would turn FP8 on
         self.recipe = recipe if recipe is not None else DelayedScaling()
         self._saved: list[tuple[bool, object]] = []  # one entry per active `with` of this instance

@@ -35,8 +35,8 @@ import torch
 
 from minite import _validate as _v
 
-__all__ = ["Format", "DelayedScaling", "CurrentScaling", "ScalingState", "compute_scale", "fp8_max", "roll_history",
-           "current_scale"]
+__all__ = ["Format", "DelayedScaling", "CurrentScaling", "BlockwiseScaling", "MXFP8Scaling", "ScalingState",
+           "compute_scale", "fp8_max", "roll_history", "current_scale"]
 
 
 def fp8_max(fp8_dtype: torch.dtype) -> float:
@@ -146,6 +146,7 @@ class DelayedScaling:
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"
     fp8_format: Format = Format.HYBRID
+    min_dim: int = 0  # layers with min(in_features, out_features) < min_dim stay unquantized (chapter 15)
 
     def __post_init__(self):
         if self.amax_compute_algo not in ("max", "most_recent"):
@@ -154,6 +155,7 @@ class DelayedScaling:
         # every product NaN); a huge one flushes everything to 0. TransformerEngine's margin is a small int >= 0.
         self.margin = _v.integer("DelayedScaling", "margin", self.margin, lo=0, hi=64)
         _v.integer("DelayedScaling", "amax_history_len", self.amax_history_len)
+        _v.integer("DelayedScaling", "min_dim", self.min_dim, lo=0)
         if self.amax_history_len < 1:
             raise ValueError(f"amax_history_len must be >= 1, got {self.amax_history_len}")
         if not isinstance(self.fp8_format, Format):
@@ -185,10 +187,12 @@ class CurrentScaling:
     margin: int = 0
     fp8_format: Format = Format.HYBRID
     amax_history_len: int = 1  # nothing to remember; kept so both recipes build states the same way
+    min_dim: int = 0  # as DelayedScaling.min_dim
 
     def __post_init__(self):
         if not isinstance(self.fp8_format, Format):
             raise ValueError(f"fp8_format must be a minite.formats.Format, got {self.fp8_format!r}")
+        _v.integer("CurrentScaling", "min_dim", self.min_dim, lo=0)
 
     delayed = False
 
@@ -202,3 +206,64 @@ class CurrentScaling:
 
     def update(self, state: ScalingState, amax: torch.Tensor) -> None:
         state.amax_history[0] = amax.to(torch.float32)
+
+
+def _check_block_recipe(name: str, r) -> None:
+    if not isinstance(r.fp8_format, Format):
+        raise ValueError(f"{name}: fp8_format must be a minite.formats.Format, got {r.fp8_format!r}")
+    _v.integer(name, "block", r.block, lo=1)
+    _v.integer(name, "min_dim", r.min_dim, lo=0)
+
+
+@dataclass
+class BlockwiseScaling:
+    """Blockwise scaling (DeepSeek-V3 §3.3; TransformerEngine's ``Float8BlockScaling``, chapter 15).
+
+    Activations and gradients get one scale per 1 x `block` slice of a row, weights one per `block` x `block`
+    tile, each scale = fp8_max / amax of its block, computed when the tensor is quantized (no history). Every
+    GEMM applies the scales to the fp32 partial sum of each K-block (kernels/fp8_block.py). pow2: scales rounded
+    down to powers of two. min_dim: a ``minite.nn.Linear`` with min(in_features, out_features) < min_dim runs
+    unquantized (the small-layer rule of chapter 15). Stateless: ``new_state`` exists for the layer's bookkeeping.
+    """
+
+    fp8_format: Format = Format.E4M3
+    block: int = 128
+    pow2: bool = False
+    min_dim: int = 0
+
+    kind = "blockwise"
+    block_scaled = True
+    delayed = False
+    margin = 0
+    amax_history_len = 1
+
+    def __post_init__(self):
+        _check_block_recipe("BlockwiseScaling", self)
+        self.pow2 = _v.boolean("BlockwiseScaling", "pow2", self.pow2)
+
+    def new_state(self, fp8_dtype: torch.dtype, device=None) -> ScalingState:
+        return ScalingState(fp8_dtype, 1, device)
+
+
+@dataclass
+class MXFP8Scaling:
+    """MXFP8 (OCP Microscaling v1.0; TransformerEngine's ``MXFP8BlockScaling``, chapter 15): every operand gets one
+    E8M0 power-of-two scale per `block` = 32 consecutive elements along its GEMM's K dimension,
+    2^(floor(log2 amax) - emax_elem). min_dim: as ``BlockwiseScaling``. Stateless."""
+
+    fp8_format: Format = Format.E4M3
+    block: int = 32
+    min_dim: int = 0
+
+    kind = "mx"
+    block_scaled = True
+    delayed = False
+    margin = 0
+    pow2 = True
+    amax_history_len = 1
+
+    def __post_init__(self):
+        _check_block_recipe("MXFP8Scaling", self)
+
+    def new_state(self, fp8_dtype: torch.dtype, device=None) -> ScalingState:
+        return ScalingState(fp8_dtype, 1, device)

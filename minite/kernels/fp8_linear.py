@@ -32,6 +32,7 @@ from minite.formats.autocast import get_fp8_recipe
 from minite.formats.fp8 import Float8Tensor, fp8_quantize_fwd, quantize
 from minite.formats.recipe import CurrentScaling, DelayedScaling, ScalingState, current_scale, fp8_max, roll_history
 from minite.kernels._common import op, register_autograd, register_op, use_op
+from minite.kernels.fp8_block import BlockFP8LinearFunction
 from minite.kernels.fp8_gemm import fp8_gemm, fp8_gemm_raw
 
 __all__ = ["fp8_linear", "fp8_linear_states", "FP8LinearFunction", "fp8_quantize_update", "fp8_linear_mm",
@@ -178,12 +179,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                backend: str | None = None) -> torch.Tensor:
     """x @ weight^T + bias with FP8 GEMMs. x: (..., K), weight: (O, K), bias: (O,) -> (..., O).
 
-    recipe: default the active ``fp8_autocast`` recipe, else ``CurrentScaling()``.
+    recipe: default the active ``fp8_autocast`` recipe, else ``CurrentScaling()``. ``BlockwiseScaling`` and
+    ``MXFP8Scaling`` (per-block scales, kernels/fp8_block.py) need no states and run eagerly (no compiled op yet).
     states: {"input", "weight", "grad_output"} ``ScalingState``s, updated in place (a module keeps them
     between steps); default fresh ones, which only make sense with current scaling.
     """
     _check(x, weight, bias)
     recipe = recipe or get_fp8_recipe() or CurrentScaling()
+    if getattr(recipe, "block_scaled", False):  # BlockwiseScaling / MXFP8Scaling (chapter 15): stateless, eager
+        return BlockFP8LinearFunction.apply(x, weight, bias, recipe, resolve_backend(x, backend))
     if states is not None:
         _check_states(states)
     states = states if states is not None else fp8_linear_states(recipe, x.device)

@@ -11,6 +11,10 @@ through the functional ``fp8_linear`` (kernels/fp8_linear.py: quantization, auto
 ``FP8_ACCUMULATE``, the torch.compile ops). This module owns what persists between steps: the three
 ``ScalingState``s (amax history and scale of input, weight and grad_output), saved as module extra state.
 
+Chapter 15: under ``BlockwiseScaling`` / ``MXFP8Scaling`` the three GEMMs use per-block scales instead
+(kernels/fp8_block.py; no amax history, so the states only mark the recipe), and any recipe's ``min_dim`` keeps
+a layer with min(in_features, out_features) < min_dim unquantized (the small-layer rule).
+
 The backend switch picks Triton (quantize kernel + FP8 GEMM kernel) or the torch reference (torch casts +
 fp32 matmul of the dequantized operands): the same quantization math, so both give the same fp8 bits.
 """
@@ -97,6 +101,8 @@ class Linear(nn.Linear):
         if not is_fp8_enabled():
             return F.linear(x, self.weight, self.bias)
         recipe = get_fp8_recipe()
+        if min(self.in_features, self.out_features) < recipe.min_dim:  # chapter 15's small-layer rule
+            return F.linear(x, self.weight, self.bias)
         return fp8_linear(x, self.weight, self.bias, recipe=recipe, states=self.fp8_states_for(recipe, x.device),
                           backend=self.backend)
 
