@@ -272,10 +272,8 @@ def _precision(cfg: RunConfig, dev: torch.device):
                                        growth_interval=1000)
         return (lambda: torch.autocast(device_type=dev.type, dtype=dtype)), scaler
     if p == "fp8":
-        from minite.formats import BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Scaling, fp8_autocast
-        kinds = {"delayed": DelayedScaling, "current": CurrentScaling, "blockwise": BlockwiseScaling,
-                 "mxfp8": MXFP8Scaling}  # --fp8.recipe (chapter 15)
-        recipe = kinds[cfg.train.fp8_recipe](min_dim=cfg.train.fp8_min_dim)
+        from minite.formats import RECIPES, fp8_autocast  # RECIPES: the names of --fp8.recipe (chapter 15)
+        recipe = RECIPES[cfg.train.fp8_recipe](min_dim=cfg.train.fp8_min_dim)
         return (lambda: fp8_autocast(enabled=True, recipe=recipe)), None
     raise ConfigError(f"train.precision must be auto | fp32 | bf16 | fp16 | fp8, got {p!r}")
 

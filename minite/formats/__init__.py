@@ -13,6 +13,7 @@ from minite.formats.mx import (  # noqa: F401
     quantize_mx_ref,
 )
 from minite.formats.recipe import (  # noqa: F401
+    RECIPES,
     BlockwiseScaling,
     CurrentScaling,
     DelayedScaling,
@@ -26,4 +27,4 @@ __all__ = ["FormatSpec", "FP32", "FP16", "BF16", "E4M3", "E5M2", "encode", "deco
            "DynamicLossScaler", "Format", "DelayedScaling", "fp8_autocast",
            "CurrentScaling", "ScalingState", "is_fp8_enabled", "get_fp8_recipe", "Float8Tensor", "quantize",
            "dequantize", "E8M0", "ScaleSpec", "e8m0_encode", "e8m0_decode", "BlockScaledTensor", "mx_scale_bits_ref",
-           "quantize_blockwise_ref", "quantize_mx_ref", "BlockwiseScaling", "MXFP8Scaling"]
+           "quantize_blockwise_ref", "quantize_mx_ref", "BlockwiseScaling", "MXFP8Scaling", "RECIPES"]

@@ -19,7 +19,9 @@ import threading
 from minite import _validate as _v
 from minite.formats.recipe import BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Scaling
 
-RECIPES = (DelayedScaling, CurrentScaling, BlockwiseScaling, MXFP8Scaling)
+Recipe = DelayedScaling | CurrentScaling | BlockwiseScaling | MXFP8Scaling  # what fp8_autocast takes
+
+_RECIPE_TYPES = (DelayedScaling, CurrentScaling, BlockwiseScaling, MXFP8Scaling)
 
 __all__ = ["fp8_autocast", "is_fp8_enabled", "get_fp8_recipe"]
 
@@ -35,7 +37,7 @@ def is_fp8_enabled() -> bool:
     return _state()[0]
 
 
-def get_fp8_recipe():
+def get_fp8_recipe() -> Recipe | None:
     """The recipe of the innermost ``fp8_autocast`` region (None outside any region)."""
     return _state()[1]
 
@@ -47,8 +49,8 @@ class fp8_autocast:  # noqa: N801 (lower case like torch.autocast and Transforme
     recipe: ``DelayedScaling()`` (default), ``CurrentScaling()``, ``BlockwiseScaling()`` or ``MXFP8Scaling()``.
     """
 
-    def __init__(self, enabled: bool = True, recipe=None):
-        if recipe is not None and not isinstance(recipe, RECIPES):
+    def __init__(self, enabled: bool = True, recipe: Recipe | None = None) -> None:
+        if recipe is not None and not isinstance(recipe, _RECIPE_TYPES):
             raise ValueError(f"recipe must be DelayedScaling, CurrentScaling, BlockwiseScaling or MXFP8Scaling, "
                              f"got {type(recipe).__name__}")
         self.enabled = _v.boolean("fp8_autocast", "enabled", enabled)  # bool("false") would turn FP8 on

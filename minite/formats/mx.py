@@ -129,7 +129,8 @@ class BlockScaledTensor:
 
     __slots__ = ("data", "scale", "block", "kind", "orig_dtype", "amax")
 
-    def __init__(self, data, scale, block, kind, orig_dtype=torch.float32, amax=None):
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], kind: str,
+                 orig_dtype: torch.dtype = torch.float32, amax: torch.Tensor | None = None) -> None:
         if kind not in ("blockwise", "mx"):
             raise ValueError(f"BlockScaledTensor: kind must be 'blockwise' or 'mx', got {kind!r}")
         want = tuple(-(-n // b) for n, b in zip(data.shape, block))
@@ -181,7 +182,8 @@ def check_block_args(where, x, block, fp8_dtype):
     elem_emax(fp8_dtype)
 
 
-def quantize_blockwise_ref(x: torch.Tensor, block=BLOCK_1x128, fp8_dtype=torch.float8_e4m3fn,
+def quantize_blockwise_ref(x: torch.Tensor, block: tuple[int, int] = BLOCK_1x128,
+                           fp8_dtype: torch.dtype = torch.float8_e4m3fn,
                            pow2: bool = False) -> BlockScaledTensor:
     """The spec of blockwise quantization: scale = fp8_max / amax per block (1 for a zero or non-finite amax),
     optionally rounded down to a power of two; clamp to ±fp8_max, cast (round to nearest even)."""
@@ -208,7 +210,8 @@ def mx_scale_bits_ref(amax: torch.Tensor, emax_elem: int) -> torch.Tensor:
     return torch.where(torch.isfinite(a), shared + E8M0.bias, E8M0.nan_bits).to(torch.uint8)
 
 
-def quantize_mx_ref(x: torch.Tensor, block: int = MX_BLOCK, fp8_dtype=torch.float8_e4m3fn) -> BlockScaledTensor:
+def quantize_mx_ref(x: torch.Tensor, block: int = MX_BLOCK,
+                    fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> BlockScaledTensor:
     """The spec of MX quantization along rows (blocks of 1 x `block`): E8M0 scale X per block, q = fp8(clamp(x / X))."""
     check_block_args("quantize_mx", x, (1, block), fp8_dtype)
     m = float(torch.finfo(fp8_dtype).max)

@@ -35,7 +35,7 @@ import torch
 
 from minite import _validate as _v
 
-__all__ = ["Format", "DelayedScaling", "CurrentScaling", "BlockwiseScaling", "MXFP8Scaling", "ScalingState",
+__all__ = ["Format", "DelayedScaling", "CurrentScaling", "BlockwiseScaling", "MXFP8Scaling", "RECIPES", "ScalingState",
            "compute_scale", "fp8_max", "roll_history", "current_scale"]
 
 
@@ -106,7 +106,8 @@ def current_scale(x: torch.Tensor, fp8_max: float, margin: int, prev_scale: torc
 class ScalingState:
     """Scaling state of one quantized tensor: amax history (newest first) and the scale to use next."""
 
-    def __init__(self, fp8_dtype: torch.dtype, amax_history_len: int = 1024, device=None):
+    def __init__(self, fp8_dtype: torch.dtype, amax_history_len: int = 1024,
+                 device: torch.device | str | None = None) -> None:
         if amax_history_len < 1:
             raise ValueError(f"amax_history_len must be >= 1, got {amax_history_len}")
         self.fp8_dtype = fp8_dtype
@@ -118,7 +119,7 @@ class ScalingState:
     def scale_inv(self) -> torch.Tensor:
         return 1.0 / self.scale
 
-    def to(self, device) -> "ScalingState":
+    def to(self, device: torch.device | str) -> "ScalingState":
         self.amax_history, self.scale = self.amax_history.to(device), self.scale.to(device)
         return self
 
@@ -163,7 +164,7 @@ class DelayedScaling:
 
     delayed = True  # the quantize pass can use state.scale as is (one pass over memory)
 
-    def new_state(self, fp8_dtype: torch.dtype, device=None) -> ScalingState:
+    def new_state(self, fp8_dtype: torch.dtype, device: torch.device | str | None = None) -> ScalingState:
         return ScalingState(fp8_dtype, self.amax_history_len, device)
 
     def scale_for(self, state: ScalingState, x: torch.Tensor) -> torch.Tensor:
@@ -196,7 +197,7 @@ class CurrentScaling:
 
     delayed = False
 
-    def new_state(self, fp8_dtype: torch.dtype, device=None) -> ScalingState:
+    def new_state(self, fp8_dtype: torch.dtype, device: torch.device | str | None = None) -> ScalingState:
         return ScalingState(fp8_dtype, 1, device)
 
     def scale_for(self, state: ScalingState, x: torch.Tensor) -> torch.Tensor:
@@ -241,7 +242,7 @@ class BlockwiseScaling:
         _check_block_recipe("BlockwiseScaling", self)
         self.pow2 = _v.boolean("BlockwiseScaling", "pow2", self.pow2)
 
-    def new_state(self, fp8_dtype: torch.dtype, device=None) -> ScalingState:
+    def new_state(self, fp8_dtype: torch.dtype, device: torch.device | str | None = None) -> ScalingState:
         return ScalingState(fp8_dtype, 1, device)
 
 
@@ -265,5 +266,9 @@ class MXFP8Scaling:
     def __post_init__(self):
         _check_block_recipe("MXFP8Scaling", self)
 
-    def new_state(self, fp8_dtype: torch.dtype, device=None) -> ScalingState:
+    def new_state(self, fp8_dtype: torch.dtype, device: torch.device | str | None = None) -> ScalingState:
         return ScalingState(fp8_dtype, 1, device)
+
+
+RECIPES = {"delayed": DelayedScaling, "current": CurrentScaling, "blockwise": BlockwiseScaling,
+           "mxfp8": MXFP8Scaling}  # the names of --fp8.recipe (chapter 15)

@@ -48,7 +48,7 @@ class Linear(nn.Linear):
         self.fp8_states: dict[str, ScalingState] | None = None
         self._fp8_key = None
 
-    def fp8_states_for(self, recipe, device) -> dict[str, ScalingState]:
+    def fp8_states_for(self, recipe: object, device: torch.device | str) -> dict[str, ScalingState]:
         """This module's states for `recipe`, made on first use (again if the format or history length change)."""
         key = (type(recipe).__name__, recipe.fp8_format, recipe.amax_history_len)
         if self.fp8_states is None or self._fp8_key != key:
