@@ -360,7 +360,7 @@ def loop(run: Run, callback=None) -> dict:
             tps = tokens_per_step * (run.step - start_step) / max(run.train_time, 1e-9)
             if run.step % t.log_interval == 0 or run.step == t.max_iters:
                 _write(log, step=run.step, loss=round(loss, 6), lr=_lr_at(run.step - 1, t), tokens_per_s=round(tps),
-                       elapsed_s=round(run.elapsed(), 2))
+                       elapsed_s=round(run.elapsed(), 2), **_moe_row(run))
             if pbar is not None:
                 pbar.update(1)
                 pbar.set_postfix(loss=f"{loss:.3f}", val=f"{run.val_loss:.3f}@{run.val_step}", tok_s=f"{tps:,.0f}",
@@ -392,6 +392,13 @@ def _open_log(run: Run):
             log_path.unlink()
     run.out.mkdir(parents=True, exist_ok=True)
     return open(log_path if run.par.is_main else os.devnull, "a")
+
+
+def _moe_row(run: Run) -> dict:
+    """A mixture-of-experts run's routing at the last step: tokens per expert (summed over the blocks), dropped
+    assignments and the Switch balance loss (1.0 = uniform), as moe_* keys of the log line; {} for a dense model."""
+    stats = getattr(run.model, "moe_stats", lambda: None)()
+    return {f"moe_{k}": v for k, v in stats.items()} if stats else {}
 
 
 def _write(log, **row) -> None:
