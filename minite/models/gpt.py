@@ -252,7 +252,7 @@ class GPT(nn.Module):
             return None
         load = sum(m.load for m in moes)
         return {"tokens_per_expert": [int(v) for v in load], "dropped": int(sum(m.dropped for m in moes)),
-                "balance_loss": round(sum(float(m.aux_loss) for m in moes) / len(moes), 4)}
+                "balance_loss": round(sum(float(m.aux_loss.detach()) for m in moes) / len(moes), 4)}
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
