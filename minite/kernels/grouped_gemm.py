@@ -34,12 +34,12 @@ def grouped_gemm_ref(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) ->
     """The spec: a loop of E matmuls in fp32 (fp64 stays fp64), returned in x's dtype; rows past offsets[E] are 0.
     It reads the offsets on the host (one sync), which is what the kernel avoids."""
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    y = x.new_zeros((x.shape[0], w.shape[2]), dtype=acc)  # (M, N)
     o = offsets.tolist()
-    for e in range(w.shape[0]):
-        if o[e + 1] > o[e]:
-            y[o[e]:o[e + 1]] = x[o[e]:o[e + 1]].to(acc) @ w[e].to(acc)  # (m_e, K) @ (K, N)
-    return y.to(x.dtype)
+    # Every expert's product, empty ones too: the result stays in the autograd graph of x and w even with no row
+    # at all (expert parallelism relies on it: a rank that receives no token still runs the backward all-to-all).
+    parts = [x[o[e]:o[e + 1]].to(acc) @ w[e].to(acc) for e in range(w.shape[0])]  # (m_e, K) @ (K, N)
+    parts.append(x.new_zeros((x.shape[0] - o[-1], w.shape[2]), dtype=acc))  # rows past offsets[E]
+    return torch.cat(parts).to(x.dtype)  # (M, N)
 
 
 # ----------------------------------------------------------------------------------------------- 2. kernels

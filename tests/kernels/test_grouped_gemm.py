@@ -72,6 +72,19 @@ def test_reference_matches_per_row_matmul():
     assert y[9:].abs().max().item() == 0.0
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.triton)])
+def test_no_rows_still_in_the_graph(backend, device):
+    # An expert-parallel rank that receives no token must still run its backward all-to-alls: the output of an
+    # empty grouped GEMM has to depend on x and w, and give them zero gradients.
+    x, w, offsets = _problem([0, 0], 0, K=16, N=16, dtype=torch.float32, device=device)
+    x.requires_grad_()
+    w.requires_grad_()
+    y = grouped_gemm(x, w, offsets, backend=backend)
+    assert y.shape == (0, 16) and y.requires_grad
+    dx, dw = torch.autograd.grad(y.sum(), (x, w))
+    assert dx.shape == (0, 16) and dw.abs().max().item() == 0.0
+
+
 def test_bad_input():
     x, w, offsets = _problem([2, 2], 0, K=8, N=4, dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match="w \\(E, K, N\\)"):
