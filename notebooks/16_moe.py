@@ -253,7 +253,7 @@ def my_grouped_gemm_kernel(X_ptr, W_ptr, Y_ptr, Expert_ptr, First_ptr, Offsets_p
                     mask=(rows[:, None] < end) & ((k0 + ks)[None, :] < K), other=0.0)
         b = tl.load(W_ptr + e * K * N + (k0 + ks)[:, None] * N + cols[None, :],  # w (E, K, N) contiguous
                     mask=((k0 + ks)[:, None] < K) & (cols[None, :] < N), other=0.0)
-        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")  # exact fp32 products
     tl.store(Y_ptr + rows[:, None] * N + cols[None, :], acc.to(Y_ptr.dtype.element_ty),
              mask=(rows[:, None] < end) & (cols[None, :] < N))
 

@@ -239,7 +239,7 @@ def grouped_gemm_dw_kernel(X_ptr, DY_ptr, DW_ptr, Offsets_ptr, K, N,
         live = mm < hi
         xt = tl.load(X_ptr + mm[None, :] * K + kk[:, None], mask=live[None, :] & (kk[:, None] < K), other=0.0)
         g = tl.load(DY_ptr + mm[:, None] * N + nn[None, :], mask=live[:, None] & (nn[None, :] < N), other=0.0)
-        total = tl.dot(xt.to(tl.float32), g.to(tl.float32), total)
+        total = tl.dot(xt.to(tl.float32), g.to(tl.float32), total, input_precision="ieee")
     tl.store(DW_ptr + e * K * N + kk[:, None] * N + nn[None, :], total, mask=(kk[:, None] < K) & (nn[None, :] < N))
     ### END SOLUTION
 
