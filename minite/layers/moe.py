@@ -13,7 +13,9 @@ Load balance, two ways:
 * ``"aux"`` (Switch Transformer / GShard): loss += aux_weight * E * sum_i f_i * P_i, f_i the fraction of assignments
   routed to expert i, P_i the mean router probability of expert i; 1.0 when the load is uniform.
 * ``"bias"`` (DeepSeek-V3, auxiliary-loss-free): a per-expert bias added to the scores only to *choose* the
-  experts; after each training forward, bias_i += rate * sign(mean load - load_i). No gradient, no extra loss.
+  experts; after each training backward, bias_i += rate * sign(mean load - load_i). No gradient, no extra loss.
+  (The update runs from a hook on the router's gradient, not in the forward: activation recompute runs the forward
+  twice, and the recomputed routing must be the first one.)
 Capacity: with capacity_factor c > 0 each expert takes at most ceil(c * N * k / E) assignments, in token order; the
 rest are dropped (their token skips the experts: the residual carries it). c = 0 is dropless.
 
@@ -126,6 +128,13 @@ class MoE(nn.Module):
         self.stats_group = None  # the group whose global load the balancing sees (data parallel)
         self.expert_lo = 0
         self.aux_loss = self.load = self.dropped = None
+        self._pending = None  # "bias": the load of the last training forward, applied when its backward arrives
+        self.router.weight.register_post_accumulate_grad_hook(self._update_bias)
+
+    def _update_bias(self, _param) -> None:
+        if self._pending is not None:
+            update_bias(self.expert_bias, self._pending, self.bias_rate)
+            self._pending = None
 
     def experts_ffn(self, xs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """The local experts on rows sorted by expert: (M, C) -> (M, C); two grouped GEMMs around SwiGLU."""
@@ -145,7 +154,7 @@ class MoE(nn.Module):
             comm.all_reduce(counts, self.stats_group)  # the global load: every dp rank balances the same way
         self.aux_loss = load_balance_loss(probs, counts)  # the loss only under "aux"; a measure of balance always
         if self.balance == "bias" and self.training and torch.is_grad_enabled():
-            update_bias(self.expert_bias, counts, self.bias_rate)  # for the next step
+            self._pending = counts  # the bias moves after the backward (for the next step)
         cap = capacity(self.capacity_factor, experts.numel(), E)
         xs, order, offsets = permute(x2, experts, E, cap)
         if self.ep_group is not None:
