@@ -1,7 +1,7 @@
 """Chapter 16: expert parallelism on real torch.distributed (gloo on CPU). One torchrun launch of world 4 runs the
 workers' checks (ep = 2 and ep = 4: loss, every gradient, 5 AdamW steps against one process; bad layouts); one
 launch of ``minite.train --parallel.dp=4 --parallel.ep=2`` trains one process's 20-step curve, and its checkpoint is
-the dense model. Layouts that are not built (ep with tp, pp, cp or ZeRO) are refused before any process starts."""
+the dense model; a rank killed in the dispatch ends the run, named. Layouts that are not built (ep with tp, pp, cp or ZeRO) are refused before any process starts."""
 import pytest
 
 from minite.config import make_config
@@ -29,6 +29,14 @@ def test_expert_parallel_matches_one_process(world4, check, name):
 def test_all_to_all_bytes_grow_with_ep(world4):
     r = world4[0]
     assert 0 < r["ep2_aux"]["a2a_bytes"] < r["ep4_aux"]["a2a_bytes"]  # more ranks: fewer rows stay at home
+
+
+def test_dead_rank_in_the_all_to_all_ends_the_run_naming_it(tmp_path):
+    res = torchrun(2, ["-m", "minite.parallel.workers", "ep_die", "--timeout", "30", "--out", str(tmp_path)],
+                   timeout=90)
+    assert res.returncode != 0
+    assert "rank      : 1" in res.stdout and "Root Cause" in res.stdout, res.stdout[-2000:]
+    assert not list(tmp_path.glob("rank*.json"))
 
 
 def test_cli_ep_matches_single_process(corpus, cli, flags, curve):

@@ -1,6 +1,9 @@
 """Chapter 16's checks: expert parallelism against one process (loss, every gradient, 5 AdamW steps, the dense
-checkpoint) at every ep that divides the world, the all-to-all's bytes; bad layouts refused."""
+checkpoint) at every ep that divides the world, the all-to-all's bytes; bad layouts refused; a rank killed during
+the dispatch."""
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -83,7 +86,20 @@ def check_ep_layouts(dims, args) -> dict:
     return {"ep_layouts": {"ok": ok, "messages": msgs}}
 
 
+def check_ep_die(dims, args) -> dict:
+    """Rank 1 is killed while rank 0 waits in the expert dispatch's all-to-all: the run must end naming it."""
+    d = ParallelDims(dp=dims.dp, ep=dims.dp).build(dims.rank, dims.world)
+    model = tiny_gpt(**MOE)
+    shard_experts(model, d)
+    if d.rank == 1:
+        os.kill(os.getpid(), 9)
+    x, y = batches(1, 2 * d.dp)[0]
+    model(_mine(x, d), _mine(y, d))  # rank 0: the count exchange waits for a rank that is gone
+    return {"ep_die": {"ok": False}}  # not reached
+
+
 CHECKS = {  # name: (check, the axis of ParallelDims that takes the world)
     "ep": (check_ep, "dp"),
+    "ep_die": (check_ep_die, "dp"),
     "ep_layouts": (check_ep_layouts, "dp"),
 }
