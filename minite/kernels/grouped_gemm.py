@@ -13,7 +13,8 @@ Backward, for each expert e (the notebook derives it):  dx_e = dy_e @ w[e]^T  an
 dx is the forward kernel again with w's last two strides swapped (w[e]^T is a strided view); dw has its own kernel,
 one program per (expert, tile of w[e]) walking down that expert's rows.
 
-Not registered with ``torch.library`` (DESIGN §2 section 4): torch.compile graph-breaks around it for now.
+Not registered with ``torch.library`` yet (DESIGN §2 section 4): under torch.compile the Triton path runs eagerly
+behind a graph break (``torch.compiler.disable``).
 """
 from __future__ import annotations
 
@@ -212,12 +213,17 @@ def _check(x, w, offsets):
         raise ValueError(f"grouped_gemm: x on {x.device}, w on {w.device}, offsets on {offsets.device}")
 
 
+@torch.compiler.disable  # not a registered op yet: torch.compile runs the kernels eagerly, behind a graph break
+def _triton_path(x, w, offsets):
+    return GroupedGemmFunction.apply(x, w, offsets)
+
+
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *, backend: str | None = None):
     """y (M, N): rows offsets[e]:offsets[e+1] of x (M, K) times w[e] (K, N); rows past offsets[E] are 0.
     offsets: non-decreasing, offsets[0] = 0, offsets[E] <= M, on x's device (not checked: that would sync)."""
     _check(x, w, offsets)
     if w.shape[0] and x.dtype in _KERNEL_DTYPES and resolve_backend(x, backend) == "triton":
-        return GroupedGemmFunction.apply(x, w, offsets)
+        return _triton_path(x, w, offsets)
     return grouped_gemm_ref(x, w, offsets)  # fp64 (gradcheck) and the torch backend
 
 

@@ -67,6 +67,7 @@ def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
     return recv.view(ep, -1)
 
 
+@torch.compiler.disable  # Python split sizes and collectives: eager, behind a graph break under torch.compile
 def expert_parallel_ffn(moe, xs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """The experts of one MoE layer over its ep group: xs (M, C) rows sorted by global expert id, offsets (E + 1,)
     -> (M, C) rows in the same order (dropped rows, past offsets[E], are 0)."""
