@@ -1,5 +1,6 @@
 """Chapter 16: expert parallelism on real torch.distributed (gloo on CPU). One torchrun launch of world 4 runs the
-workers' checks (ep = 2 and ep = 4: loss, every gradient, 5 AdamW steps against one process; bad layouts); one
+workers' checks (ep = 2 and ep = 4: loss, every gradient, 5 AdamW steps against one process; a one-process
+checkpoint resumed at ep = 4; bad layouts); one
 launch of ``minite.train --parallel.dp=4 --parallel.ep=2`` trains one process's 20-step curve, and its checkpoint is
 the dense model; a rank killed in the dispatch ends the run, named. Layouts that are not built (ep with tp, pp, cp
 or ZeRO) are refused before any process starts."""
@@ -19,10 +20,10 @@ MOE = {"model.moe_num_experts": 4, "model.moe_top_k": 2}
 
 @pytest.fixture(scope="module")
 def world4(workers):
-    return workers(4, "ep", "ep_layouts")
+    return workers(4, "ep", "ep_layouts", "ep_resume")
 
 
-@pytest.mark.parametrize("name", ["ep2_aux", "ep4_aux", "ep2_bias", "ep4_bias", "ep_layouts"])
+@pytest.mark.parametrize("name", ["ep2_aux", "ep4_aux", "ep2_bias", "ep4_bias", "ep_layouts", "ep_resume"])
 def test_expert_parallel_matches_one_process(world4, check, name):
     check(world4, name)
 
@@ -57,6 +58,14 @@ def test_cli_ep_matches_single_process(corpus, cli, flags, curve):
     GPT(GPTConfig(**state["config"]["model"])).load_state_dict(state["model"])
     assert set(state["optimizer"]["exp_avg"]) >= {"blocks.0.mlp.w_gate_up", "blocks.1.mlp.w_down"}
     assert state["optimizer"]["exp_avg"]["blocks.1.mlp.w_down"].shape[0] == 4
+    # the layout-free checkpoint resumes in one process: 2 more steps, as the one-process run's own resume takes
+    more = {"train.max_iters": 22}
+    ep_more = train(cli({**base, "train.out_dir": str(d / "ep2")}, 4)[0], resume=True,
+                    resume_overrides={"train.out_dir": str(d / "ep2"), **more})
+    one_more = train(cli({**base, "train.out_dir": str(d / "single_moe")}, 4)[0], resume=True,
+                     resume_overrides={"train.out_dir": str(d / "single_moe"), **more})
+    assert sorted(ep_more["losses"]) == [21, 22]
+    assert max(abs(ep_more["losses"][s] - one_more["losses"][s]) for s in (21, 22)) < 1e-4
 
 
 @pytest.mark.parametrize("over, world, match", [

@@ -70,6 +70,34 @@ def check_ep(dims, args) -> dict:
     return out
 
 
+def check_ep_resume(dims, args) -> dict:
+    """A one-process checkpoint (dense weights + dense AdamW state) resumed at ep = world: each rank's experts get
+    their rows of the dense moments, and the next step equals one process's next step."""
+    from minite.parallel.reshard import dense_optim_state, load_dense_optim_state
+    data = batches(2, 2 * dims.dp)
+    first = tiny_gpt(**MOE)  # one step in one process: the checkpoint
+    opt_first = adamw(first)
+    first(*data[0])[1].backward()
+    opt_first.step()
+    opt_first.zero_grad(set_to_none=True)
+    saved = {"model": first.state_dict(), "optim": dense_optim_state(first, opt_first, None)}
+    dense = tiny_gpt(**MOE)  # the reference: the next step in one process, from the checkpoint
+    dense.load_state_dict(saved["model"])
+    opt_dense = adamw(dense)
+    opt_dense.load_state_dict(opt_first.state_dict())
+    dense(*data[1])[1].backward()
+    opt_dense.step()
+    d = ParallelDims(dp=dims.dp, ep=dims.dp).build(dims.rank, dims.world)
+    model = tiny_gpt(**MOE)
+    model.load_state_dict(saved["model"])  # dense weights first, then the cut (as minite.train resumes)
+    ddp = ExpertDataParallel(shard_experts(model, d), d)
+    opt = adamw(model)
+    load_dense_optim_state(model, opt, saved["optim"])
+    model(_mine(data[1][0], d), _mine(data[1][1], d))[1].backward()
+    opt.step()
+    return {"ep_resume": result(maxerr(ddp.dense_state_dict(), dense.state_dict()), TOL)}
+
+
 def check_ep_layouts(dims, args) -> dict:
     """Layouts the experts cannot take are refused, naming the numbers (no collective runs)."""
     msgs = []
@@ -102,4 +130,5 @@ CHECKS = {  # name: (check, the axis of ParallelDims that takes the world)
     "ep": (check_ep, "dp"),
     "ep_die": (check_ep_die, "dp"),
     "ep_layouts": (check_ep_layouts, "dp"),
+    "ep_resume": (check_ep_resume, "dp"),
 }
