@@ -1,9 +1,8 @@
 """Chapter 16: expert parallelism on real torch.distributed (gloo on CPU). One torchrun launch of world 4 runs the
 workers' checks (ep = 2 and ep = 4: loss, every gradient, 5 AdamW steps against one process; a one-process
-checkpoint resumed at ep = 4; bad layouts); one
-launch of ``minite.train --parallel.dp=4 --parallel.ep=2`` trains one process's 20-step curve, and its checkpoint is
-the dense model; a rank killed in the dispatch ends the run, named. Layouts that are not built (ep with tp, pp, cp
-or ZeRO) are refused before any process starts."""
+checkpoint resumed at ep = 4; bad layouts); one launch of ``minite.train --parallel.dp=4 --parallel.ep=2`` trains
+one process's 20-step curve, and its dense checkpoint resumes in one process; a rank killed in the dispatch ends
+the run, named. Layouts that are not built (ep with tp, pp, cp or ZeRO) are refused before any process starts."""
 import pytest
 
 from minite.config import make_config
