@@ -144,6 +144,9 @@ class MoE(nn.Module):
                             backend=self.backend)  # (M, C)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != self.dim:
+            raise ValueError(f"MoE: expected an input (..., dim={self.dim}), got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
         shape, E = x.shape, self.num_experts
         x2 = x.reshape(-1, self.dim)  # (N, C)
         logits = F.linear(x2.float(), self.router.weight.float())  # (N, E), fp32 even under autocast

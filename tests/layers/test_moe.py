@@ -188,6 +188,10 @@ def test_gpt_with_experts_loss_and_stats():
         GPTConfig(moe_num_experts=4, moe_top_k=5)
     with pytest.raises(ValueError, match="moe_balance"):
         GPTConfig(moe_num_experts=4, moe_balance="loss")
+    with pytest.raises(ValueError, match=r"expected an input \(\.\.\., dim=32\), got \(2, 15, 31\)"):
+        model.blocks[0].mlp(torch.randn(2, 15, 31))
+    with pytest.raises(ValueError, match="top_k=0 must be in"):
+        MoE(8, 16, 4, 0)
 
 
 def test_moe_gpt_trains_logs_and_resumes(run_cfg, tmp_path):
