@@ -69,7 +69,7 @@ def init_distributed(timeout_s: float = 60.0, backend: str | None = None, device
 
 @dataclass
 class ParallelDims:
-    """Degrees of data (dp), tensor (tp), pipeline (pp) and context (cp) parallelism; ``build()`` makes groups."""
+    """Degrees of data (dp), tensor (tp), pipeline (pp), context (cp) and expert (ep, within dp) parallelism."""
 
     dp: int = 1
     tp: int = 1
@@ -126,7 +126,7 @@ class ParallelDims:
                 if rank in line:
                     self.groups[name], self.ranks[name] = pg, line
         # ep: consecutive runs of ep ranks along each dp line; edp: the ranks at the same place of each run
-        for line in grid.permute(0, 2, 3, 1).reshape(-1, self.dp).tolist():
+        for line in grid.permute(0, 2, 3, 1).reshape(-1, self.dp).tolist() if self.ep > 1 else []:
             runs = [line[i:i + self.ep] for i in range(0, self.dp, self.ep)]
             for name, lines in (("ep", runs), ("edp", [list(c) for c in zip(*runs)])):
                 for sub in lines:
