@@ -42,7 +42,7 @@ def test_dead_rank_in_the_all_to_all_ends_the_run_naming_it(tmp_path):
 
 def test_cli_ep_matches_single_process(corpus, cli, flags, curve):
     d, data = corpus
-    base = {**flags, **data, **MOE}
+    base = {**flags, **data, **MOE, "train.grad_accum": 2}  # 2 micro-batches: the first under no_sync()
     train(cli({**base, "train.out_dir": str(d / "single_moe")}, 4)[0])
     loss1, val1 = curve(d / "single_moe")
     res = torchrun(4, [*cli({**base, "train.out_dir": str(d / "ep2")}, 4)[1], "--parallel.dp=4", "--parallel.ep=2"],
