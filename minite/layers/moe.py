@@ -129,7 +129,13 @@ class MoE(nn.Module):
         self.expert_lo = 0
         self.aux_loss = self.load = self.dropped = None
         self._pending = None  # "bias": the load of the last training forward, applied when its backward arrives
-        self.router.weight.register_post_accumulate_grad_hook(self._update_bias)
+        self._hooked = None  # id of the router weight that carries the hook (a deepcopy's weight carries none)
+
+    def __getstate__(self):  # deepcopy / pickle: the last aux_loss without its graph (a non-leaf cannot be copied)
+        state = dict(self.__dict__)
+        if isinstance(state.get("aux_loss"), torch.Tensor):
+            state["aux_loss"] = state["aux_loss"].detach()
+        return state
 
     def _update_bias(self, _param) -> None:
         if self._pending is not None:
@@ -158,6 +164,9 @@ class MoE(nn.Module):
         self.aux_loss = load_balance_loss(probs, counts)  # the loss only under "aux"; a measure of balance always
         if self.balance == "bias" and self.training and torch.is_grad_enabled():
             self._pending = counts  # the bias moves after the backward (for the next step)
+            if self._hooked != id(self.router.weight):
+                self.router.weight.register_post_accumulate_grad_hook(self._update_bias)
+                self._hooked = id(self.router.weight)
         cap = capacity(self.capacity_factor, experts.numel(), E)
         xs, order, offsets = permute(x2, experts, E, cap)
         if self.ep_group is not None:

@@ -231,6 +231,7 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx))  # (B, T, C)
         for block in self.blocks:
             x = block(x)  # (B, T, C)
+        aux = self._take_aux_loss()
         x = self.norm_f(x)  # (B, T, C)
         if targets is None:
             logits = F.linear(x[:, [-1], :], self.wte.weight)  # (B, 1, V_pad): only the last position is needed
@@ -238,9 +239,19 @@ class GPT(nn.Module):
         logits = F.linear(x, self.wte.weight)  # (B, T, V_pad), tied head
         loss = cross_entropy(logits.view(B * T, -1), targets.reshape(B * T), backend=self.backend)  # (N, V_pad)
         c = self.config
-        if c.moe_num_experts and c.moe_balance == "aux" and c.moe_aux_weight and self.training:  # not in eval
-            loss = loss + c.moe_aux_weight * sum(b.mlp.aux_loss for b in self.blocks)  # the balance loss joins
+        if aux is not None and c.moe_balance == "aux" and c.moe_aux_weight and self.training:  # not in eval
+            loss = loss + c.moe_aux_weight * aux  # the balance loss joins the training loss
         return logits, loss
+
+    def _take_aux_loss(self):
+        """The Switch losses of the MoE blocks, summed (None when dense); the blocks keep detached copies (for the
+        log, and so that the model can still be deep-copied: a tensor inside a graph cannot be)."""
+        if not self.config.moe_num_experts:
+            return None
+        total = sum(b.mlp.aux_loss for b in self.blocks)
+        for b in self.blocks:
+            b.mlp.aux_loss = b.mlp.aux_loss.detach()
+        return total
 
     def moe_stats(self) -> dict | None:
         """The last forward's routing, summed over the blocks: tokens per expert, dropped assignments, and the
@@ -252,7 +263,7 @@ class GPT(nn.Module):
             return None
         load = sum(m.load for m in moes)
         return {"tokens_per_expert": [int(v) for v in load], "dropped": int(sum(m.dropped for m in moes)),
-                "balance_loss": round(sum(float(m.aux_loss.detach()) for m in moes) / len(moes), 4)}
+                "balance_loss": round(sum(float(m.aux_loss) for m in moes) / len(moes), 4)}
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,

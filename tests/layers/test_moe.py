@@ -1,5 +1,6 @@
 """Mixture of experts (chapter 16): the layer vs the loop over experts (output and every gradient), routing, the
 Switch loss by hand, the DeepSeek-V3 bias update, capacity dropping, permute/unpermute, the GPT with experts."""
+import copy
 import json
 
 import pytest
@@ -118,6 +119,9 @@ def test_bias_update_sign_and_balance():
     bias = m.expert_bias.clone()
     m(x).sum().backward()
     assert torch.equal(bias, m.expert_bias)  # no update outside training
+    twin = copy.deepcopy(m).train()  # a copy balances itself (the hook is not copied: it registers again)
+    twin(x).sum().backward()
+    assert torch.equal(bias, m.expert_bias) and not torch.equal(bias, twin.expert_bias)
 
 
 def test_bias_update_once_per_step_under_recompute():
@@ -175,7 +179,8 @@ def test_gpt_with_experts_loss_and_stats():
     model = GPT(cfg)
     x = torch.randint(0, 64, (2, 15))
     _, loss = model(x, x)
-    aux = sum(float(b.mlp.aux_loss.detach()) for b in model.blocks)
+    aux = sum(float(b.mlp.aux_loss) for b in model.blocks)
+    copy.deepcopy(model)  # after a training forward (the TP / pipeline wrappers and the thread probe deep-copy)
     model.eval()
     _, ce = model(x, x)
     assert abs(loss.item() - ce.item() - 0.5 * aux) < 1e-5  # the balance loss joins the training loss only
