@@ -63,6 +63,11 @@ CONFIGS = {
     "dp2_cp2": (4, ["--parallel.dp=2", "--parallel.cp=2"], None, "composed"),
     "tp2_cp2_sp": (4, ["--parallel.tp=2", "--parallel.cp=2", "--parallel.sp=True"], None, "composed"),
     "pp2_cp2": (4, ["--parallel.pp=2", "--parallel.cp=2", "--parallel.microbatches=4"], None, "composed"),
+    # chapter 16: 8 experts (top 2) per block: 8x the MLP weights, 2x its FLOPs; replicated vs cut over ep
+    "moe8": (1, ["--model.moe.num_experts=8"], None, "mixture of experts, one process"),
+    "moe8_dp4": (4, ["--model.moe.num_experts=8", "--parallel.dp=4"], None, "MoE, every expert on every rank"),
+    "moe8_dp4_ep4": (4, ["--model.moe.num_experts=8", "--parallel.dp=4", "--parallel.ep=4"], "moe8_dp4",
+                     "expert parallel: 2 experts per rank, tokens by all-to-all"),
 }
 
 

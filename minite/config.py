@@ -181,6 +181,7 @@ class ParallelConfig:
     tp: int = _doc("tensor-parallel degree (Megatron column/row split)", 1)
     pp: int = _doc("pipeline-parallel degree (chapter 12)", 1)
     cp: int = _doc("context-parallel degree (chapter 13)", 1)
+    ep: int = _doc("expert-parallel degree (chapter 16): experts cut over groups of ep dp ranks (ep divides dp)", 1)
     zero: int = _doc("ZeRO stage over the dp group: 0 = DDP, 1 = sharded optimizer, 2 = + grads, 3 = + params", 0)
     sp: bool = _doc("sequence parallelism on top of tp", False)
     microbatches: int = _doc("pipeline micro-batches per optimizer step (0 = pp); they split train.batch_size", 0)
@@ -189,7 +190,7 @@ class ParallelConfig:
 
     def __post_init__(self):
         _check("parallel", self, {
-            **{k: (lambda v: v >= 1, "an int >= 1") for k in ("dp", "tp", "pp", "cp")},
+            **{k: (lambda v: v >= 1, "an int >= 1") for k in ("dp", "tp", "pp", "cp", "ep")},
             "zero": (lambda v: v in (0, 1, 2, 3), "0, 1, 2 or 3"),
             "microbatches": (lambda v: v >= 0, "an int >= 0 (0 = pp)"),
             "pp_schedule": (lambda v: v in ("1f1b", "afab"), "1f1b or afab"),

@@ -8,6 +8,7 @@ from minite.layers.kv_cache import KVCache  # noqa: F401
 from minite.layers.linear import Linear  # noqa: F401
 from minite.layers.lora import LoRALinear  # noqa: F401
 from minite.layers.mlp import SwiGLU  # noqa: F401
+from minite.layers.moe import MoE  # noqa: F401
 
 __all__ = ["Softmax", "RMSNorm", "LayerNorm", "RotaryEmbedding", "SwiGLU", "Linear", "CausalSelfAttention",
-           "LinearCrossEntropy", "LoRALinear", "KVCache"]
+           "LinearCrossEntropy", "LoRALinear", "KVCache", "MoE"]

@@ -367,7 +367,7 @@ def loop(run: Run, callback: Callable[[int, float], None] | None = None) -> dict
             if run.step % t.log_interval == 0 or run.step == t.max_iters:
                 norm = {} if run.grad_norm is None else {"grad_norm": round(float(run.grad_norm), 6)}
                 _write(run, log, step=run.step, loss=round(loss, 6), lr=_lr_at(run.step - 1, t),
-                       tokens_per_s=round(tps), elapsed_s=round(run.elapsed(), 2), **norm)
+                       tokens_per_s=round(tps), elapsed_s=round(run.elapsed(), 2), **norm, **_moe_row(run))
             if pbar is not None:
                 pbar.update(1)
                 pbar.set_postfix(loss=f"{loss:.3f}", val=f"{run.val_loss:.3f}@{run.val_step}", tok_s=f"{tps:,.0f}",
@@ -409,11 +409,19 @@ def _open_log(run: Run):
     return open(log_path if run.par.is_main else os.devnull, "a")
 
 
+def _moe_row(run: Run) -> dict:
+    """A mixture-of-experts run's routing at the last step: tokens per expert (summed over the blocks), dropped
+    assignments and the Switch balance loss (1.0 = uniform), as moe_* keys of the log line; {} for a dense model."""
+    stats = getattr(run.model, "moe_stats", lambda: None)()
+    return {f"moe_{k}": v for k, v in stats.items()} if stats else {}
+
+
 def _write(run: Run, log, **row) -> None:
     log.write(json.dumps(row) + "\n")
     if run.tb is not None:  # --train.tensorboard: every number of the line, tagged with its key, at its step
-        for key in row.keys() - {"step"}:
-            run.tb.add_scalar(key, row[key], row["step"])
+        for key in row.keys() - {"step"}:  # numbers only: moe_tokens_per_expert is a list
+            if isinstance(row[key], (int, float)):
+                run.tb.add_scalar(key, row[key], row["step"])
 
 
 def _summary_writer():

@@ -17,7 +17,10 @@ RULES = [
     ("minite/kernels/rmsnorm.py", 320),      # RMSNorm and LayerNorm: 4 ops, 2 autograd formulas, typed device/dtype
     ("minite/formats/specs.py", 305),        # bit specs, reference + Triton encode/decode, typed public API
     ("minite/hf.py", 345),                   # Llama <-> GPT mapping, the layer swap, padded batches (issue 26)
-    ("minite/train.py", 600),                # resolve, build, step, loop, the CLI, their checks; a statement a line
+    # resolve, build, step, loop, the CLI, their checks; a statement a line; the TensorBoard writer (issue 26) and the
+    # MoE routing in the log line (chapter 16)
+    ("minite/train.py", 615),
+    ("minite/models/gpt.py", 330),           # the GPT and (chapter 16) its MoE blocks: config, balance loss, stats
     ("minite/gpu_compile.py", 340),          # the sm_90/sm_80 gate: record, compile, ptxas, report
     ("minite/data.py", 360),                 # corpus preparation: registry, user file, tokenizers, batches, lock
     # five sections, each field's doc and its check; sub-section keys; chapter 15: --fp8.recipe / --fp8.min_dim

@@ -20,10 +20,11 @@ from torch.nn import functional as F
 from minite import _validate as _v
 from minite.layers.attention import CausalSelfAttention
 from minite.layers.kv_cache import KVCache
+from minite.layers.moe import MoE
 from minite.nn import RMSNorm, SwiGLU
 from minite.ops import cross_entropy
 
-__all__ = ["GPTConfig", "GPT", "Block", "MLP"]
+__all__ = ["GPTConfig", "GPT", "Block", "MLP", "MoEMLP"]
 
 
 def _doc(text: str, default):
@@ -49,6 +50,12 @@ class GPTConfig:
     bias: bool = _doc("biases in the linear layers", False)
     vocab_multiple: int = _doc("pad the vocabulary up to a multiple of this (64: tensor-core friendly)", 64)
     backend: str = _doc("op implementation: auto | torch | triton (auto: Triton on CUDA, else PyTorch)", "auto")
+    moe_num_experts: int = _doc("mixture of experts (chapter 16): experts per block instead of the MLP; 0 = dense", 0)
+    moe_top_k: int = _doc("experts each token visits (1 <= top_k <= num_experts)", 2)
+    moe_capacity_factor: float = _doc("assignments an expert may take, as a multiple of N*k/E; 0 = dropless", 0.0)
+    moe_balance: str = _doc("load balancing: aux (Switch loss) | bias (DeepSeek-V3, loss-free) | none", "aux")
+    moe_aux_weight: float = _doc("weight of the Switch balance loss in the training loss (balance=aux)", 0.01)
+    moe_shared_expert: bool = _doc("add a dense SwiGLU expert every token goes through (DeepSeek)", False)
 
     def __post_init__(self):
         if self.n_kv_head == 0:
@@ -74,6 +81,14 @@ class GPTConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.backend not in ("auto", "torch", "triton"):
             raise ValueError(f"backend must be auto | torch | triton, got {self.backend!r}")
+        if self.moe_num_experts < 0 or (self.moe_num_experts and not 1 <= self.moe_top_k <= self.moe_num_experts):
+            raise ValueError(f"moe_num_experts={self.moe_num_experts} must be >= 0 and moe_top_k={self.moe_top_k} "
+                             "in [1, num_experts]")
+        if self.moe_balance not in ("aux", "bias", "none"):
+            raise ValueError(f"moe_balance must be aux | bias | none, got {self.moe_balance!r}")
+        for name in ("moe_capacity_factor", "moe_aux_weight"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"GPTConfig.{name} must be a finite number >= 0, got {getattr(self, name)}")
 
     @property
     def padded_vocab_size(self) -> int:
@@ -99,6 +114,19 @@ class MLP(SwiGLU):
         return self.dropout(super().forward(x))  # (B, T, C)
 
 
+class MoEMLP(MoE):
+    """The block's feed-forward as a mixture of experts (chapter 16), each expert the MLP's SwiGLU, then dropout."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__(cfg.n_embd, cfg.mlp_hidden, cfg.moe_num_experts, cfg.moe_top_k,
+                         capacity_factor=cfg.moe_capacity_factor, balance=cfg.moe_balance,
+                         shared_expert=cfg.moe_shared_expert, backend=_backend_arg(cfg))
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(super().forward(x))  # (B, T, C)
+
+
 class Block(nn.Module):
     """One pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
@@ -109,7 +137,7 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg.n_embd, cfg.n_head, cfg.n_kv_head, max_seq_len=cfg.block_size,
                                         rope_base=cfg.rope_base, dropout=cfg.dropout, bias=cfg.bias, backend=be)
         self.norm2 = RMSNorm(cfg.n_embd, eps=cfg.norm_eps, backend=be)
-        self.mlp = MLP(cfg)
+        self.mlp = MoEMLP(cfg) if cfg.moe_num_experts else MLP(cfg)
 
     def forward(self, x: torch.Tensor, kv_cache=None, layer: int = 0) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), kv_cache, layer)  # (B, T, C)
@@ -158,7 +186,7 @@ class GPT(nn.Module):
         # GPT-2's scaled init: each block adds two residual branches, so the output projections start with
         # std 0.02 / sqrt(2 * n_layer) and the residual stream's variance does not grow with depth.
         for name, p in self.named_parameters():
-            if name.endswith("attn.proj.weight") or name.endswith("mlp.down.weight"):
+            if name.endswith(("attn.proj.weight", "mlp.down.weight", "mlp.w_down", "mlp.shared.down.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
     @staticmethod
@@ -203,13 +231,39 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx))  # (B, T, C)
         for block in self.blocks:
             x = block(x)  # (B, T, C)
+        aux = self._take_aux_loss()
         x = self.norm_f(x)  # (B, T, C)
         if targets is None:
             logits = F.linear(x[:, [-1], :], self.wte.weight)  # (B, 1, V_pad): only the last position is needed
             return logits, None
         logits = F.linear(x, self.wte.weight)  # (B, T, V_pad), tied head
         loss = cross_entropy(logits.view(B * T, -1), targets.reshape(B * T), backend=self.backend)  # (N, V_pad)
+        c = self.config
+        if aux is not None and c.moe_balance == "aux" and c.moe_aux_weight and self.training:  # not in eval
+            loss = loss + c.moe_aux_weight * aux  # the balance loss joins the training loss
         return logits, loss
+
+    def _take_aux_loss(self):
+        """The Switch losses of the MoE blocks, summed (None when dense); the blocks keep detached copies (for the
+        log, and so that the model can still be deep-copied: a tensor inside a graph cannot be)."""
+        if not self.config.moe_num_experts:
+            return None
+        total = sum(b.mlp.aux_loss for b in self.blocks)
+        for b in self.blocks:
+            b.mlp.aux_loss = b.mlp.aux_loss.detach()
+        return total
+
+    def moe_stats(self) -> dict | None:
+        """The last forward's routing, summed over the blocks: tokens per expert, dropped assignments, and the
+        mean Switch balance loss E * sum f_i P_i (1.0 = uniform; measured whatever the balancing); None when dense."""
+        if not self.config.moe_num_experts:
+            return None
+        moes = [b.mlp for b in self.blocks if getattr(b.mlp, "load", None) is not None]
+        if not moes:
+            return None
+        load = sum(m.load for m in moes)
+        return {"tokens_per_expert": [int(v) for v in load], "dropped": int(sum(m.dropped for m in moes)),
+                "balance_loss": round(sum(float(m.aux_loss) for m in moes) / len(moes), 4)}
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,

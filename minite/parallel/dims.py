@@ -69,12 +69,13 @@ def init_distributed(timeout_s: float = 60.0, backend: str | None = None, device
 
 @dataclass
 class ParallelDims:
-    """Degrees of data (dp), tensor (tp), pipeline (pp) and context (cp) parallelism; ``build()`` makes groups."""
+    """Degrees of data (dp), tensor (tp), pipeline (pp), context (cp) and expert (ep, within dp) parallelism."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1  # expert parallelism (chapter 16): the experts cut over groups of ep dp ranks; not a grid axis
     rank: int = 0
     world: int = 1
     groups: dict = field(default_factory=dict, repr=False)  # axis name -> ProcessGroup (None when size 1)
@@ -85,12 +86,15 @@ class ParallelDims:
             v = getattr(self, a)
             if not isinstance(v, int) or v < 1:
                 raise ParallelError(f"parallel degree {a}={v!r} must be a positive integer")
+        if not isinstance(self.ep, int) or self.ep < 1 or self.dp % self.ep:
+            raise ParallelError(f"expert-parallel degree ep={self.ep!r} must be a positive integer dividing "
+                                f"dp={self.dp}")
 
     @classmethod
     def from_config(cls, p, world: int) -> "ParallelDims":
         """The degrees of a ``ParallelConfig`` (not built: no group yet) for a run of `world` processes;
         a ParallelError naming the numbers when world != dp*tp*pp*cp."""
-        dims = cls(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp)
+        dims = cls(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=getattr(p, "ep", 1))
         if world != dims.size:
             raise ParallelError(dims._world_mismatch(world))
         return dims
@@ -121,6 +125,15 @@ class ParallelDims:
                     if len(line) > 1 and dist.is_initialized() else None
                 if rank in line:
                     self.groups[name], self.ranks[name] = pg, line
+        # ep: consecutive runs of ep ranks along each dp line; edp: the ranks at the same place of each run
+        for line in grid.permute(0, 2, 3, 1).reshape(-1, self.dp).tolist() if self.ep > 1 else []:
+            runs = [line[i:i + self.ep] for i in range(0, self.dp, self.ep)]
+            for name, lines in (("ep", runs), ("edp", [list(c) for c in zip(*runs)])):
+                for sub in lines:
+                    pg = dist.new_group(sub, timeout=datetime.timedelta(seconds=timeout_s)) \
+                        if len(sub) > 1 and dist.is_initialized() else None
+                    if rank in sub:
+                        self.groups[name], self.ranks[name] = pg, sub
         return self
 
     # ------------------------------------------------------------------ coordinates and neighbours
@@ -137,6 +150,10 @@ class ParallelDims:
     @property
     def tp_rank(self) -> int:
         return self.local_rank("tp")
+
+    @property
+    def ep_rank(self) -> int:
+        return self.local_rank("ep")
 
     @property
     def pp_rank(self) -> int:
@@ -170,6 +187,9 @@ class ParallelDims:
             errs.append(f"mlp_hidden={cfg.mlp_hidden} is not divisible by tp={tp}")
         if self.pp > cfg.n_layer:
             errs.append(f"pp={self.pp} stages but only n_layer={cfg.n_layer} layers")
+        E = getattr(cfg, "moe_num_experts", 0)
+        if self.ep > 1 and (E == 0 or E % self.ep):
+            errs.append(f"ep={self.ep} needs a number of experts divisible by it, got moe_num_experts={E}")
         if errs:
             raise ParallelError("cannot shard this GPT: " + "; ".join(errs))
 
@@ -182,7 +202,11 @@ def check_layout(p, model, *, world: int, seq_len: int, batch_size: int, lora_r:
     against the world size, tp against heads / MLP / vocabulary, pp against layers, cp and sp against the
     sequence, dp and micro-batches against the global batch, and the combinations not built here."""
     errs = []
-    dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp)
+    try:
+        dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=getattr(p, "ep", 1))
+    except ParallelError as e:  # ep does not divide dp: report it with the rest
+        errs.append(str(e))
+        dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp)
     if world != dims.size:
         errs.append(dims._world_mismatch(world))
     try:
@@ -208,6 +232,10 @@ def check_layout(p, model, *, world: int, seq_len: int, batch_size: int, lora_r:
         (p.zero == 3 and p.tp > 1, f"zero=3 with tp={p.tp} (use zero 0-2 with tp)"),
         (lora_r > 0 and dims.size > 1, f"LoRA (lora.r={lora_r}) under a parallel layout (fine-tune in one "
                                        "process)"),
+        *[(getattr(model, "moe_num_experts", 0) and deg > 1, f"a mixture of experts (model.moe_num_experts="
+           f"{model.moe_num_experts}) with {a}={deg} (experts run with dp and ep only)")
+          for a, deg in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp))],
+        (getattr(p, "ep", 1) > 1 and p.zero > 0, f"ep={getattr(p, 'ep', 1)} with zero={p.zero} (use zero=0 with ep)"),
     ]
     for bad, why in unsupported:
         if bad:

@@ -1,0 +1,187 @@
+"""Chapter 16: expert parallelism (EP). The E experts of every MoE layer are cut over an ``ep`` group of ranks.
+
+ep divides dp: the dp ranks fall into dp/ep groups of ep consecutive ranks (``ep`` groups), and the ranks at the
+same place of each group (``edp`` groups, dp/ep ranks each) hold the same experts. Each rank still sees its own
+slice of the batch and holds the router, attention and embeddings whole; rank r of an ep group holds experts
+[r * E/ep, (r + 1) * E/ep). One MoE layer's forward on a rank:
+
+    route + permute (layers/moe.py)   rows sorted by expert id = grouped by destination rank (experts are contiguous)
+    1. exchange counts                all_to_all_single of the (E,) counts: how many rows each source sends me, per
+                                      local expert; split sizes go to the host (the one sync of the dispatch)
+    2. dispatch                       all_to_all_single of the rows, with those split sizes
+    3. local experts                  re-sort the received rows by local expert, grouped GEMM, sort back
+    4. combine                        all_to_all_single back (the splits swapped), then unpermute as before
+
+Autograd: the backward of an all-to-all is the all-to-all with the splits swapped (``AllToAll``).
+Gradients: a non-expert parameter is averaged over dp as in DDP. An expert's gradient on its owner already sums
+the contributions of all ep ranks' tokens (the backward all-to-all brought them), so it is summed over the edp
+replicas and divided by dp: the gradient of the global batch's mean loss. The checkpoint stays dense (the experts
+all-gathered over ep), so it resumes under any layout. Not composed with tp, pp, cp or ZeRO here (refused by
+``check_layout``).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from minite.parallel import comm
+from minite.parallel.sequence import gather_dense
+
+__all__ = ["AllToAll", "all_to_all", "exchange_counts", "expert_parallel_ffn", "shard_experts",
+           "ExpertDataParallel", "moe_layers"]
+
+
+def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    """Rows x[sum(send[:j]) : sum(send[:j+1])] go to rank j of `group`; returns the rows received, by source rank."""
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    log = comm._LOG.get()  # the lessons' byte counts (comm.CommLog): the rows that leave this rank
+    if log is not None:
+        row = x[0].numel() * x.element_size() if x.shape[0] else 0
+        b = (sum(send) - send[comm.rank(group)]) * row
+        log.rows.append({"op": "all_to_all", "bytes": sum(send) * row, "n": comm.size(group), "sent": b})
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    """forward: all_to_all_single with (send, recv) split sizes / backward: all_to_all_single with (recv, send)."""
+
+    @staticmethod
+    def forward(ctx, x, send, recv, group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return all_to_all(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return all_to_all(dy, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
+    """counts (E,): rows I send to each expert -> (ep, E/ep): rows each source rank sends to each of my experts."""
+    ep = comm.size(group)
+    recv = torch.empty_like(counts)
+    dist.all_to_all_single(recv, counts.contiguous(), group=group)  # equal splits: E/ep counts per rank
+    return recv.view(ep, -1)
+
+
+@torch.compiler.disable  # Python split sizes and collectives: eager, behind a graph break under torch.compile
+def expert_parallel_ffn(moe, xs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The experts of one MoE layer over its ep group: xs (M, C) rows sorted by global expert id, offsets (E + 1,)
+    -> (M, C) rows in the same order (dropped rows, past offsets[E], are 0)."""
+    group, ep = moe.ep_group, comm.size(moe.ep_group)
+    El = moe.w_gate_up.shape[0]  # my experts
+    counts = offsets[1:] - offsets[:-1]  # (E,) rows for each expert, kept ones only
+    recv = exchange_counts(counts, group)  # (ep, El)
+    send_splits = counts.view(ep, El).sum(1).tolist()  # host sync: all_to_all_single takes Python split sizes
+    recv_splits = recv.sum(1).tolist()
+    kept = sum(send_splits)
+    xr = AllToAll.apply(xs[:kept], send_splits, recv_splits, group)  # (R, C): by source rank, then local expert
+    local = torch.repeat_interleave(torch.arange(El, device=xs.device).repeat(ep), recv.reshape(-1))  # (R,)
+    order = torch.argsort(local, stable=True)  # by local expert (sources in rank order within each)
+    loffsets = torch.cat([recv.new_zeros(1), torch.cumsum(recv.sum(0), 0)])  # (El + 1,)
+    # (R, C). Even with R = 0 its result is in the graph of xr and the weights (grouped GEMM, both backends): every
+    # rank must run both backward all-to-alls, or the ranks' collectives fall out of step.
+    yl = moe.experts_ffn(xr[order], loffsets)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    ys = AllToAll.apply(yl[inverse], recv_splits, send_splits, group)  # (kept, C): back to their sources
+    return torch.cat([ys, ys.new_zeros((xs.shape[0] - kept, ys.shape[1]))])
+
+
+def moe_layers(model: nn.Module) -> list:
+    from minite.layers.moe import MoE
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def shard_experts(model: nn.Module, dims) -> nn.Module:
+    """Keep my E/ep experts of every MoE layer (in place); the router and the rest stay whole. Each expert
+    parameter is tagged ``dense_index = (0, my expert ids)`` (reshard.py slices the dense optimizer state by it)."""
+    ep, r = dims.ep, dims.ep_rank
+    for moe in moe_layers(model):
+        El = moe.num_experts // ep
+        lo = r * El
+        for name in ("w_gate_up", "w_down"):
+            p = nn.Parameter(getattr(moe, name).detach()[lo:lo + El].clone())
+            p.dense_index = (0, torch.arange(lo, lo + El))
+            p.expert_parallel = True
+            setattr(moe, name, p)
+        moe.ep_group, moe.stats_group, moe.expert_lo = dims.group("ep"), dims.group("dp"), lo
+    return model
+
+
+class ExpertDataParallel:
+    """Gradient averaging for a model whose experts are sharded: dense parameters over dp, experts over edp
+    (both divided by dp), once per backward (one flat all-reduce each); ``no_sync()`` for gradient accumulation."""
+
+    def __init__(self, model: nn.Module, dims):
+        self.model, self.dims = model, dims
+        self.experts = [p for p in model.parameters() if getattr(p, "expert_parallel", False)]
+        self.dense = [p for p in model.parameters() if not getattr(p, "expert_parallel", False)]
+        self._sync, self._queued = True, False
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def _grad_ready(self, p) -> None:
+        if self._sync and not self._queued:  # the first gradient of this backward: reduce when it ends
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+
+    def finish(self) -> None:
+        self._queued = False
+        for params, group in ((self.dense, self.dims.group("dp")), (self.experts, self.dims.group("edp"))):
+            grads = [p.grad for p in params if p.grad is not None]
+            if not grads:
+                continue
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            comm.all_reduce(flat, group)
+            flat /= self.dims.dp
+            torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]),
+                                                                            grads)])
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The norm of the whole model's gradient: the dense part (the same on every rank) plus every expert's,
+        summed over the ep group; every gradient scaled by min(max_norm / (norm + 1e-6), 1)."""
+        def sq(params):
+            return sum((p.grad.double() ** 2).sum() for p in params if p.grad is not None) + torch.zeros(
+                1, dtype=torch.float64, device=next(self.model.parameters()).device)
+        experts = sq(self.experts)
+        comm.all_reduce(experts, self.dims.group("ep"))
+        norm = (sq(self.dense) + experts).sqrt()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.dtype))
+        return norm
+
+    def _dense(self, name: str, t: torch.Tensor, p) -> torch.Tensor:
+        if getattr(p, "expert_parallel", False):
+            return gather_dense(t, p, self.dims.group("ep"))
+        return t.detach().clone()
+
+    def dense_state_dict(self) -> dict:
+        """The dense model's state dict (a collective over ep: every rank calls it)."""
+        params = dict(self.model.named_parameters())
+        return {k: self._dense(k, v, params[k]) if k in params else v
+                for k, v in self.model.state_dict().items()}
+
+    def dense_optim_state(self, opt) -> dict:
+        """The layout-free AdamW state (reshard.py's format), the expert moments gathered over ep."""
+        from minite.parallel.reshard import FORMAT, MOMENTS, _local_moments
+        moments, step = _local_moments(opt)
+        state = {k: {} for k in MOMENTS}
+        for name, p in self.model.named_parameters():
+            if p in moments:
+                for k, t in zip(MOMENTS, moments[p]):
+                    state[k][name] = self._dense(name, t, p).cpu()
+        return {"format": FORMAT, "step": step, **state}

@@ -1,0 +1,95 @@
+"""Grouped GEMM (chapter 16): the Triton kernel (forward, dx, dw) vs the loop reference on uneven and empty groups,
+the tile table, the GPU tile shapes run under the interpreter, the reference vs a per-row formula, bad input."""
+import pytest
+import torch
+
+from minite.kernels import grouped_gemm as gg
+from minite.kernels.grouped_gemm import grouped_gemm, grouped_gemm_ref, tile_table
+from minite.testing import check_op
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# rows per expert (odd, empty experts, one big group), then rows past the last expert (dropped tokens)
+GROUPS = [([5, 0, 17, 3], 2), ([0, 0, 0], 4), ([33], 0), ([1, 2, 0, 40, 0], 3)]
+
+
+def _problem(counts, extra, K, N, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    M = sum(counts) + extra
+    x = torch.randn(M, K, generator=g).to(dtype).to(device)
+    w = (torch.randn(len(counts), K, N, generator=g) / K ** 0.5).to(dtype).to(device)
+    offsets = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist()).to(device)
+    return x, w, offsets
+
+
+def _triton(x, w, offsets):
+    return grouped_gemm(x, w, offsets, backend="triton")
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("groups", GROUPS)
+def test_kernel_matches_reference(groups, dtype, device):
+    x, w, offsets = _problem(*groups, K=19, N=37, dtype=dtype, device=device)
+    assert check_op("grouped_gemm", _triton, grouped_gemm_ref, x, w, offsets)  # y, dx, dw
+
+
+@pytest.mark.triton
+def test_rows_past_the_last_expert_are_zero_with_zero_grad(device):
+    x, w, offsets = _problem([4, 6], 5, K=16, N=16, dtype=torch.float32, device=device)
+    x.requires_grad_()
+    y = _triton(x, w, offsets)
+    assert y[10:].abs().max().item() == 0.0 and y[:10].abs().min().item() > 0  # the last row of expert 1 is kept
+    (dx,) = torch.autograd.grad(y.sum(), x)
+    assert dx[10:].abs().max().item() == 0.0 and dx[:10].abs().sum().item() > 0
+
+
+@pytest.mark.triton
+def test_gpu_tiles_under_the_interpreter(device, monkeypatch):
+    # The H100 tile configuration (128 x 128 x 64) must be correct too, not only the small CPU tiles.
+    monkeypatch.setattr(gg, "_tiles", lambda *a: gg.GPU_TILES)
+    x, w, offsets = _problem([130, 0, 7], 1, K=70, N=20, dtype=torch.float16, device=device)
+    assert check_op("grouped_gemm GPU tiles", _triton, grouped_gemm_ref, x, w, offsets)
+
+
+def test_tile_table_covers_every_row_once():
+    offsets = torch.tensor([0, 5, 5, 22, 25])  # experts of 5, 0, 17, 3 rows; M = 27 (2 dropped rows)
+    expert, first = tile_table(offsets, 27, 4)
+    assert expert.numel() == 27 // 4 + 1 + 4  # cdiv(M, BLOCK_M) + E slots
+    seen = []
+    for e, r in zip(expert.tolist(), first.tolist()):
+        end = int(offsets[e + 1])
+        seen += [(row, e) for row in range(r, min(r + 4, end))]
+    want = [(row, e) for e in range(4) for row in range(int(offsets[e]), int(offsets[e + 1]))]
+    assert sorted(seen) == want
+
+
+def test_reference_matches_per_row_matmul():
+    x, w, offsets = _problem([3, 0, 6], 2, K=8, N=5, dtype=torch.float32, device="cpu")
+    row_expert = torch.repeat_interleave(torch.arange(3), offsets.diff())  # (9,)
+    want = torch.bmm(x[:9, None, :], w[row_expert]).squeeze(1)  # y[i] = x[i] @ w[e(i)]
+    y = grouped_gemm_ref(x, w, offsets)
+    torch.testing.assert_close(y[:9], want)
+    assert y[9:].abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.triton)])
+def test_no_rows_still_in_the_graph(backend, device):
+    # An expert-parallel rank that receives no token must still run its backward all-to-alls: the output of an
+    # empty grouped GEMM has to depend on x and w, and give them zero gradients.
+    x, w, offsets = _problem([0, 0], 0, K=16, N=16, dtype=torch.float32, device=device)
+    x.requires_grad_()
+    w.requires_grad_()
+    y = grouped_gemm(x, w, offsets, backend=backend)
+    assert y.shape == (0, 16) and y.requires_grad
+    dx, dw = torch.autograd.grad(y.sum(), (x, w))
+    assert dx.shape == (0, 16) and dw.abs().max().item() == 0.0
+
+
+def test_bad_input():
+    x, w, offsets = _problem([2, 2], 0, K=8, N=4, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="w \\(E, K, N\\)"):
+        grouped_gemm(x, w.transpose(1, 2), offsets)
+    with pytest.raises(ValueError, match="offsets must be an integer \\(E \\+ 1,\\) = \\(3,\\)"):
+        grouped_gemm(x, w, offsets[:2])
+    with pytest.raises(ValueError, match="x is torch.float32 but w is torch.float16"):
+        grouped_gemm(x, w.half(), offsets)

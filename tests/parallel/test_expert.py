@@ -1,0 +1,81 @@
+"""Chapter 16: expert parallelism on real torch.distributed (gloo on CPU). One torchrun launch of world 4 runs the
+workers' checks (ep = 2 and ep = 4: loss, every gradient, 5 AdamW steps against one process; a one-process
+checkpoint resumed at ep = 4; bad layouts); one launch of ``minite.train --parallel.dp=4 --parallel.ep=2`` trains
+one process's 20-step curve, and its dense checkpoint resumes in one process; a rank killed in the dispatch ends
+the run, named. Layouts that are not built (ep with tp, pp, cp or ZeRO) are refused before any process starts."""
+import pytest
+
+from minite.config import make_config
+from minite.errors import ParallelError
+from minite.models.gpt import GPT, GPTConfig
+from minite.parallel.dims import check_layout
+from minite.parallel.launch import torchrun
+from minite.train import load_checkpoint, train
+
+pytestmark = pytest.mark.distributed
+
+MOE = {"model.moe_num_experts": 4, "model.moe_top_k": 2}
+
+
+@pytest.fixture(scope="module")
+def world4(workers):
+    return workers(4, "ep", "ep_layouts", "ep_resume")
+
+
+@pytest.mark.parametrize("name", ["ep2_aux", "ep4_aux", "ep2_bias", "ep4_bias", "ep_layouts", "ep_resume"])
+def test_expert_parallel_matches_one_process(world4, check, name):
+    check(world4, name)
+
+
+def test_all_to_all_bytes_grow_with_ep(world4):
+    r = world4[0]
+    assert 0 < r["ep2_aux"]["a2a_bytes"] < r["ep4_aux"]["a2a_bytes"]  # more ranks: fewer rows stay at home
+
+
+def test_dead_rank_in_the_all_to_all_ends_the_run_naming_it(tmp_path):
+    res = torchrun(2, ["-m", "minite.parallel.workers", "ep_die", "--timeout", "30", "--out", str(tmp_path)],
+                   timeout=90)
+    assert res.returncode != 0
+    assert "rank      : 1" in res.stdout and "Root Cause" in res.stdout, res.stdout[-2000:]
+    assert not list(tmp_path.glob("rank*.json"))
+
+
+def test_cli_ep_matches_single_process(corpus, cli, flags, curve):
+    d, data = corpus
+    base = {**flags, **data, **MOE, "train.grad_accum": 2}  # 2 micro-batches: the first under no_sync()
+    train(cli({**base, "train.out_dir": str(d / "single_moe")}, 4)[0])
+    loss1, val1 = curve(d / "single_moe")
+    res = torchrun(4, [*cli({**base, "train.out_dir": str(d / "ep2")}, 4)[1], "--parallel.dp=4", "--parallel.ep=2"],
+                   timeout=180)
+    assert res.returncode == 0, res.stdout[-3000:]
+    loss, val = curve(d / "ep2")
+    assert len(loss) == 20 and len(val) == 3
+    assert max(abs(a - b) for a, b in zip(loss, loss1)) < 1e-4, (loss, loss1)
+    assert max(abs(a - b) for a, b in zip(val, val1)) < 1e-4, (val, val1)
+    state = load_checkpoint(d / "ep2" / "ckpt.pt")
+    assert state["model"]["blocks.0.mlp.w_gate_up"].shape[0] == 4  # all the experts, gathered
+    GPT(GPTConfig(**state["config"]["model"])).load_state_dict(state["model"])
+    assert set(state["optimizer"]["exp_avg"]) >= {"blocks.0.mlp.w_gate_up", "blocks.1.mlp.w_down"}
+    assert state["optimizer"]["exp_avg"]["blocks.1.mlp.w_down"].shape[0] == 4
+    # the layout-free checkpoint resumes in one process: 2 more steps, as the one-process run's own resume takes
+    more = {"train.max_iters": 22}
+    ep_more = train(cli({**base, "train.out_dir": str(d / "ep2")}, 4)[0], resume=True,
+                    resume_overrides={"train.out_dir": str(d / "ep2"), **more})
+    one_more = train(cli({**base, "train.out_dir": str(d / "single_moe")}, 4)[0], resume=True,
+                     resume_overrides={"train.out_dir": str(d / "single_moe"), **more})
+    assert sorted(ep_more["losses"]) == [21, 22]
+    assert max(abs(ep_more["losses"][s] - one_more["losses"][s]) for s in (21, 22)) < 1e-4
+
+
+@pytest.mark.parametrize("over, world, match", [
+    ({"parallel.dp": 4, "parallel.ep": 3}, 4, "ep=3 must be a positive integer dividing dp=4"),
+    ({"parallel.dp": 2, "parallel.ep": 2, "model.moe_num_experts": 3}, 2, "got moe_num_experts=3"),
+    ({"parallel.dp": 2, "parallel.ep": 2, "model.moe_num_experts": 0}, 2, "got moe_num_experts=0"),
+    ({"parallel.tp": 2}, 2, r"mixture of experts \(model.moe_num_experts=4\) with tp=2"),
+    ({"parallel.dp": 2, "parallel.pp": 2}, 4, "with pp=2"),
+    ({"parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 1}, 2, "ep=2 with zero=1"),
+])
+def test_layouts_refused(flags, over, world, match):
+    cfg = make_config("cpu", {**flags, **MOE, **over})
+    with pytest.raises(ParallelError, match=match):
+        check_layout(cfg.parallel, cfg.model, world=world, seq_len=16, batch_size=8)
