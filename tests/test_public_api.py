@@ -23,6 +23,7 @@ BUILD = {
     "LinearCrossEntropy": lambda **f: mnn.LinearCrossEntropy(8, 11, **f),
     "LoRALinear": lambda **f: mnn.LoRALinear(8, 4, r=2, **f),
     "KVCache": lambda **f: mnn.KVCache(2, 1, 2, 8, 4, **f),
+    "MoE": lambda **f: mnn.MoE(8, 16, 4, 2, shared_expert=True, **f),
 }
 STATELESS = {"Softmax"}
 

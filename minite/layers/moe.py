@@ -106,7 +106,8 @@ class MoE(nn.Module):
 
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int = 2, *, capacity_factor: float = 0.0,
                  balance: str = "aux", bias_rate: float = 1e-3, shared_expert: bool = False,
-                 backend: str | None = None, device=None, dtype=None):
+                 backend: str | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"MoE: top_k={top_k} must be in [1, num_experts={num_experts}]")
@@ -122,7 +123,9 @@ class MoE(nn.Module):
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, dim, **where))  # (E, H, C)
         for w in (self.router.weight, self.w_gate_up, self.w_down):
             nn.init.normal_(w, std=0.02)
-        self.register_buffer("expert_bias", torch.zeros(num_experts, device=device))  # (E,) "bias" balancing
+        # (E,) "bias" balancing, never below fp32: its updates (bias_rate ~1e-3) would vanish in a bf16 bias
+        bias_dtype = torch.promote_types(dtype or torch.float32, torch.float32)
+        self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=bias_dtype))
         self.shared = SwiGLU(dim, hidden, backend=backend, fused=True, **where) if shared_expert else None
         self.ep_group = None  # expert parallel: set by minite.parallel.expert.shard_experts
         self.stats_group = None  # the group whose global load the balancing sees (data parallel)
