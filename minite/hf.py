@@ -158,6 +158,9 @@ def to_hf_llama(gpt: GPT) -> LlamaForCausalLM:
     """A transformers ``LlamaForCausalLM`` with the weights of a minite GPT (tied embedding, the V real rows)."""
     tf = _transformers()
     c = gpt.config
+    if c.moe_num_experts:  # a Llama has one MLP per block: there is no place for experts or a router
+        raise ValueError(f"to_hf_llama: this GPT has moe_num_experts={c.moe_num_experts} (a mixture of experts); "
+                         "LlamaForCausalLM holds one dense MLP per block, so its experts cannot be mapped")
     config = tf.LlamaConfig(
         vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.mlp_hidden, num_hidden_layers=c.n_layer,
         num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head, head_dim=c.n_embd // c.n_head,

@@ -148,6 +148,13 @@ def test_refuses_other_models():
         from_hf_llama(llama("cpu").model)
 
 
+def test_to_hf_refuses_a_mixture_of_experts():
+    # was: KeyError deep in the weight mapping (a Llama has one dense MLP per block)
+    gpt = GPT(GPTConfig(vocab_size=V, n_layer=1, n_embd=32, n_head=2, block_size=8, moe_num_experts=4))
+    with pytest.raises(ValueError, match="moe_num_experts=4"):
+        to_hf_llama(gpt)
+
+
 # ------------------------------------------------------------------------------------------ to_hf_llama
 @pytest.mark.triton
 def test_save_pretrained_round_trips_a_trained_gpt(device, tmp_path):

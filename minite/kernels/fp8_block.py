@@ -277,7 +277,8 @@ def _pow2_block(where, n):
                          "(the torch backend takes any block)")
 
 
-def quantize_blockwise(x: torch.Tensor, block=(1, 128), *, fp8_dtype=torch.float8_e4m3fn, pow2: bool = False,
+def quantize_blockwise(x: torch.Tensor, block: tuple[int, int] = (1, 128), *,
+                       fp8_dtype: torch.dtype = torch.float8_e4m3fn, pow2: bool = False,
                        backend: str | None = None) -> BlockScaledTensor:
     """x (R, C) -> fp8 with one fp32 scale per `block` = (1, 128) (activations) or (128, 128) (weights).
 
@@ -293,7 +294,7 @@ def quantize_blockwise(x: torch.Tensor, block=(1, 128), *, fp8_dtype=torch.float
     return quantize_blockwise_ref(x, block, fp8_dtype, pow2)
 
 
-def quantize_mx(x: torch.Tensor, *, block: int = MX_BLOCK, fp8_dtype=torch.float8_e4m3fn,
+def quantize_mx(x: torch.Tensor, *, block: int = MX_BLOCK, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
                 backend: str | None = None) -> BlockScaledTensor:
     """x (R, C) -> MXFP8: one E8M0 scale per 1 x `block` (32) slice of each row (OCP MX v1.0)."""
     if resolve_backend(x, backend) == "triton":
@@ -318,7 +319,7 @@ def _check_gemm(a, b, out_dtype):
         raise ValueError(f"block_scaled_gemm: out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
 
 
-def block_scaled_gemm(a: BlockScaledTensor, b: BlockScaledTensor, *, out_dtype=torch.bfloat16,
+def block_scaled_gemm(a: BlockScaledTensor, b: BlockScaledTensor, *, out_dtype: torch.dtype = torch.bfloat16,
                       backend: str | None = None) -> torch.Tensor:
     """a (M, K) @ b (K, N) with per-block scales applied to the fp32 partial sum of every K-block."""
     _check_gemm(a, b, out_dtype)

@@ -218,7 +218,8 @@ def _triton_path(x, w, offsets):
     return GroupedGemmFunction.apply(x, w, offsets)
 
 
-def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *, backend: str | None = None):
+def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *,
+                 backend: str | None = None) -> torch.Tensor:
     """y (M, N): rows offsets[e]:offsets[e+1] of x (M, K) times w[e] (K, N); rows past offsets[E] are 0.
     offsets: non-decreasing, offsets[0] = 0, offsets[E] <= M, on x's device (not checked: that would sync)."""
     _check(x, w, offsets)
