@@ -127,6 +127,17 @@ class MoEMLP(MoE):
         return self.dropout(super().forward(x))  # (B, T, C)
 
 
+def _take_aux_loss(cfg: GPTConfig, blocks) -> torch.Tensor | None:
+    """The Switch losses of the MoE blocks, summed (None when dense); the blocks keep detached copies (for the
+    log, and so that the model can still be deep-copied: a tensor inside a graph cannot be)."""
+    if not cfg.moe_num_experts:
+        return None
+    total = sum(b.mlp.aux_loss for b in blocks)
+    for b in blocks:
+        b.mlp.aux_loss = b.mlp.aux_loss.detach()
+    return total
+
+
 class Block(nn.Module):
     """One pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
@@ -231,7 +242,7 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx))  # (B, T, C)
         for block in self.blocks:
             x = block(x)  # (B, T, C)
-        aux = self._take_aux_loss()
+        aux = _take_aux_loss(self.config, self.blocks)  # a function: CPGPT runs this forward on its own modules
         x = self.norm_f(x)  # (B, T, C)
         if targets is None:
             logits = F.linear(x[:, [-1], :], self.wte.weight)  # (B, 1, V_pad): only the last position is needed
@@ -242,16 +253,6 @@ class GPT(nn.Module):
         if aux is not None and c.moe_balance == "aux" and c.moe_aux_weight and self.training:  # not in eval
             loss = loss + c.moe_aux_weight * aux  # the balance loss joins the training loss
         return logits, loss
-
-    def _take_aux_loss(self):
-        """The Switch losses of the MoE blocks, summed (None when dense); the blocks keep detached copies (for the
-        log, and so that the model can still be deep-copied: a tensor inside a graph cannot be)."""
-        if not self.config.moe_num_experts:
-            return None
-        total = sum(b.mlp.aux_loss for b in self.blocks)
-        for b in self.blocks:
-            b.mlp.aux_loss = b.mlp.aux_loss.detach()
-        return total
 
     def moe_stats(self) -> dict | None:
         """The last forward's routing, summed over the blocks: tokens per expert, dropped assignments, and the
