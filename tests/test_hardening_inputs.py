@@ -130,7 +130,7 @@ KERNEL_LEAKS = pytest.param("triton", marks=[pytest.mark.triton, pytest.mark.xfa
     strict=True, reason="issue 25: the flash kernel leaks masked NaN K/V; its fix waits for a GPU to time it")])
 
 
-@pytest.mark.parametrize("backend", ["torch", KERNEL_LEAKS])
+@pytest.mark.parametrize("backend", BOTH)
 @pytest.mark.parametrize("where,bad", [("k", NAN), ("v", NAN), ("k", INF), ("v", -INF), ("kv", NAN)])
 @pytest.mark.parametrize("T", [80, 200])  # 200: two query tiles of 128, key 70 in a full tile of the second
 def test_nan_in_masked_future_keys_does_not_leak(backend, device, where, bad, T):

@@ -128,6 +128,35 @@ def _lse_row(b, h, start, H, T_Q, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _fwd_block(q, K, V, kv_base, kv_st, n0, offs_m, offs_n, offs_d, d_ok, Tk, off, qk_scale, m_i, l_i, acc,
+               diag, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    # One key block of the online softmax. `diag`: the block holds keys that some rows of the tile must not see.
+    cols = n0 + offs_n
+    kv_mask = (cols[:, None] < Tk) & d_ok[None, :]
+    k = tl.load(K + kv_base + cols[:, None] * kv_st + offs_d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BD)
+    v = tl.load(V + kv_base + cols[:, None] * kv_st + offs_d[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        k, v = k.to(tl.float32), v.to(tl.float32)
+    if CAUSAL:
+        if diag:  # a masked key has p = 0, and P V would form 0 * NaN from a non-finite v_j
+            bad = v - v  # 0 where v is finite, NaN where it is NaN or inf (finite inputs: k + 0 = k, v kept)
+            k = k + bad  # s_ij NaN for every i: NaN in the rows that see key j, -inf (the mask below) in the others
+            v = tl.where(bad == 0.0, v, tl.zeros_like(v))
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (BLOCK_M, BLOCK_N) scores, log2 units
+    keep = cols[None, :] < Tk
+    if CAUSAL:
+        keep = keep & (cols[None, :] <= offs_m[:, None] + off)
+    s = tl.where(keep, s, float("-inf"))  # where, not a product: a masked NaN score becomes -inf too
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: avoid -inf - -inf = NaN
+    alpha = tl.exp2(m_i - m_safe)  # rescale what was summed under the old max (0 when m_i = -inf)
+    p = tl.exp2(s - m_safe[:, None])  # (BLOCK_M, BLOCK_N), masked entries exp2(-inf) = 0
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attn_fwd_kernel(Q, K, V, O, LSE, CU, T_Q, T_K, H, KVH, D, qk_scale,
                      GROUP: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr, UPCAST: tl.constexpr,
                      PREC: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -155,25 +184,12 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, CU, T_Q, T_K, H, KVH, D, qk_scale,
     if CAUSAL:  # causal block skipping: key blocks right of the diagonal hold no visible key, never load them
         hi = tl.minimum(Tk, tl.maximum(pid_m * BLOCK_M + BLOCK_M + off, 0))
     hi = tl.where(pid_m * BLOCK_M < Tq, hi, 0)  # packed batch: this sequence may be shorter than the grid
+    diag0 = hi  # key blocks from diag0 on hold keys in the future of some rows of the tile (none if not causal)
+    if CAUSAL:
+        diag0 = tl.maximum(pid_m * BLOCK_M + off + 1, 0) // BLOCK_N * BLOCK_N
     for n0 in range(0, hi, BLOCK_N):
-        cols = n0 + offs_n
-        kv_mask = (cols[:, None] < Tk) & d_ok[None, :]
-        k = tl.load(K + kv_base + cols[:, None] * kv_st + offs_d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BD)
-        v = tl.load(V + kv_base + cols[:, None] * kv_st + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (BLOCK_M, BLOCK_N) scores, log2 units
-        keep = cols[None, :] < Tk
-        if CAUSAL:
-            keep = keep & (cols[None, :] <= offs_m[:, None] + off)
-        s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: avoid -inf - -inf = NaN
-        alpha = tl.exp2(m_i - m_safe)  # rescale what was summed under the old max (0 when m_i = -inf)
-        p = tl.exp2(s - m_safe[:, None])  # (BLOCK_M, BLOCK_N), masked entries exp2(-inf) = 0
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = _fwd_block(q, K, V, kv_base, kv_st, n0, offs_m, offs_n, offs_d, d_ok, Tk, off, qk_scale,
+                                   m_i, l_i, acc, n0 >= diag0, CAUSAL, UPCAST, PREC)
     empty = l_i == 0.0  # rows that saw no key
     o = acc / tl.where(empty, 1.0, l_i)[:, None]  # 0 for empty rows
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)  # ln
@@ -258,6 +274,32 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, T_Q, T_K, H, KVH,
 
 
 @triton.jit
+def _dq_block(q, do, K, V, kv_base, kv_st, n0, offs_m, offs_n, offs_d, Tq, Tk, D, off, qk_scale, lse2, delta, dq,
+              diag, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    # One key block of dQ; `diag` as in _fwd_block. A masked entry has P = 0, and dS = P (dP - Delta) is NaN when
+    # v_j is not finite (dP = dO V^T), dS K forms 0 * NaN when k_j is not: dS is masked with where, k_j cleaned.
+    cols = n0 + offs_n
+    kv_mask = (cols[:, None] < Tk) & (offs_d[None, :] < D)
+    k = tl.load(K + kv_base + cols[:, None] * kv_st + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + kv_base + cols[:, None] * kv_st + offs_d[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        k, v = k.to(tl.float32), v.to(tl.float32)
+    if CAUSAL:
+        if diag:
+            bad = k - k  # 0 where k is finite, NaN where not
+            v = v + bad  # dP_ij NaN for every i: kept by the rows that see key j (dS NaN), masked in the others
+            k = tl.where(bad == 0.0, k, tl.zeros_like(k))
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+    keep = (cols[None, :] < Tk) & (offs_m[:, None] < Tq)
+    if CAUSAL:
+        keep = keep & (cols[None, :] <= offs_m[:, None] + off)
+    p = tl.exp2(s - lse2[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision=PREC)  # dP = dO V^T
+    ds = tl.where(keep, p * (dp - delta[:, None]), 0.0)  # where, not P = 0: 0 * NaN would be NaN
+    return dq + tl.dot(ds.to(k.dtype), k, input_precision=PREC)  # dQ += dS K (times scale below)
+
+
+@triton.jit
 def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, T_Q, T_K, H, KVH, D, qk_scale, scale,
                         GROUP: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr, UPCAST: tl.constexpr,
                         PREC: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -286,21 +328,12 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, T_Q, T_K, H, KVH, D, qk
     if CAUSAL:
         hi = tl.minimum(Tk, tl.maximum(pid_m * BLOCK_M + BLOCK_M + off, 0))
     hi = tl.where(pid_m * BLOCK_M < Tq, hi, 0)
+    diag0 = hi
+    if CAUSAL:
+        diag0 = tl.maximum(pid_m * BLOCK_M + off + 1, 0) // BLOCK_N * BLOCK_N
     for n0 in range(0, hi, BLOCK_N):
-        cols = n0 + offs_n
-        kv_mask = (cols[:, None] < Tk) & (offs_d[None, :] < D)
-        k = tl.load(K + kv_base + cols[:, None] * kv_st + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + kv_base + cols[:, None] * kv_st + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
-        keep = (cols[None, :] < Tk) & (offs_m[:, None] < Tq)
-        if CAUSAL:
-            keep = keep & (cols[None, :] <= offs_m[:, None] + off)
-        p = tl.where(keep, tl.exp2(s - lse2[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)  # dP = dO V^T
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)  # dQ += dS K (times scale below)
+        dq = _dq_block(q, do, K, V, kv_base, kv_st, n0, offs_m, offs_n, offs_d, Tq, Tk, D, off, qk_scale, lse2,
+                       delta, dq, n0 >= diag0, CAUSAL, UPCAST, PREC)
     tl.store(DQ + q_base + offs_m[:, None] * q_st + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=q_mask)
 
