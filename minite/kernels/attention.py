@@ -10,9 +10,9 @@ the backward uses to recompute P instead of keeping it, and which chapters 08 an
 Causal masking is bottom-right aligned (FlashAttention >= 2.1, PyTorch's ``causal_lower_right``): query i sees
 keys j <= i + T_k - T_q, so the last query sees every key, which is what a KV-cache prefill needs. For T_q == T_k
 this is the usual mask. A query row that sees no key gets LSE = -inf and output 0 (never NaN).
-Non-finite keys/values under the causal mask: the reference never lets a masked one change a row that cannot see
-it (a row that sees one is NaN). The Triton kernel does not promise that: P V gives a masked column weight 0 and
-0 * NaN = NaN, and cleaning the V tile in the loop costs sm_90 register spills (issue 25; see ``_finite_kv``).
+Non-finite keys/values under the causal mask never change a row that cannot see them (a row that sees one is NaN):
+P V gives a masked key weight 0, and 0 * NaN = NaN. The reference cleans k, v (``_finite_kv``); the kernels clean
+the tiles of the diagonal key blocks only, the one place a key is masked for some rows (``_fwd_block``).
 Layouts: "bhsd" (B, H, T, D) for ``attention``; "thd" (total_tokens, H, D) with ``cu_seqlens`` for
 ``attention_varlen`` (Transformer Engine's packed format: no padding, nothing computed across sequences).
 """
@@ -81,9 +81,9 @@ def _finite_kv(k, v, Tq):
     a bad key (0 * NaN in P V, and in dS K of the backward); the rows that can are set to NaN by the caller.
 
     On the CPU a host check is free: finite inputs (the usual case) skip the copies. On CUDA (and while compiling)
-    the clean-up always runs, as tensor ops: a check there would be a host sync per call. Issue 25 measured the same
-    clean-up inside the Triton kernel's loop (the V tile through registers): sm_90 spills went from 16 to 200-1300
-    bytes per thread at D = 64, so the kernel is left as it is until a GPU can time the trade."""
+    the clean-up always runs, as tensor ops: a check there would be a host sync per call. The kernels do their
+    own: cleaning every key block in the loop took sm_90 spills from 16 to 200-1300 bytes per thread at D = 64, so
+    they clean the diagonal blocks only, under a branch (``_fwd_block``, ``_dq_block``)."""
     if k.device.type == "cpu" and not torch.compiler.is_compiling():
         if bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all()):
             return k, v, None
