@@ -137,12 +137,21 @@ def _fwd_block(q, K, V, kv_base, kv_st, n0, offs_m, offs_n, offs_d, d_ok, Tk, of
     v = tl.load(V + kv_base + cols[:, None] * kv_st + offs_d[None, :], mask=kv_mask, other=0.0)
     if UPCAST:
         k, v = k.to(tl.float32), v.to(tl.float32)
-    if CAUSAL:
-        if diag:  # a masked key has p = 0, and P V would form 0 * NaN from a non-finite v_j
-            bad = v - v  # 0 where v is finite, NaN where it is NaN or inf (finite inputs: k + 0 = k, v kept)
-            k = k + bad  # s_ij NaN for every i: NaN in the rows that see key j, -inf (the mask below) in the others
+    # A masked key has p = 0, and P V would form 0 * NaN from a non-finite v_j: on the diagonal, v_j is zeroed and
+    # s_ij made NaN for every i (kept where row i sees key j, -inf from the mask below where it does not). Finite
+    # inputs: bad = 0, nothing changes. Two spellings, the one with fewer sm_90 spills per dot kind (tests/kernels/
+    # test_attention_sm90.py): tensor cores (tf32/fp16/bf16) through k, fp32's FMA dot through s.
+    if CAUSAL and PREC != "ieee":
+        if diag:
+            bad = v - v  # 0 where v is finite, NaN where it is NaN or inf
+            k = k + bad
             v = tl.where(bad == 0.0, v, tl.zeros_like(v))
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (BLOCK_M, BLOCK_N) scores, log2 units
+    if CAUSAL and PREC == "ieee":
+        if diag:
+            bad = v - v
+            v = tl.where(bad == 0.0, v, tl.zeros_like(v))
+            s = s + tl.sum(bad, 1)[None, :]
     keep = cols[None, :] < Tk
     if CAUSAL:
         keep = keep & (cols[None, :] <= offs_m[:, None] + off)
@@ -277,14 +286,15 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, T_Q, T_K, H, KVH,
 def _dq_block(q, do, K, V, kv_base, kv_st, n0, offs_m, offs_n, offs_d, Tq, Tk, D, off, qk_scale, lse2, delta, dq,
               diag, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
     # One key block of dQ; `diag` as in _fwd_block. A masked entry has P = 0, and dS = P (dP - Delta) is NaN when
-    # v_j is not finite (dP = dO V^T), dS K forms 0 * NaN when k_j is not: dS is masked with where, k_j cleaned.
+    # v_j is not finite (dP = dO V^T), dS K forms 0 * NaN when k_j is not: dS is masked with where, k_j zeroed on
+    # the diagonal, and a row that sees a bad k_j still gets NaN: through dP (tensor cores) or S (fp32), as above.
     cols = n0 + offs_n
     kv_mask = (cols[:, None] < Tk) & (offs_d[None, :] < D)
     k = tl.load(K + kv_base + cols[:, None] * kv_st + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(V + kv_base + cols[:, None] * kv_st + offs_d[None, :], mask=kv_mask, other=0.0)
     if UPCAST:
         k, v = k.to(tl.float32), v.to(tl.float32)
-    if CAUSAL:
+    if CAUSAL and PREC != "ieee":
         if diag:
             bad = k - k  # 0 where k is finite, NaN where not
             v = v + bad  # dP_ij NaN for every i: kept by the rows that see key j (dS NaN), masked in the others
@@ -296,6 +306,9 @@ def _dq_block(q, do, K, V, kv_base, kv_st, n0, offs_m, offs_n, offs_d, Tq, Tk, D
     p = tl.exp2(s - lse2[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=PREC)  # dP = dO V^T
     ds = tl.where(keep, p * (dp - delta[:, None]), 0.0)  # where, not P = 0: 0 * NaN would be NaN
+    if CAUSAL and PREC == "ieee":
+        if diag:
+            k = tl.where(k - k == 0.0, k, tl.zeros_like(k))
     return dq + tl.dot(ds.to(k.dtype), k, input_precision=PREC)  # dQ += dS K (times scale below)
 
 
