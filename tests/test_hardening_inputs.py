@@ -124,13 +124,8 @@ def test_zero_head_dim_is_refused(backend, device):
         decode_attention(q[:, :, 0], q, q, torch.tensor([1]), backend=backend)
 
 
-# The Triton kernel still leaks (P V and dS K multiply a masked 0 by the NaN): cleaning the tile in its loop raised
-# sm_90 register spills from 16 to 200-1300 bytes (minite/kernels/attention.py, _finite_kv). Strict: a fix shows.
-KERNEL_LEAKS = pytest.param("triton", marks=[pytest.mark.triton, pytest.mark.xfail(
-    strict=True, reason="issue 25: the flash kernel leaks masked NaN K/V; its fix waits for a GPU to time it")])
-
-
-@pytest.mark.parametrize("backend", ["torch", KERNEL_LEAKS])
+# The Triton kernel cleans the tiles of its diagonal key blocks only (minite/kernels/attention.py, _fwd_block).
+@pytest.mark.parametrize("backend", BOTH)
 @pytest.mark.parametrize("where,bad", [("k", NAN), ("v", NAN), ("k", INF), ("v", -INF), ("kv", NAN)])
 @pytest.mark.parametrize("T", [80, 200])  # 200: two query tiles of 128, key 70 in a full tile of the second
 def test_nan_in_masked_future_keys_does_not_leak(backend, device, where, bad, T):

@@ -11,8 +11,9 @@ root = Path(__file__).resolve().parent.parent
 RULES = [
     # Concept files register their own torch.compile ops (issue 22: no side file); these three need the lines.
     # forward, dK/dV and dQ kernels, varlen, 2 ops + their autograd formula; issue 25: the reference's clean-up of
-    # non-finite masked K/V (_finite_kv, with why the kernel has none yet) and the scale / D checks
-    ("minite/kernels/attention.py", 505),
+    # non-finite masked K/V (_finite_kv) and the scale / D checks; the kernels' own clean-up of the diagonal key
+    # blocks (_fwd_block and _dq_block: the loop bodies as helpers, a branch, a spelling per dot kind: +45)
+    ("minite/kernels/attention.py", 550),
     ("minite/kernels/cross_entropy.py", 335),  # CE and the fused linear-CE: 3 ops, 2 autograd formulas, +inf rule
     ("minite/kernels/rmsnorm.py", 320),      # RMSNorm and LayerNorm: 4 ops, 2 autograd formulas, typed device/dtype
     ("minite/formats/specs.py", 305),        # bit specs, reference + Triton encode/decode, typed public API

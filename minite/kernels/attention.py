@@ -10,9 +10,9 @@ the backward uses to recompute P instead of keeping it, and which chapters 08 an
 Causal masking is bottom-right aligned (FlashAttention >= 2.1, PyTorch's ``causal_lower_right``): query i sees
 keys j <= i + T_k - T_q, so the last query sees every key, which is what a KV-cache prefill needs. For T_q == T_k
 this is the usual mask. A query row that sees no key gets LSE = -inf and output 0 (never NaN).
-Non-finite keys/values under the causal mask: the reference never lets a masked one change a row that cannot see
-it (a row that sees one is NaN). The Triton kernel does not promise that: P V gives a masked column weight 0 and
-0 * NaN = NaN, and cleaning the V tile in the loop costs sm_90 register spills (issue 25; see ``_finite_kv``).
+Non-finite keys/values under the causal mask never change a row that cannot see them (a row that sees one is NaN):
+P V gives a masked key weight 0, and 0 * NaN = NaN. The reference cleans k, v (``_finite_kv``); the kernels clean
+the tiles of the diagonal key blocks only, the one place a key is masked for some rows (``_fwd_block``).
 Layouts: "bhsd" (B, H, T, D) for ``attention``; "thd" (total_tokens, H, D) with ``cu_seqlens`` for
 ``attention_varlen`` (Transformer Engine's packed format: no padding, nothing computed across sequences).
 """
@@ -81,9 +81,9 @@ def _finite_kv(k, v, Tq):
     a bad key (0 * NaN in P V, and in dS K of the backward); the rows that can are set to NaN by the caller.
 
     On the CPU a host check is free: finite inputs (the usual case) skip the copies. On CUDA (and while compiling)
-    the clean-up always runs, as tensor ops: a check there would be a host sync per call. Issue 25 measured the same
-    clean-up inside the Triton kernel's loop (the V tile through registers): sm_90 spills went from 16 to 200-1300
-    bytes per thread at D = 64, so the kernel is left as it is until a GPU can time the trade."""
+    the clean-up always runs, as tensor ops: a check there would be a host sync per call. The kernels do their
+    own: cleaning every key block in the loop took sm_90 spills from 16 to 200-1300 bytes per thread at D = 64, so
+    they clean the diagonal blocks only, under a branch (``_fwd_block``, ``_dq_block``)."""
     if k.device.type == "cpu" and not torch.compiler.is_compiling():
         if bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all()):
             return k, v, None
@@ -128,6 +128,44 @@ def _lse_row(b, h, start, H, T_Q, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _fwd_block(q, K, V, kv_base, kv_st, n0, offs_m, offs_n, offs_d, d_ok, Tk, off, qk_scale, m_i, l_i, acc,
+               diag, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    # One key block of the online softmax. `diag`: the block holds keys that some rows of the tile must not see.
+    cols = n0 + offs_n
+    kv_mask = (cols[:, None] < Tk) & d_ok[None, :]
+    k = tl.load(K + kv_base + cols[:, None] * kv_st + offs_d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BD)
+    v = tl.load(V + kv_base + cols[:, None] * kv_st + offs_d[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        k, v = k.to(tl.float32), v.to(tl.float32)
+    # A masked key has p = 0, and P V would form 0 * NaN from a non-finite v_j: on the diagonal, v_j is zeroed and
+    # s_ij made NaN for every i (kept where row i sees key j, -inf from the mask below where it does not). Finite
+    # inputs: bad = 0, nothing changes. Two spellings, the one with fewer sm_90 spills per dot kind (tests/kernels/
+    # test_attention_sm90.py): tensor cores (tf32/fp16/bf16) through k, fp32's FMA dot through s.
+    if CAUSAL and PREC != "ieee":
+        if diag:
+            bad = v - v  # 0 where v is finite, NaN where it is NaN or inf
+            k = k + bad
+            v = tl.where(bad == 0.0, v, tl.zeros_like(v))
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (BLOCK_M, BLOCK_N) scores, log2 units
+    if CAUSAL and PREC == "ieee":
+        if diag:
+            bad = v - v
+            v = tl.where(bad == 0.0, v, tl.zeros_like(v))
+            s = s + tl.sum(bad, 1)[None, :]
+    keep = cols[None, :] < Tk
+    if CAUSAL:
+        keep = keep & (cols[None, :] <= offs_m[:, None] + off)
+    s = tl.where(keep, s, float("-inf"))  # where, not a product: a masked NaN score becomes -inf too
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: avoid -inf - -inf = NaN
+    alpha = tl.exp2(m_i - m_safe)  # rescale what was summed under the old max (0 when m_i = -inf)
+    p = tl.exp2(s - m_safe[:, None])  # (BLOCK_M, BLOCK_N), masked entries exp2(-inf) = 0
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attn_fwd_kernel(Q, K, V, O, LSE, CU, T_Q, T_K, H, KVH, D, qk_scale,
                      GROUP: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr, UPCAST: tl.constexpr,
                      PREC: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -155,25 +193,12 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, CU, T_Q, T_K, H, KVH, D, qk_scale,
     if CAUSAL:  # causal block skipping: key blocks right of the diagonal hold no visible key, never load them
         hi = tl.minimum(Tk, tl.maximum(pid_m * BLOCK_M + BLOCK_M + off, 0))
     hi = tl.where(pid_m * BLOCK_M < Tq, hi, 0)  # packed batch: this sequence may be shorter than the grid
+    diag0 = hi  # key blocks from diag0 on hold keys in the future of some rows of the tile (none if not causal)
+    if CAUSAL:
+        diag0 = tl.maximum(pid_m * BLOCK_M + off + 1, 0) // BLOCK_N * BLOCK_N
     for n0 in range(0, hi, BLOCK_N):
-        cols = n0 + offs_n
-        kv_mask = (cols[:, None] < Tk) & d_ok[None, :]
-        k = tl.load(K + kv_base + cols[:, None] * kv_st + offs_d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BD)
-        v = tl.load(V + kv_base + cols[:, None] * kv_st + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (BLOCK_M, BLOCK_N) scores, log2 units
-        keep = cols[None, :] < Tk
-        if CAUSAL:
-            keep = keep & (cols[None, :] <= offs_m[:, None] + off)
-        s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: avoid -inf - -inf = NaN
-        alpha = tl.exp2(m_i - m_safe)  # rescale what was summed under the old max (0 when m_i = -inf)
-        p = tl.exp2(s - m_safe[:, None])  # (BLOCK_M, BLOCK_N), masked entries exp2(-inf) = 0
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = _fwd_block(q, K, V, kv_base, kv_st, n0, offs_m, offs_n, offs_d, d_ok, Tk, off, qk_scale,
+                                   m_i, l_i, acc, n0 >= diag0, CAUSAL, UPCAST, PREC)
     empty = l_i == 0.0  # rows that saw no key
     o = acc / tl.where(empty, 1.0, l_i)[:, None]  # 0 for empty rows
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)  # ln
@@ -258,6 +283,36 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, T_Q, T_K, H, KVH,
 
 
 @triton.jit
+def _dq_block(q, do, K, V, kv_base, kv_st, n0, offs_m, offs_n, offs_d, Tq, Tk, D, off, qk_scale, lse2, delta, dq,
+              diag, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    # One key block of dQ; `diag` as in _fwd_block. A masked entry has P = 0, and dS = P (dP - Delta) is NaN when
+    # v_j is not finite (dP = dO V^T), dS K forms 0 * NaN when k_j is not: dS is masked with where, k_j zeroed on
+    # the diagonal, and a row that sees a bad k_j still gets NaN: through dP (tensor cores) or S (fp32), as above.
+    cols = n0 + offs_n
+    kv_mask = (cols[:, None] < Tk) & (offs_d[None, :] < D)
+    k = tl.load(K + kv_base + cols[:, None] * kv_st + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + kv_base + cols[:, None] * kv_st + offs_d[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        k, v = k.to(tl.float32), v.to(tl.float32)
+    if CAUSAL and PREC != "ieee":
+        if diag:
+            bad = k - k  # 0 where k is finite, NaN where not
+            v = v + bad  # dP_ij NaN for every i: kept by the rows that see key j (dS NaN), masked in the others
+            k = tl.where(bad == 0.0, k, tl.zeros_like(k))
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+    keep = (cols[None, :] < Tk) & (offs_m[:, None] < Tq)
+    if CAUSAL:
+        keep = keep & (cols[None, :] <= offs_m[:, None] + off)
+    p = tl.exp2(s - lse2[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision=PREC)  # dP = dO V^T
+    ds = tl.where(keep, p * (dp - delta[:, None]), 0.0)  # where, not P = 0: 0 * NaN would be NaN
+    if CAUSAL and PREC == "ieee":
+        if diag:
+            k = tl.where(k - k == 0.0, k, tl.zeros_like(k))
+    return dq + tl.dot(ds.to(k.dtype), k, input_precision=PREC)  # dQ += dS K (times scale below)
+
+
+@triton.jit
 def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, T_Q, T_K, H, KVH, D, qk_scale, scale,
                         GROUP: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr, UPCAST: tl.constexpr,
                         PREC: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -286,21 +341,12 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, T_Q, T_K, H, KVH, D, qk
     if CAUSAL:
         hi = tl.minimum(Tk, tl.maximum(pid_m * BLOCK_M + BLOCK_M + off, 0))
     hi = tl.where(pid_m * BLOCK_M < Tq, hi, 0)
+    diag0 = hi
+    if CAUSAL:
+        diag0 = tl.maximum(pid_m * BLOCK_M + off + 1, 0) // BLOCK_N * BLOCK_N
     for n0 in range(0, hi, BLOCK_N):
-        cols = n0 + offs_n
-        kv_mask = (cols[:, None] < Tk) & (offs_d[None, :] < D)
-        k = tl.load(K + kv_base + cols[:, None] * kv_st + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + kv_base + cols[:, None] * kv_st + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
-        keep = (cols[None, :] < Tk) & (offs_m[:, None] < Tq)
-        if CAUSAL:
-            keep = keep & (cols[None, :] <= offs_m[:, None] + off)
-        p = tl.where(keep, tl.exp2(s - lse2[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)  # dP = dO V^T
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)  # dQ += dS K (times scale below)
+        dq = _dq_block(q, do, K, V, kv_base, kv_st, n0, offs_m, offs_n, offs_d, Tq, Tk, D, off, qk_scale, lse2,
+                       delta, dq, n0 >= diag0, CAUSAL, UPCAST, PREC)
     tl.store(DQ + q_base + offs_m[:, None] * q_st + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=q_mask)
 

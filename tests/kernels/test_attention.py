@@ -156,6 +156,51 @@ def test_varlen_pack_equals_per_sequence_runs(device, dtype):
     assert_close(attention_varlen(q, k, v, cu, max(lens), backend="torch"), o, dtype=dtype, name="varlen torch")
 
 
+def _o_and_dq(fn, q, k, v, rows):
+    """fn's output and dq when the loss sums the output over `rows` (a 0/1 mask broadcast over the output)."""
+    q = q.detach().clone().requires_grad_()
+    o = fn(q, k, v)
+    (o * rows).sum().backward()
+    return o.detach(), q.grad
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("case", ["varlen_gqa", "tq<tk", "tq>tk"])
+def test_masked_nonfinite_kv_reach_only_the_rows_that_see_them(device, case):
+    # A NaN in a future key or value must not change a row that cannot see it: was NaN there, from 0 * NaN in P V
+    # (forward) and in dS = P (dP - Delta), dS K (dQ). Rows that see it are NaN. Packed sequences with GQA (a bad k
+    # in one kv head, a bad v in the other) and both bottom-right shapes; clean rows must be bit-identical.
+    nan = float("nan")
+    if case == "varlen_gqa":  # sequences of 90 and 60 tokens; bad key 40 of the first and 20 of the second
+        cu = torch.tensor([0, 90, 150], dtype=torch.int32, device=device)
+        q, k, v = _rand(150, 4, 16, seed=1, device=device), *(_rand(150, 2, 16, seed=s, device=device) for s in (2, 3))
+        kb, vb = k.detach().clone(), v.detach().clone()
+        kb[40, 0, 3], vb[40, 1, 5], vb[110, :, 2] = nan, nan, nan
+        t = torch.arange(150, device=device)
+        sees = ((t >= 40) & (t < 90)) | (t >= 110)  # (150,) token sees its sequence's bad key
+
+        def fn(q, k, v):
+            return attention_varlen(q, k, v, cu, 90, backend="triton")
+        sees = sees[:, None, None]
+    else:  # bottom-right: query i sees key j <= i + T_k - T_q
+        Tq, Tk, p = (30, 100, 85) if case == "tq<tk" else (100, 40, 10)
+        dtype = torch.float16 if case == "tq<tk" else torch.float32
+        q, k, v = _rand(1, 2, Tq, 16, seed=1, dtype=dtype, device=device), *(
+            _rand(1, 2, Tk, 16, seed=s, dtype=dtype, device=device) for s in (2, 3))
+        kb, vb = k.detach().clone(), v.detach().clone()
+        vb[0, 0, p, 5], kb[0, 1, p, 1] = nan, nan
+        sees = (torch.arange(Tq, device=device) + Tk - Tq >= p)[:, None]  # (T_q, 1)
+
+        def fn(q, k, v):
+            return attention(q, k, v, backend="triton")
+    o_ok, dq_ok = _o_and_dq(fn, q, k.detach(), v.detach(), ~sees)
+    o_bad, dq_bad = _o_and_dq(fn, q, kb, vb, ~sees)
+    clean = ~sees.expand_as(o_ok)
+    assert sees.any() and clean.any()
+    assert torch.equal(o_bad[clean], o_ok[clean]) and torch.equal(dq_bad[clean], dq_ok[clean]), case
+    assert torch.isnan(o_bad).any(-1)[sees.expand_as(o_ok)[..., 0]].all(), case  # every row that sees one: NaN
+
+
 def test_gpu_tiles_are_legal():
     # Every tl.dot dimension >= 16 for every shape the launchers can see: the tiles the CPU tests run are the
     # tiles an H100 compiles (BLOCK_D = next power of two >= 16 of D).
