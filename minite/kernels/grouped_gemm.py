@@ -211,6 +211,11 @@ def _check(x, w, offsets):
         raise ValueError(f"grouped_gemm: x is {x.dtype} but w is {w.dtype}")
     if not (x.device == w.device == offsets.device):
         raise ValueError(f"grouped_gemm: x on {x.device}, w on {w.device}, offsets on {offsets.device}")
+    if offsets.device.type == "cpu":  # free to read here (on a GPU it would sync): a bad table reads out of bounds
+        o = offsets.tolist()
+        if o[0] != 0 or o[-1] > x.shape[0] or any(b < a for a, b in zip(o, o[1:])):
+            raise ValueError(f"grouped_gemm: offsets must start at 0, never decrease and end <= M={x.shape[0]}, "
+                             f"got {o}")
 
 
 @torch.compiler.disable  # not a registered op yet: torch.compile runs the kernels eagerly, behind a graph break
@@ -221,7 +226,8 @@ def _triton_path(x, w, offsets):
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *,
                  backend: str | None = None) -> torch.Tensor:
     """y (M, N): rows offsets[e]:offsets[e+1] of x (M, K) times w[e] (K, N); rows past offsets[E] are 0.
-    offsets: non-decreasing, offsets[0] = 0, offsets[E] <= M, on x's device (not checked: that would sync)."""
+    offsets: non-decreasing, offsets[0] = 0, offsets[E] <= M, on x's device (checked on the CPU; on a GPU the
+    check would sync, so it is the caller's: minite's MoE builds offsets from a cumsum of counts)."""
     _check(x, w, offsets)
     if w.shape[0] and x.dtype in _KERNEL_DTYPES and resolve_backend(x, backend) == "triton":
         return _triton_path(x, w, offsets)

@@ -1,5 +1,7 @@
 """Grouped GEMM (chapter 16): the Triton kernel (forward, dx, dw) vs the loop reference on uneven and empty groups,
 the tile table, the GPU tile shapes run under the interpreter, the reference vs a per-row formula, bad input."""
+import re
+
 import pytest
 import torch
 
@@ -93,3 +95,6 @@ def test_bad_input():
         grouped_gemm(x, w, offsets[:2])
     with pytest.raises(ValueError, match="x is torch.float32 but w is torch.float16"):
         grouped_gemm(x, w.half(), offsets)
+    for bad in ([1, 2, 4], [0, 3, 2], [0, 2, 5]):  # not from 0, decreasing, past M = 4: would read out of bounds
+        with pytest.raises(ValueError, match="offsets must start at 0.*got " + re.escape(str(bad))):
+            grouped_gemm(x, w, torch.tensor(bad), backend="triton")
