@@ -9,7 +9,8 @@ the PyTorch reference ops: the Triton interpreter is for correctness, not speed)
 memory at the peak (resident: parameters, optimizer state, flat buffers; plus the transient peak of steps 3-4:
 activations, gradients, recompute buffers, temporaries), the bytes sent per step (CommLog's ring model) and the
 median step time of steps 6..N, measured with the counters off. Rank 0's loss curve is kept: every configuration
-trains the same global batch, so the curves lie on one another (max |loss - one process| is in the table).
+trains the same global batch, so the curves lie on one another (max |loss - one process| is in the table; the MoE
+configurations, chapter 16, are compared with the MoE model in one process).
 
 Each technique is compared with its baseline: recompute none vs selective vs full (one process); ZeRO-1 vs plain
 DP (dp2); SP vs none (tp2); 1F1B vs AFAB (pp2, 4 micro-batches); and the composed layouts (world 4). A layout that
@@ -117,7 +118,7 @@ def run_config(name: str, world: int, flags: list[str], steps: int, tmp: Path, t
 
 
 def table(results: dict) -> None:
-    ref = results.get("single", {}).get("losses", {})
+    refs = {m: results.get(m, {}).get("losses", {}) for m in ("single", "moe8")}  # a MoE run vs the MoE one process
     print(f"\n{'config':20s} {'world':>5s} {'peak MiB/rank':>13s} {'resident':>8s} {'transient':>9s} "
           f"{'sent MiB/step':>13s} {'step ms':>8s} {'final loss':>10s} {'max|dloss|':>10s}  vs baseline")
     for name, r in results.items():
@@ -125,6 +126,7 @@ def table(results: dict) -> None:
             print(f"{name:20s} {r['world']:5d}  {r['status']}: {r['message'][:90]}")
             continue
         mib = 2.0**20
+        ref = refs["moe8" if name.startswith("moe") else "single"]
         dl = max((abs(v - ref[s]) for s, v in r["losses"].items() if s in ref), default=float("nan"))
         b = results.get(r["baseline"] or "", {})
         vs = ""

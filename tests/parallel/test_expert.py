@@ -52,6 +52,11 @@ def test_cli_ep_matches_single_process(corpus, cli, flags, curve):
     assert len(loss) == 20 and len(val) == 3
     assert max(abs(a - b) for a, b in zip(loss, loss1)) < 1e-4, (loss, loss1)
     assert max(abs(a - b) for a, b in zip(val, val1)) < 1e-4, (val, val1)
+    # and with every expert on every rank (dp=4, no ep): the balance sees the global load, DDP averages the rest
+    res = torchrun(4, [*cli({**base, "train.out_dir": str(d / "dp4")}, 4)[1], "--parallel.dp=4"], timeout=180)
+    assert res.returncode == 0, res.stdout[-3000:]
+    loss, val = curve(d / "dp4")
+    assert max(abs(a - b) for a, b in zip(loss, loss1)) < 1e-4, (loss, loss1)
     state = load_checkpoint(d / "ep2" / "ckpt.pt")
     assert state["model"]["blocks.0.mlp.w_gate_up"].shape[0] == 4  # all the experts, gathered
     GPT(GPTConfig(**state["config"]["model"])).load_state_dict(state["model"])
