@@ -183,7 +183,7 @@ class ParallelDims:
             errs.append(f"n_kv_head={kvh} and tp={tp}: one must divide the other (kv heads split or replicated)")
         if cfg.padded_vocab_size % tp:
             errs.append(f"padded vocab {cfg.padded_vocab_size} is not divisible by tp={tp}")
-        if cfg.mlp_hidden % tp:
+        if cfg.mlp_hidden % tp and not getattr(cfg, "moe_num_experts", 0):  # a MoE is whole on every tp rank
             errs.append(f"mlp_hidden={cfg.mlp_hidden} is not divisible by tp={tp}")
         if self.pp > cfg.n_layer:
             errs.append(f"pp={self.pp} stages but only n_layer={cfg.n_layer} layers")
@@ -233,9 +233,14 @@ def check_layout(p, model, *, world: int, seq_len: int, batch_size: int, lora_r:
         (lora_r > 0 and dims.size > 1, f"LoRA (lora.r={lora_r}) under a parallel layout (fine-tune in one "
                                        "process)"),
         *[(getattr(model, "moe_num_experts", 0) and deg > 1, f"a mixture of experts (model.moe_num_experts="
-           f"{model.moe_num_experts}) with {a}={deg} (experts run with dp and ep only)")
-          for a, deg in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp))],
+           f"{model.moe_num_experts}) with {a}={deg} (experts run with dp, ep and tp only)")
+          for a, deg in (("pp", p.pp), ("cp", p.cp))],
         (getattr(p, "ep", 1) > 1 and p.zero > 0, f"ep={getattr(p, 'ep', 1)} with zero={p.zero} (use zero=0 with ep)"),
+        (getattr(p, "ep", 1) > 1 and p.tp > 1, f"ep={getattr(p, 'ep', 1)} with tp={p.tp} (a mixture of experts runs "
+                                                "with tp only when every rank holds every expert: ep=1)"),
+        (getattr(model, "moe_num_experts", 0) and p.tp > 1 and p.zero > 0,
+         f"a mixture of experts (model.moe_num_experts={getattr(model, 'moe_num_experts', 0)}) with tp={p.tp} and "
+         f"zero={p.zero} (use zero=0 with a MoE under tp)"),
     ]
     for bad, why in unsupported:
         if bad:

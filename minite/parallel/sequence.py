@@ -11,6 +11,12 @@ The norm weights then see only 1/tp of the tokens: their gradients are summed ov
 Activation memory per layer (bytes, 16-bit activations, no recomputation; s sequence, b batch, h width, a heads,
 t = tp), from the paper:   TP only:  s b h (10 + 24/t + 5 a s / (h t))     TP + SP:  s b h / t (34 + 5 a s / h)
 ``activation_bytes`` evaluates them; the lesson measures peak memory per rank against them.
+
+A mixture-of-experts feed-forward (chapter 16) is not sharded over tp here, the simplest correct design: every tp
+rank holds the whole MoE and runs it on the same tokens (under SP it all-gathers the sequence first, each rank
+keeping the gradient of its own chunk, and keeps its chunk of the output, whose backward all-gathers the gradient).
+Every tp rank then computes the same full MoE gradients, tp times the same work: no tp reduction, and the router's
+balance statistics see every token of the sequence (summed over dp as without tp). Its Switch loss joins the loss.
 """
 from __future__ import annotations
 
@@ -20,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minite.models.gpt import GPT
+from minite.layers.moe import MoE
+from minite.models.gpt import GPT, _take_aux_loss
 from minite.parallel import comm
 from minite.parallel.tensor import TPMLP, TPAttention, VocabParallelEmbedding, tag, vocab_parallel_cross_entropy
 
@@ -48,10 +55,20 @@ class TPBlock(nn.Module):
         self.norm1 = _norm(dense.norm1, group, name + ".norm1", sequence_parallel)
         self.attn = TPAttention(dense.attn, group, name=name + ".attn", sequence_parallel=sequence_parallel)
         self.norm2 = _norm(dense.norm2, group, name + ".norm2", sequence_parallel)
-        self.mlp = TPMLP(dense.mlp, group, name=name + ".mlp", sequence_parallel=sequence_parallel)
+        self.group, self.moe = group, isinstance(dense.mlp, MoE)
+        self.sp = sequence_parallel and comm.size(group) > 1
+        if self.moe:  # replicated on every tp rank, whole (see the module's docstring)
+            self.mlp = copy.deepcopy(dense.mlp)
+            for n, p in self.mlp.named_parameters():
+                tag(p, f"{name}.mlp.{n}", replicas=comm.size(group))
+        else:
+            self.mlp = TPMLP(dense.mlp, group, name=name + ".mlp", sequence_parallel=sequence_parallel)
 
     def forward(self, x):
         x = x + self.attn(self.norm1(x))  # x: (B, T, C), or (B, T/tp, C) with SP
+        if self.moe and self.sp:  # the whole sequence through the MoE; my chunk back (full gradients both ways)
+            h = comm.gather_split(self.norm2(x), self.group, 1)  # (B, T, C); backward: my chunk of the full grad
+            return x + comm.scatter_to_sequence(self.mlp(h), self.group, 1)  # backward: the grad all-gathered
         return x + self.mlp(self.norm2(x))
 
 
@@ -99,7 +116,14 @@ class TPGPT(nn.Module):
         x = self.drop(self.wte(idx))  # (B, T, C), or (B, T/tp, C) with SP
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm_f(x), targets, T - 1)
+        aux = _take_aux_loss(self.config, self.blocks)  # MoE: the Switch losses (the same on every tp rank)
+        logits, loss = self.head(self.norm_f(x), targets, T - 1)
+        c = self.config
+        if loss is not None and aux is not None and c.moe_balance == "aux" and c.moe_aux_weight and self.training:
+            loss = loss + c.moe_aux_weight * aux  # as GPT.forward
+        return logits, loss
+
+    moe_stats = GPT.moe_stats  # the last forward's routing (every tp rank routed every token)
 
     def head(self, x: torch.Tensor, targets: torch.Tensor | None = None, last: int = -1):
         """The tied LM head and loss on the final norm's output x: (my vocabulary slice of the logits, the loss),
@@ -116,7 +140,11 @@ class TPGPT(nn.Module):
 
     def dense_state_dict(self) -> dict:
         """The dense GPT's state dict, gathered from the shards (a collective over the tp group)."""
-        return {p.dense_name: gather_dense(p.detach(), p, self.group) for p in self.parameters()}
+        state = {p.dense_name: gather_dense(p.detach(), p, self.group) for p in self.parameters()}
+        for i, b in enumerate(self.blocks):  # MoE: the balance bias buffer, whole on every rank
+            if b.moe:
+                state[f"blocks.{i}.mlp.expert_bias"] = b.mlp.expert_bias.detach().clone()
+        return state
 
 
 def gather_dense(t: torch.Tensor, p: nn.Parameter, group) -> torch.Tensor:
