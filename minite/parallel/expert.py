@@ -16,8 +16,9 @@ Autograd: the backward of an all-to-all is the all-to-all with the splits swappe
 Gradients: a non-expert parameter is averaged over dp as in DDP. An expert's gradient on its owner already sums
 the contributions of all ep ranks' tokens (the backward all-to-all brought them), so it is summed over the edp
 replicas and divided by dp: the gradient of the global batch's mean loss. The checkpoint stays dense (the experts
-all-gathered over ep), so it resumes under any layout. Not composed with tp, pp, cp or ZeRO here (refused by
-``check_layout``).
+all-gathered over ep), so it resumes under any layout. ep is not composed with tp, pp, cp or ZeRO here (refused by
+``check_layout``); a MoE with every expert on every rank (ep = 1) does run under tp (sequence.py: whole on each
+tp rank).
 """
 from __future__ import annotations
 
