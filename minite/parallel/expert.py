@@ -16,9 +16,9 @@ Autograd: the backward of an all-to-all is the all-to-all with the splits swappe
 Gradients: a non-expert parameter is averaged over dp as in DDP. An expert's gradient on its owner already sums
 the contributions of all ep ranks' tokens (the backward all-to-all brought them), so it is summed over the edp
 replicas and divided by dp: the gradient of the global batch's mean loss. The checkpoint stays dense (the experts
-all-gathered over ep), so it resumes under any layout. ep is not composed with tp, pp, cp or ZeRO here (refused by
-``check_layout``); a MoE with every expert on every rank (ep = 1) does run under tp (sequence.py: whole on each
-tp rank).
+all-gathered over ep), so it resumes under any layout. Under tp (sequence.py) every tp rank holds the same E/ep
+experts and runs them on the same tokens: the ep and edp groups join the ranks of one tp index, the gradient norm
+counts each element once. Not composed with pp, cp or ZeRO here (refused by ``check_layout``).
 """
 from __future__ import annotations
 
@@ -105,9 +105,13 @@ def shard_experts(model: nn.Module, dims) -> nn.Module:
         El = moe.num_experts // ep
         lo = r * El
         for name in ("w_gate_up", "w_down"):
-            p = nn.Parameter(getattr(moe, name).detach()[lo:lo + El].clone())
+            old = getattr(moe, name)
+            p = nn.Parameter(old.detach()[lo:lo + El].clone())
             p.dense_index = (0, torch.arange(lo, lo + El))
             p.expert_parallel = True
+            for attr in ("dense_name", "tp_replicas"):  # under tp (sequence.py): the same shard on every tp rank
+                if hasattr(old, attr):
+                    setattr(p, attr, getattr(old, attr))
             setattr(moe, name, p)
         moe.ep_group, moe.stats_group, moe.expert_lo = dims.group("ep"), dims.group("dp"), lo
     return model
@@ -152,13 +156,18 @@ class ExpertDataParallel:
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """The norm of the whole model's gradient: the dense part (the same on every rank) plus every expert's,
-        summed over the ep group; every gradient scaled by min(max_norm / (norm + 1e-6), 1)."""
+        summed over the ep group; every gradient scaled by min(max_norm / (norm + 1e-6), 1). Under tp, each
+        element counted once (divided by its ``tp_replicas``) and the sum taken over the tp group."""
         def sq(params):
-            return sum((p.grad.double() ** 2).sum() for p in params if p.grad is not None) + torch.zeros(
-                1, dtype=torch.float64, device=next(self.model.parameters()).device)
+            return sum((p.grad.double() ** 2 / getattr(p, "tp_replicas", 1)).sum() for p in params
+                       if p.grad is not None) + torch.zeros(1, dtype=torch.float64,
+                                                            device=next(self.model.parameters()).device)
         experts = sq(self.experts)
         comm.all_reduce(experts, self.dims.group("ep"))
-        norm = (sq(self.dense) + experts).sqrt()
+        total = sq(self.dense) + experts
+        if self.dims.tp > 1:
+            comm.all_reduce(total, self.dims.group("tp"))
+        norm = total.sqrt()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for p in self.model.parameters():
             if p.grad is not None:
@@ -168,13 +177,13 @@ class ExpertDataParallel:
     def _dense(self, name: str, t: torch.Tensor, p) -> torch.Tensor:
         if getattr(p, "expert_parallel", False):
             return gather_dense(t, p, self.dims.group("ep"))
-        return t.detach().clone()
+        return gather_dense(t, p, self.dims.group("tp"))  # a TP shard gathered; a whole tensor copied
 
     def dense_state_dict(self) -> dict:
-        """The dense model's state dict (a collective over ep: every rank calls it)."""
+        """The dense model's state dict (a collective over ep, and tp: every rank calls it), by dense names."""
         params = dict(self.model.named_parameters())
-        return {k: self._dense(k, v, params[k]) if k in params else v
-                for k, v in self.model.state_dict().items()}
+        return {getattr(params[k], "dense_name", k) if k in params else k: self._dense(k, v, params[k])
+                if k in params else v for k, v in self.model.state_dict().items()}
 
     def dense_optim_state(self, opt) -> dict:
         """The layout-free AdamW state (reshard.py's format), the expert moments gathered over ep."""
@@ -184,5 +193,5 @@ class ExpertDataParallel:
         for name, p in self.model.named_parameters():
             if p in moments:
                 for k, t in zip(MOMENTS, moments[p]):
-                    state[k][name] = self._dense(name, t, p).cpu()
+                    state[k][getattr(p, "dense_name", name)] = self._dense(name, t, p).cpu()
         return {"format": FORMAT, "step": step, **state}

@@ -17,6 +17,7 @@ rank holds the whole MoE and runs it on the same tokens (under SP it all-gathers
 keeping the gradient of its own chunk, and keeps its chunk of the output, whose backward all-gathers the gradient).
 Every tp rank then computes the same full MoE gradients, tp times the same work: no tp reduction, and the router's
 balance statistics see every token of the sequence (summed over dp as without tp). Its Switch loss joins the loss.
+With ep (expert.py) each tp rank holds the same E/ep experts and dispatches to the ranks of its own tp index.
 """
 from __future__ import annotations
 

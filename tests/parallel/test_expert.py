@@ -1,9 +1,10 @@
 """Chapter 16: expert parallelism on real torch.distributed (gloo on CPU). One torchrun launch of world 4 runs the
 workers' checks (ep = 2 and ep = 4: loss, every gradient, 5 AdamW steps against one process; a one-process
-checkpoint resumed at ep = 4; bad layouts; the MoE GPT under tp = 2, with and without SP, alone and with dp = 2);
-launches of ``minite.train`` at dp=4 ep=2, dp=4, and dp=2 tp=2 sp train one process's 20-step curve, and the dense
-checkpoints resume in one process; a rank killed in the dispatch ends the run, named. Layouts that are not built
-(a MoE with pp or cp, ep with tp or ZeRO, a MoE under tp with ZeRO) are refused before any process starts."""
+checkpoint resumed at ep = 4; bad layouts; the MoE GPT under tp = 2, with and without SP, alone, with dp = 2 and
+with dp = ep = 2);
+launches of ``minite.train`` at dp=4 ep=2, dp=4, tp=2 and dp=2 ep=2 tp=2 sp train one process's 20-step curve, and
+the dense checkpoints resume in one process; a rank killed in the dispatch ends the run, named. Layouts that are
+not built (a MoE with pp or cp, ep with ZeRO, a MoE under tp with ZeRO) are refused before any process starts."""
 import pytest
 
 from minite.config import make_config
@@ -25,7 +26,8 @@ def world4(workers):
 
 @pytest.mark.parametrize("name", ["ep2_aux", "ep4_aux", "ep2_bias", "ep4_bias", "ep_layouts", "ep_resume",
                                   "moe_tp_aux", "moe_tp_sp_aux", "moe_tp_sp_bias",
-                                  "moe_dp2_tp_aux", "moe_dp2_tp_sp_aux", "moe_dp2_tp_sp_bias"])
+                                  "moe_dp2_tp_aux", "moe_dp2_tp_sp_aux", "moe_dp2_tp_sp_bias",
+                                  "moe_dp2_ep2_tp_sp_aux"])
 def test_expert_parallel_matches_one_process(world4, check, name):
     check(world4, name)
 
@@ -73,21 +75,24 @@ def test_cli_ep_matches_single_process(corpus, cli, flags, curve):
                      resume_overrides={"train.out_dir": str(d / "single_moe"), **more})
     assert sorted(ep_more["losses"]) == [21, 22]
     assert max(abs(ep_more["losses"][s] - one_more["losses"][s]) for s in (21, 22)) < 1e-4
-    # under tensor + sequence parallelism, with dp: every tp rank runs the whole MoE on the whole sequence
-    res = torchrun(4, [*cli({**base, "train.out_dir": str(d / "tp2")}, 4)[1], "--parallel.dp=2", "--parallel.tp=2",
-                       "--parallel.sp=True"], timeout=180)
-    assert res.returncode == 0, res.stdout[-3000:]
-    loss, val = curve(d / "tp2")
-    assert len(loss) == 20 and len(val) == 3
-    assert max(abs(a - b) for a, b in zip(loss, loss1)) < 1e-4, (loss, loss1)
-    assert max(abs(a - b) for a, b in zip(val, val1)) < 1e-4, (val, val1)
-    state = load_checkpoint(d / "tp2" / "ckpt.pt")
-    assert state["model"]["blocks.1.mlp.w_down"].shape[0] == 4  # the experts whole (dense names, dense shapes)
-    assert state["optimizer"]["exp_avg"]["blocks.0.mlp.w_gate_up"].shape[0] == 4
-    GPT(GPTConfig(**state["config"]["model"])).load_state_dict(state["model"])  # strict: every key, nothing more
-    tp_more = train(cli({**base, "train.out_dir": str(d / "tp2")}, 4)[0], resume=True,
-                    resume_overrides={"train.out_dir": str(d / "tp2"), **more})
-    assert max(abs(tp_more["losses"][s] - one_more["losses"][s]) for s in (21, 22)) < 1e-4
+    # under tensor parallelism, every tp rank runs the whole MoE (or its ep shard) on the same tokens: tp=2 alone,
+    # then dp=2 x ep=2 x tp=2 with SP
+    for out, world, layout in (("tp2", 2, ["--parallel.tp=2"]),
+                               ("ep2tp2", 4, ["--parallel.dp=2", "--parallel.ep=2", "--parallel.tp=2",
+                                              "--parallel.sp=True"])):
+        res = torchrun(world, [*cli({**base, "train.out_dir": str(d / out)}, world)[1], *layout], timeout=180)
+        assert res.returncode == 0, res.stdout[-3000:]
+        loss, val = curve(d / out)
+        assert len(loss) == 20 and len(val) == 3
+        assert max(abs(a - b) for a, b in zip(loss, loss1)) < 1e-4, (out, loss, loss1)
+        assert max(abs(a - b) for a, b in zip(val, val1)) < 1e-4, (out, val, val1)
+        state = load_checkpoint(d / out / "ckpt.pt")
+        assert state["model"]["blocks.1.mlp.w_down"].shape[0] == 4  # the experts whole (dense names and shapes)
+        assert state["optimizer"]["exp_avg"]["blocks.0.mlp.w_gate_up"].shape[0] == 4
+        GPT(GPTConfig(**state["config"]["model"])).load_state_dict(state["model"])  # strict: every key, no more
+        tp_more = train(cli({**base, "train.out_dir": str(d / out)}, 4)[0], resume=True,
+                        resume_overrides={"train.out_dir": str(d / out), **more})
+        assert max(abs(tp_more["losses"][s] - one_more["losses"][s]) for s in (21, 22)) < 1e-4, out
 
 
 @pytest.mark.parametrize("over, world, match", [
@@ -97,7 +102,6 @@ def test_cli_ep_matches_single_process(corpus, cli, flags, curve):
     ({"parallel.dp": 2, "parallel.pp": 2}, 4, r"mixture of experts \(model.moe_num_experts=4\) with pp=2"),
     ({"parallel.cp": 2}, 2, r"mixture of experts \(model.moe_num_experts=4\) with cp=2"),
     ({"parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 1}, 2, "ep=2 with zero=1"),
-    ({"parallel.dp": 2, "parallel.ep": 2, "parallel.tp": 2}, 4, "ep=2 with tp=2"),
     ({"parallel.dp": 2, "parallel.tp": 2, "parallel.zero": 1}, 4,
      r"mixture of experts \(model.moe_num_experts=4\) with tp=2 and zero=1"),
 ])
@@ -108,7 +112,8 @@ def test_layouts_refused(flags, over, world, match):
 
 
 @pytest.mark.parametrize("over, world", [({"parallel.tp": 2}, 2), ({"parallel.tp": 2, "parallel.sp": True}, 2),
-                                         ({"parallel.dp": 2, "parallel.tp": 2, "model.mlp_hidden": 33}, 4)])
+                                         ({"parallel.dp": 2, "parallel.tp": 2, "model.mlp_hidden": 33}, 4),
+                                         ({"parallel.dp": 2, "parallel.ep": 2, "parallel.tp": 2}, 4)])
 def test_moe_under_tp_accepted(flags, over, world):
     cfg = make_config("cpu", {**flags, **MOE, **over})  # the experts are not cut over tp: any mlp_hidden
     check_layout(cfg.parallel, cfg.model, world=world, seq_len=16, batch_size=8)

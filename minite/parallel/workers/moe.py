@@ -112,48 +112,55 @@ def _tp_grad_err(model, ref_grads: dict) -> tuple[float, str]:
 def check_moe_tp(dims, args) -> dict:
     """The MoE GPT under tp = 2 (the world cut as dp = world/2 x tp = 2), with and without SP, wrapped as minite.train
     wraps it (runtime.Parallel): each tp pair on the whole batch (dp = 1 in effect: no dp wrapper), then dp x tp on
-    my dp slice: the global loss and every gradient of the first step (the MoE's whole, on every tp rank) and the
-    dense state after 5 clipped AdamW steps (the "bias" balance's buffer included) == one process."""
-    from minite.parallel.runtime import Parallel
-    from minite.parallel.sequence import TPGPT
+    my dp slice, and dp x tp with ep = 2: the global loss and every gradient of the first step (the MoE's whole, or
+    my experts' rows, on every tp rank) and the dense state after 5 clipped AdamW steps (the "bias" balance's
+    buffer included) == one process."""
     d = ParallelDims(dp=dims.world // 2, tp=2).build(dims.rank, dims.world)
     out = {}
     for balance, sp in (("aux", False), ("aux", True), ("bias", True)):
-        kw = dict(**MOE, moe_balance=balance)
-        data = batches(STEPS, 2 * d.dp)
-        dense = tiny_gpt(**kw)
-        loss_ref = dense(*data[0])[1]
-        loss_ref.backward()
-        ref_grads = {n: p.grad for n, p in dense.named_parameters()}
-        ref = dense_run(tiny_gpt(**kw), data).state_dict()
-        tag = f"moe_tp{'_sp' if sp else ''}_{balance}"
-        # each tp pair alone on the whole batch (no dp): loss and grads of one step
+        _moe_tp_case(d, out, balance, sp, alone=True)
+    if d.dp % 2 == 0:  # tp x ep: my E/2 experts, the same on both ranks of my tp pair
+        _moe_tp_case(ParallelDims(dp=d.dp, tp=2, ep=2).build(dims.rank, dims.world), out, "aux", True, alone=False)
+    return out
+
+
+def _moe_tp_case(d, out: dict, balance: str, sp: bool, alone: bool) -> None:
+    from minite.parallel.runtime import Parallel
+    from minite.parallel.sequence import TPGPT
+    kw = dict(**MOE, moe_balance=balance)
+    data = batches(STEPS, 2 * d.dp)
+    dense = tiny_gpt(**kw)
+    loss_ref = dense(*data[0])[1]
+    loss_ref.backward()
+    ref_grads = {n: p.grad for n, p in dense.named_parameters()}
+    ref = dense_run(tiny_gpt(**kw), data).state_dict()
+    tag = f"tp{'_sp' if sp else ''}_{balance}"
+    if alone:  # each tp pair alone on the whole batch (no dp): loss and grads of one step
         model = TPGPT.from_dense(tiny_gpt(**kw), d.group("tp"), sequence_parallel=sp)
         loss = model(*data[0])[1]
         loss.backward()
         g_err, worst = _tp_grad_err(model, ref_grads)
-        out[tag] = result(g_err, 1e-5, loss_err=abs(loss.item() - loss_ref.item()), worst=worst)
-        out[tag]["ok"] &= out[tag]["loss_err"] < 1e-5
-        # dp x tp, through runtime.Parallel: my dp slice, grads averaged over dp, the norm over tp, 5 steps
-        par = Parallel(d, sp=sp)
-        model = par.wrap(tiny_gpt(**kw))
-        opt = adamw(model)
-        loss0 = g_err = None
-        for i, (x, y) in enumerate(data):
-            loss = model(*par.shard_batch(x, y))[1]
-            loss.backward()
-            if i == 0:
-                loss0 = par.global_loss(loss.item())
-                g_err, worst = _tp_grad_err(model, ref_grads)
-            par.clip(model, opt, CLIP)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        state = par.model_state(model)
-        res = result(maxerr(state, ref), TOL, loss_err=abs(loss0 - loss_ref.item()), grad_err=g_err, worst=worst,
-                     experts_shape=list(state["blocks.0.mlp.w_gate_up"].shape))
-        res["ok"] &= res["loss_err"] < 1e-5 and g_err < 1e-5 and set(state) == set(ref)
-        out[f"moe_dp{d.dp}_{tag.removeprefix('moe_')}"] = res
-    return out
+        out[f"moe_{tag}"] = res = result(g_err, 1e-5, loss_err=abs(loss.item() - loss_ref.item()), worst=worst)
+        res["ok"] &= res["loss_err"] < 1e-5
+    # dp x tp (x ep), through runtime.Parallel: my dp slice, grads averaged over dp, the norm over tp, 5 steps
+    par = Parallel(d, sp=sp)
+    model = par.wrap(tiny_gpt(**kw))
+    opt = adamw(model)
+    loss0 = g_err = None
+    for i, (x, y) in enumerate(data):
+        loss = model(*par.shard_batch(x, y))[1]
+        loss.backward()
+        if i == 0:
+            loss0 = par.global_loss(loss.item())
+            g_err, worst = _tp_grad_err(model, ref_grads)
+        par.clip(model, opt, CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    state = par.model_state(model)
+    res = result(maxerr(state, ref), TOL, loss_err=abs(loss0 - loss_ref.item()), grad_err=g_err, worst=worst,
+                 experts_shape=list(state["blocks.0.mlp.w_gate_up"].shape))
+    res["ok"] &= res["loss_err"] < 1e-5 and g_err < 1e-5 and set(state) == set(ref)
+    out[f"moe_dp{d.dp}{f'_ep{d.ep}' if d.ep > 1 else ''}_{tag}"] = res
 
 
 def check_ep_layouts(dims, args) -> dict:
