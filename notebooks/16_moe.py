@@ -414,8 +414,11 @@ print(f"measured all-to-all bytes (forward, rank 0, 2 layers): {v['a2a_bytes']:,
 # python -m minite.train --model.moe.num_experts=8 --model.moe.balance=bias       # DeepSeek-V3's bias instead
 # python -m minite.train --model.moe.num_experts=8 --model.moe.capacity_factor=1.25 --model.moe.shared_expert=True
 # torchrun --nproc-per-node 4 -m minite.train --model.moe.num_experts=8 --parallel.dp=4 --parallel.ep=2
+# torchrun --nproc-per-node 4 -m minite.train --model.moe.num_experts=8 --parallel.dp=2 --parallel.ep=2 --parallel.tp=2
 # ```
 # Each line of `log.jsonl` then shows `moe_tokens_per_expert` (summed over the blocks), `moe_dropped` and
 # `moe_balance_loss` ($E\sum f_i P_i$, 1.0 = uniform). Checkpoints hold the dense experts, whatever the layout, so a
-# run resumes under any `ep`. Expert parallelism composes here with data parallelism only: tensor, pipeline and
-# context parallelism and ZeRO are refused with an error naming what is not supported.
+# run resumes under any `ep`. Experts compose with data, expert and tensor parallelism: under `--parallel.tp`
+# attention is split as in chapter 11, while every tp rank keeps its whole share of the experts and runs them on
+# the same tokens (under `--parallel.sp` the sequence is gathered first), so expert gradients need no tp reduction.
+# Pipeline and context parallelism, and ZeRO, are refused with an error naming what is not supported.
