@@ -11,6 +11,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from wrong_answers import DISTRIBUTED, WRONG, student_notebook, wrong_answers  # tests/ is on sys.path (rootdir)
 
 from minite.grading import (
     BEGIN,
@@ -292,3 +293,20 @@ def test_chapter_solved_before_a_rebuild_with_fresh_ids_still_scores_full(tmp_pa
     new_sol = write(nbformat.from_dict(rebuilt), tmp_path / "solutions" / solution.name)
     rep = grade(write(student, tmp_path / "exercises" / solution.name), new_sol)
     assert rep.score == rep.total >= 2, rep.summary()
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("chapter", [pytest.param(c, marks=[pytest.mark.slow, pytest.mark.distributed])
+                                     if c in DISTRIBUTED else c for c in sorted(WRONG)])
+def test_wrong_answers_pass_no_check(chapter, tmp_path):
+    """Issue 21: one plausible wrong answer per task (tests/wrong_answers.py) and no check passes."""
+    solution = ROOT / "solutions" / f"{chapter}.ipynb"
+    sol = nbformat.read(solution, as_version=4)
+    assert set(task_cells(sol)) == set(WRONG[chapter]), "one wrong answer per task"
+    answers = wrong_answers(sol, WRONG[chapter])
+    ex = student_notebook(nbformat.read(ROOT / "exercises" / solution.name, as_version=4), answers)
+    student = tmp_path / "exercises" / solution.name
+    student.parent.mkdir(parents=True)
+    nbformat.write(ex, student)
+    rep = grade(student, solution, timeout=120)
+    assert rep.total == len(WRONG[chapter]) and rep.passed == [], rep.summary()
