@@ -262,8 +262,12 @@ class GPT(nn.Module):
         moes = [b.mlp for b in self.blocks if getattr(b.mlp, "load", None) is not None]
         if not moes:
             return None
-        load = sum(m.load for m in moes)
-        return {"tokens_per_expert": [int(v) for v in load], "dropped": int(sum(m.dropped for m in moes)),
+        load = sum(m.load for m in moes)  # the global load already (all-reduced over stats_group in forward)
+        dropped = sum(m.dropped for m in moes).reshape(1).clone()  # this rank's: capacity is per rank
+        if moes[0].stats_group is not None:  # summed over the ranks whose tokens the load counts (every rank calls)
+            from minite.parallel import comm
+            comm.all_reduce(dropped, moes[0].stats_group)
+        return {"tokens_per_expert": [int(v) for v in load], "dropped": int(dropped),
                 "balance_loss": round(sum(float(m.aux_loss) for m in moes) / len(moes), 4)}
 
     @torch.no_grad()

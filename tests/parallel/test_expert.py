@@ -21,10 +21,10 @@ MOE = {"model.moe_num_experts": 4, "model.moe_top_k": 2}
 
 @pytest.fixture(scope="module")
 def world4(workers):
-    return workers(4, "ep", "ep_layouts", "ep_resume", "moe_tp")
+    return workers(4, "ep", "ep_layouts", "ep_resume", "moe_tp", "moe_stats")
 
 
-@pytest.mark.parametrize("name", ["ep2_aux", "ep4_aux", "ep2_bias", "ep4_bias", "ep_layouts", "ep_resume",
+@pytest.mark.parametrize("name", ["ep2_aux", "ep4_aux", "ep2_bias", "ep4_bias", "ep_layouts", "ep_resume", "moe_stats",
                                   "moe_tp_aux", "moe_tp_sp_aux", "moe_tp_sp_bias",
                                   "moe_dp2_tp_aux", "moe_dp2_tp_sp_aux", "moe_dp2_tp_sp_bias",
                                   "moe_dp2_ep2_tp_sp_aux"])

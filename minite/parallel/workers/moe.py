@@ -163,6 +163,31 @@ def _moe_tp_case(d, out: dict, balance: str, sp: bool, alone: bool) -> None:
     out[f"moe_dp{d.dp}{f'_ep{d.ep}' if d.ep > 1 else ''}_{tag}"] = res
 
 
+def check_moe_stats(dims, args) -> dict:
+    """The log's routing under dp = world, ep = 2 with a capacity limit (tokens dropped): tokens per expert are
+    one process's counts on the whole batch; dropped assignments are the sum over the dp ranks of what one
+    process drops on each rank's slice (capacity is per rank), not rank 0's own."""
+    kw = dict(**MOE, moe_capacity_factor=1.0)
+    x, y = batches(1, 4 * dims.dp)[0]
+    whole = tiny_gpt(**kw)
+    whole(x, y)
+    want_load = whole.moe_stats()["tokens_per_expert"]
+    n = x.shape[0] // dims.dp
+    want_dropped = 0
+    for r in range(dims.dp):  # one process on each rank's slice
+        part = tiny_gpt(**kw)
+        part(x[r * n:(r + 1) * n], y[r * n:(r + 1) * n])
+        want_dropped += part.moe_stats()["dropped"]
+    from minite.parallel.runtime import Parallel
+    d = ParallelDims(dp=dims.dp, ep=2).build(dims.rank, dims.world)
+    par = Parallel(d)
+    model = par.wrap(tiny_gpt(**kw))
+    model(*par.shard_batch(x, y))
+    got = model.moe_stats()
+    ok = got["tokens_per_expert"] == want_load and got["dropped"] == want_dropped and want_dropped > 0
+    return {"moe_stats": {"ok": ok, "got": got, "want_load": want_load, "want_dropped": want_dropped}}
+
+
 def check_ep_layouts(dims, args) -> dict:
     """Layouts the experts cannot take are refused, naming the numbers (no collective runs)."""
     msgs = []
@@ -196,5 +221,6 @@ CHECKS = {  # name: (check, the axis of ParallelDims that takes the world)
     "ep_die": (check_ep_die, "dp"),
     "ep_layouts": (check_ep_layouts, "dp"),
     "ep_resume": (check_ep_resume, "dp"),
+    "moe_stats": (check_moe_stats, "dp"),
     "moe_tp": (check_moe_tp, "dp"),
 }
