@@ -1,6 +1,8 @@
 #!/bin/bash
 # One batched GPU session (see benchmarks/README or the gpu helper's report): env check, GPU tests, every benchmark.
 # Usage on the device machine, from the repo root: bash benchmarks/gpu_run.sh OUTDIR [STAGES...]
+# A 30-minute lease, in order of what nothing else can measure: env suite (the CUDA tests, ~10 min) | attention
+# decode | fp8block grouped lora | nbs | train. Each stage writes OUTDIR/<stage>.log; results land in res/.
 OUTDIR=${1:-/tmp/out}; shift
 STAGES=${*:-"env tests fp8 train norms softmax ce swiglu rope"}
 mkdir -p "$OUTDIR/res"
@@ -20,6 +22,13 @@ for s in $STAGES; do case $s in
   softmax) run softmax 60 python benchmarks/bench_softmax.py --cols 1024 4096 16384 --out "$OUTDIR/res/softmax.json";;
   ce) run ce 60 python benchmarks/bench_cross_entropy.py;;
   swiglu) run swiglu 45 python benchmarks/bench_swiglu.py;;
+  attention) run attention 150 python benchmarks/bench_attention.py --dims 64 128 --seqlens 1024 4096 16384;;
+  decode) run decode 90 python benchmarks/bench_attention.py --decode;;
+  lora) run lora 60 python benchmarks/bench_lora.py;;
+  fp8block) run fp8block 120 python benchmarks/bench_fp8_block.py --sizes 4096 8192 --out "$OUTDIR/res/fp8_block.json";;
+  grouped) run grouped 90 python benchmarks/bench_grouped_gemm.py;;
+  suite) run suite 560 python -m pytest -p no:cacheprovider -q -m "not distributed" tests/kernels tests/formats tests/layers tests/models tests/test_train.py tests/test_fp8_recipes.py tests/test_hardening.py;;
+  nbs) run nbs 300 python tools/nbtool.py execute notebooks/07_flash_attention.py notebooks/08_kv_cache.py notebooks/09_lora.py notebooks/15_fp8_at_scale.py notebooks/16_moe.py;;
   rope) run rope 60 python benchmarks/bench_rope.py --head-dims 64 128 --out "$OUTDIR/res/rope.json";;
 esac; done
 cp benchmarks/results/*nvidia* "$OUTDIR/res/" 2>/dev/null
