@@ -7,6 +7,13 @@ rotates each token by its GLOBAL position (the load-balanced shard is two non-co
 It wraps the dense GPT, or the tensor-parallel ``sequence.TPGPT`` (CP x TP): then each cp rank's T/cp tokens are
 shared by its tp group, each tp rank rings ITS heads (K/V travel between the ranks with the same tp rank), and with
 sequence parallelism the regions outside attention and the MLP hold T/(cp tp) tokens.
+
+A mixture of experts (chapter 16) mixes no tokens either: each cp rank routes its T/cp tokens through the same MoE
+modules (through its own ep group's experts under ep, ``expert.py``). Its routed counts are summed over dp x cp
+(``runtime.Parallel.wrap`` sets ``stats_group``), the load of the whole global batch: the Switch loss (global f_i,
+my tokens' P_i) averaged over dp x cp is one process's, and the DeepSeek bias moves the same on every rank. The
+capacity limit (capacity_factor > 0) is taken per rank over its own tokens, as under dp: it matches one process
+only dropless (capacity_factor = 0) or when no expert overflows.
 """
 from __future__ import annotations
 
@@ -89,6 +96,8 @@ class CPGPT(nn.Module):
 
     def num_params(self) -> int:
         return self.inner.num_params(self)
+
+    moe_stats = GPT.moe_stats  # a MoE's routing at the last forward (the global load: counts summed over dp x cp)
 
     def generate(self, idx, max_new_tokens, **kw):  # every rank holds its (tp) weights: the prompt runs unsharded
         return self.inner.generate(self, idx, max_new_tokens, **kw)

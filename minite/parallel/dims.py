@@ -134,6 +134,13 @@ class ParallelDims:
                         if len(sub) > 1 and dist.is_initialized() else None
                     if rank in sub:
                         self.groups[name], self.ranks[name] = pg, sub
+        # edp_cp (ep with cp): the edp ranks at every cp index, all the replicas of the same experts over dp x cp
+        for plane in grid.permute(0, 3, 2, 1).reshape(-1, self.cp, self.dp) if self.ep > 1 and self.cp > 1 else []:
+            for sub in [plane[:, j::self.ep].reshape(-1).tolist() for j in range(self.ep)]:
+                pg = dist.new_group(sub, timeout=datetime.timedelta(seconds=timeout_s)) \
+                    if dist.is_initialized() else None
+                if rank in sub:
+                    self.groups["edp_cp"], self.ranks["edp_cp"] = pg, sub
         return self
 
     # ------------------------------------------------------------------ coordinates and neighbours
@@ -233,8 +240,8 @@ def check_layout(p, model, *, world: int, seq_len: int, batch_size: int, lora_r:
         (lora_r > 0 and dims.size > 1, f"LoRA (lora.r={lora_r}) under a parallel layout (fine-tune in one "
                                        "process)"),
         *[(getattr(model, "moe_num_experts", 0) and deg > 1, f"a mixture of experts (model.moe_num_experts="
-           f"{model.moe_num_experts}) with {a}={deg} (experts run with dp, ep and tp only)")
-          for a, deg in (("pp", p.pp), ("cp", p.cp))],
+           f"{model.moe_num_experts}) with {a}={deg} (experts run with dp, ep, tp and cp only)")
+          for a, deg in (("pp", p.pp),)],
         (getattr(p, "ep", 1) > 1 and p.zero > 0, f"ep={getattr(p, 'ep', 1)} with zero={p.zero} (use zero=0 with ep)"),
         (getattr(model, "moe_num_experts", 0) and p.tp > 1 and p.zero > 0,
          f"a mixture of experts (model.moe_num_experts={getattr(model, 'moe_num_experts', 0)}) with tp={p.tp} and "

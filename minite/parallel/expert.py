@@ -18,7 +18,10 @@ the contributions of all ep ranks' tokens (the backward all-to-all brought them)
 replicas and divided by dp: the gradient of the global batch's mean loss. The checkpoint stays dense (the experts
 all-gathered over ep), so it resumes under any layout. Under tp (sequence.py) every tp rank holds the same E/ep
 experts and runs them on the same tokens: the ep and edp groups join the ranks of one tp index, the gradient norm
-counts each element once. Not composed with pp, cp or ZeRO here (refused by ``check_layout``).
+counts each element once. Under cp (context_gpt.py) each cp rank runs its T/cp tokens through the experts of its
+ep group (ep and edp lie inside dp at one cp index): dense gradients are averaged over dp x cp, an expert's summed
+over its replicas at every cp index (``edp_cp``), both divided by dp * cp. Not composed with pp or ZeRO here
+(refused by ``check_layout``).
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from minite.parallel import comm
 from minite.parallel.sequence import gather_dense
 
 __all__ = ["AllToAll", "all_to_all", "exchange_counts", "expert_parallel_ffn", "shard_experts",
-           "ExpertDataParallel", "moe_layers"]
+           "ExpertDataParallel", "moe_layers", "stats_group"]
 
 
 def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
@@ -92,6 +95,11 @@ def expert_parallel_ffn(moe, xs: torch.Tensor, offsets: torch.Tensor) -> torch.T
     return torch.cat([ys, ys.new_zeros((xs.shape[0] - kept, ys.shape[1]))])
 
 
+def stats_group(dims):
+    """The group whose routed counts make the global load: every rank holding other tokens of the global batch."""
+    return dims.group("dp_cp" if dims.cp > 1 else "dp")
+
+
 def moe_layers(model: nn.Module) -> list:
     from minite.layers.moe import MoE
     return [m for m in model.modules() if isinstance(m, MoE)]
@@ -113,19 +121,22 @@ def shard_experts(model: nn.Module, dims) -> nn.Module:
                 if hasattr(old, attr):
                     setattr(p, attr, getattr(old, attr))
             setattr(moe, name, p)
-        moe.ep_group, moe.stats_group, moe.expert_lo = dims.group("ep"), dims.group("dp"), lo
+        moe.ep_group, moe.stats_group, moe.expert_lo = dims.group("ep"), stats_group(dims), lo
     return model
 
 
 class ExpertDataParallel:
     """Gradient averaging for a model whose experts are sharded: dense parameters over dp, experts over edp
-    (both divided by dp), once per backward (one flat all-reduce each); ``no_sync()`` for gradient accumulation."""
+    (both divided by dp), once per backward (one flat all-reduce each); ``no_sync()`` for gradient accumulation.
+    Under cp: dense over dp x cp, experts over edp x cp (``edp_cp``), both divided by dp * cp."""
 
     def __init__(self, model: nn.Module, dims):
         self.model, self.dims = model, dims
         self.experts = [p for p in model.parameters() if getattr(p, "expert_parallel", False)]
         self.dense = [p for p in model.parameters() if not getattr(p, "expert_parallel", False)]
         self._sync, self._queued = True, False
+        cp = dims.cp > 1  # every cp rank of my dp rank holds my experts and saw other tokens
+        self.groups = (dims.group("dp_cp" if cp else "dp"), dims.group("edp_cp" if cp else "edp"))
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
@@ -136,13 +147,13 @@ class ExpertDataParallel:
 
     def finish(self) -> None:
         self._queued = False
-        for params, group in ((self.dense, self.dims.group("dp")), (self.experts, self.dims.group("edp"))):
+        for params, group in zip((self.dense, self.experts), self.groups):
             grads = [p.grad for p in params if p.grad is not None]
             if not grads:
                 continue
             flat = torch.cat([g.reshape(-1) for g in grads])
             comm.all_reduce(flat, group)
-            flat /= self.dims.dp
+            flat /= self.dims.dp * self.dims.cp
             torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]),
                                                                             grads)])
 

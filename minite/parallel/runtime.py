@@ -90,10 +90,10 @@ class Parallel:
         if d.cp > 1:  # chapter 13: my tokens of each sequence, attention by the ring; grads averaged over dp x cp
             from minite.parallel.context_gpt import CPGPT
             model = CPGPT.from_dense(model, d.group("cp"))
-        if getattr(model.config, "moe_num_experts", 0) and d.dp > 1:  # chapter 16: balance on the global load
-            from minite.parallel.expert import moe_layers
-            for moe in moe_layers(model):
-                moe.stats_group = d.group("dp")
+        if getattr(model.config, "moe_num_experts", 0) and d.dp * d.cp > 1:  # chapter 16: the global load
+            from minite.parallel.expert import moe_layers, stats_group
+            for moe in moe_layers(model):  # under cp: CPGPT's blocks are the wrapped model's, the MoEs it runs
+                moe.stats_group = stats_group(d)  # the counts summed over dp (x cp): the whole global batch
         if d.ep > 1:  # chapter 16: my experts; dense grads averaged over dp, expert grads over the replicas (edp)
             from minite.parallel.expert import ExpertDataParallel, shard_experts
             self.dp = ExpertDataParallel(shard_experts(model, d), d)
