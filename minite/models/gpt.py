@@ -263,12 +263,16 @@ class GPT(nn.Module):
         if not moes:
             return None
         load = sum(m.load for m in moes)  # the global load already (all-reduced over stats_group in forward)
-        dropped = sum(m.dropped for m in moes).reshape(1).clone()  # this rank's: capacity is per rank
-        if moes[0].stats_group is not None:  # summed over the ranks whose tokens the load counts (every rank calls)
+        # this rank's dropped assignments (capacity is per rank) and Switch losses (global f_i, my P_i): summed,
+        # and averaged, over the ranks whose tokens the load counts (a collective: every rank logs)
+        mine = torch.stack([sum(m.dropped for m in moes).double(), sum(m.aux_loss.double() for m in moes)])
+        group = moes[0].stats_group
+        if group is not None:
             from minite.parallel import comm
-            comm.all_reduce(dropped, moes[0].stats_group)
-        return {"tokens_per_expert": [int(v) for v in load], "dropped": int(dropped),
-                "balance_loss": round(sum(float(m.aux_loss) for m in moes) / len(moes), 4)}
+            comm.all_reduce(mine, group)
+            mine[1] /= comm.size(group)
+        return {"tokens_per_expert": [int(v) for v in load], "dropped": int(mine[0]),
+                "balance_loss": round(float(mine[1]) / len(moes), 4)}
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,

@@ -24,7 +24,8 @@ def world4(workers):
     return workers(4, "ep", "ep_layouts", "ep_resume", "moe_tp", "moe_stats")
 
 
-@pytest.mark.parametrize("name", ["ep2_aux", "ep4_aux", "ep2_bias", "ep4_bias", "ep_layouts", "ep_resume", "moe_stats",
+@pytest.mark.parametrize("name", ["ep2_aux", "ep4_aux", "ep2_bias", "ep4_bias", "ep_layouts", "ep_resume",
+                                  "moe_stats_cap0", "moe_stats_cap1",
                                   "moe_tp_aux", "moe_tp_sp_aux", "moe_tp_sp_bias",
                                   "moe_dp2_tp_aux", "moe_dp2_tp_sp_aux", "moe_dp2_tp_sp_bias",
                                   "moe_dp2_ep2_tp_sp_aux"])

@@ -164,28 +164,38 @@ def _moe_tp_case(d, out: dict, balance: str, sp: bool, alone: bool) -> None:
 
 
 def check_moe_stats(dims, args) -> dict:
-    """The log's routing under dp = world, ep = 2 with a capacity limit (tokens dropped): tokens per expert are
-    one process's counts on the whole batch; dropped assignments are the sum over the dp ranks of what one
-    process drops on each rank's slice (capacity is per rank), not rank 0's own."""
-    kw = dict(**MOE, moe_capacity_factor=1.0)
-    x, y = batches(1, 4 * dims.dp)[0]
-    whole = tiny_gpt(**kw)
-    whole(x, y)
-    want_load = whole.moe_stats()["tokens_per_expert"]
-    n = x.shape[0] // dims.dp
-    want_dropped = 0
-    for r in range(dims.dp):  # one process on each rank's slice
-        part = tiny_gpt(**kw)
-        part(x[r * n:(r + 1) * n], y[r * n:(r + 1) * n])
-        want_dropped += part.moe_stats()["dropped"]
+    """The log's routing under dp = world, ep = 2, rank 0's slice one token over and over (its own routing far from
+    the batch's). Dropless: tokens per expert and the balance loss are one process's on the whole batch. With a
+    capacity limit: dropped assignments are the sum over the dp ranks of what one process drops on each rank's
+    slice (capacity is per rank), not rank 0's own."""
     from minite.parallel.runtime import Parallel
+    x, y = batches(1, 4 * dims.dp)[0]
+    x[:4] = 7
+    n = x.shape[0] // dims.dp
     d = ParallelDims(dp=dims.dp, ep=2).build(dims.rank, dims.world)
-    par = Parallel(d)
-    model = par.wrap(tiny_gpt(**kw))
-    model(*par.shard_batch(x, y))
-    got = model.moe_stats()
-    ok = got["tokens_per_expert"] == want_load and got["dropped"] == want_dropped and want_dropped > 0
-    return {"moe_stats": {"ok": ok, "got": got, "want_load": want_load, "want_dropped": want_dropped}}
+    out = {}
+    for cap in (0.0, 1.0):
+        kw = dict(**MOE, moe_capacity_factor=cap)
+        whole = tiny_gpt(**kw)
+        whole(x, y)
+        want = whole.moe_stats()
+        if cap:  # one process on each rank's slice
+            want["dropped"] = 0
+            for r in range(dims.dp):
+                part = tiny_gpt(**kw)
+                part(x[r * n:(r + 1) * n], y[r * n:(r + 1) * n])
+                want["dropped"] += part.moe_stats()["dropped"]
+        par = Parallel(d)
+        model = par.wrap(tiny_gpt(**kw))
+        model(*par.shard_batch(x, y))
+        got = model.moe_stats()
+        if cap:  # later blocks see other inputs where tokens were dropped: counts and balance differ from `whole`
+            ok = got["dropped"] == want["dropped"] > 0
+        else:
+            ok = got["tokens_per_expert"] == want["tokens_per_expert"] and got["dropped"] == 0
+            ok &= abs(got["balance_loss"] - want["balance_loss"]) <= 1e-4  # rounded to 4 places in the log
+        out[f"moe_stats_cap{cap:g}"] = {"ok": bool(ok), "got": got, "want": want}
+    return out
 
 
 def check_ep_layouts(dims, args) -> dict:
