@@ -14,6 +14,7 @@ rank, or measures what a lesson plots, or grades an exercise (``grade.run_graded
     context.py   chapter 13   ring and all-gather attention, the CP GPT, CP x TP (+SP); work, bytes, memory per rank
     lessons.py   chapter 11   the lesson's TP MLP on real ranks, the exercise's graded tasks
     moe.py       chapter 16   expert parallelism (ep 2 and 4) vs one process; the all-to-all's bytes; bad layouts
+    moe_pp.py    chapter 16   the MoE GPT under pp (x dp, ep, tp + SP): aux per micro-batch, bias once per schedule
     grade.py     exercises    ``@graded`` tasks (one per chapter file), ``run_graded`` for the check cells
     common.py                 the tiny GPT from a seed, its batches, AdamW, the tolerance
 
@@ -32,11 +33,12 @@ import torch.distributed as dist
 
 from minite.parallel import watch
 from minite.parallel.dims import ParallelDims, init_distributed
-from minite.parallel.workers import context, data, lessons, moe, pipeline, tensor
+from minite.parallel.workers import context, data, lessons, moe, moe_pp, pipeline, tensor
 
 __all__ = ["CHECKS", "main", "report"]
 
-CHECKS = {**data.CHECKS, **tensor.CHECKS, **pipeline.CHECKS, **context.CHECKS, **lessons.CHECKS, **moe.CHECKS}
+CHECKS = {**data.CHECKS, **tensor.CHECKS, **pipeline.CHECKS, **context.CHECKS, **lessons.CHECKS, **moe.CHECKS,
+          **moe_pp.CHECKS}
 
 
 def _parser() -> argparse.ArgumentParser:
