@@ -35,6 +35,7 @@ RULES = [
     ("minite/parallel/data.py", 280),        # DDP and ZeRO-1/2/3 in one class, its constructor in named steps
     ("minite/parallel/comm.py", 280),        # every collective, and the one global-norm clip of sharded gradients
     ("minite/layers/lora.py", 310),          # LoRALinear, PEFT's API, and (issue 25) its argument / merged-state checks
+    ("minite/parallel/pipeline.py", 265),    # the schedules' runner, and (chapter 16) a MoE inside the stages
     ("minite/parallel/*.py", 250),
     ("minite/parallel/workers/*.py", 260),   # the torchrun workers, a file per chapter: checks, measurements, task
     ("minite/**/*.py", 300),

@@ -11,12 +11,10 @@ gradients are summed after the backward (Megatron's embedding group), so both co
 With a ``trace.Recorder`` active, each step reports a "pp" event (F or B, micro-batch, start, end; a forward also
 the bytes of activations autograd saved for its backward): the lesson's timeline and memory per stage.
 
-A mixture of experts (chapter 16) runs inside the stages: the m micro-batches are gradient accumulation, so under
-balance "aux" each stage adds moe_aux_weight * (its blocks' Switch loss) / m to the backward of each micro-batch
-(Megatron's per-micro-batch balance loss) and the reported loss sums every stage's share; under "bias" the bias
-moves once per schedule, by the load summed over the micro-batches (``hold_bias``), as one process on the batch.
-With ep > 1 each stage's MoE layers hold their E/ep experts (``runtime.Parallel.wrap`` shards them on the stage):
-expert gradients are summed over the edp replicas, the rest over dp, both divided by dp (as ExpertDataParallel).
+A mixture of experts (chapter 16): the m micro-batches are gradient accumulation, so each stage adds its blocks'
+Switch loss per micro-batch ("aux"; the reported loss sums every stage's) and the "bias" moves once per schedule
+(``StageMoE``). With ep > 1 (``runtime.Parallel.wrap`` shards the stage's experts) expert gradients are summed over
+the edp replicas, the rest over dp, both divided by dp, as ExpertDataParallel does.
 """
 from __future__ import annotations
 
@@ -27,20 +25,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minite.layers.moe import hold_bias
-from minite.models.gpt import GPT, _take_aux_loss
+from minite.models.gpt import GPT
 from minite.parallel import comm, trace
 from minite.parallel.dims import ParallelError
-from minite.parallel.expert import moe_layers
+from minite.parallel.expert import average_grads, grad_squares, is_expert
 from minite.parallel.pipeline_schedule import SCHEDULES, check_schedule
-from minite.parallel.pipeline_stage import Stage, _PendingGrads, my_tokens, partition
+from minite.parallel.pipeline_stage import Stage, StageMoE, _PendingGrads, my_tokens, partition
 from minite.parallel.sequence import gather_dense
 
 __all__ = ["partition", "Stage", "PipelineGPT"]
-
-
-def _expert(q) -> bool:
-    return getattr(q, "expert_parallel", False)
 
 
 class PipelineGPT(nn.Module):
@@ -75,7 +68,7 @@ class PipelineGPT(nn.Module):
         self._pending = None  # the schedule's gradients, until the returned loss's backward adds them
         self._anchor = torch.zeros((), requires_grad=True)
         self._sync = True  # False under no_sync(): gradients accumulate, not averaged over dp
-        self._stats = None  # MoE: this stage's routing of the last schedule (moe_stats)
+        self._moe = None  # the last training schedule's StageMoE (its routing: moe_stats)
 
     # ------------------------------------------------------------------ the schedule
     def _chunks(self, x, y, m):
@@ -110,26 +103,18 @@ class PipelineGPT(nn.Module):
         check_schedule(steps, m, self.s)
         prev = self.dims.neighbour("pp", -1)
         nxt = self.dims.neighbour("pp", 1)
-        ins, outs, auxes, sends = {}, {}, {}, []
+        ins, outs, sends = {}, {}, []
         loss = torch.zeros((), dtype=torch.float64, device=x.device)
-        moes, cfg = moe_layers(st), self.config
-        use_aux = bool(moes) and cfg.moe_balance == "aux" and cfg.moe_aux_weight > 0 and self.training
-        self._stats = [torch.zeros(cfg.moe_num_experts + 3, dtype=torch.float64, device=x.device),
-                       len(moes) * m] if moes else None
-        with hold_bias(moes):  # "bias": every micro-batch routes with the same bias; it moves once, at the end
+        self._moe = moe = StageMoE(st, self.config, self.training, m, x.device)
+        with moe.hold():  # "bias": every micro-batch routes with the same bias; it moves once, at the end
             for kind, i in steps:
                 if kind == "F":
                     inp = xs[i] if first else self._recv(xs[i], prev).requires_grad_()
                     weights = itertools.chain(st.parameters(), st.buffers())  # not activations
                     with trace.span("pp", x.device, step="F", mb=i) as row, trace.saved_bytes(row, weights):
                         out = st(inp, ys[i] if last else None)
-                    aux = _take_aux_loss(cfg, st.blocks.values())  # MoE: my blocks' Switch losses (None if dense)
-                    self._note_stats(moes)
-                    if use_aux and last:
-                        out = out + cfg.moe_aux_weight * aux  # the loss of micro-batch i, its balance share included
-                    elif use_aux:  # joins micro-batch i's backward with gradient 1/m, and the reported loss
-                        auxes[i] = cfg.moe_aux_weight * aux
-                        loss += auxes[i].detach().double() / m
+                    out, share = moe.after_forward(i, out, last)  # MoE: + the balance loss ("aux"), stats
+                    loss += share
                     if last:
                         loss += out.detach().double() / m
                     else:
@@ -139,11 +124,7 @@ class PipelineGPT(nn.Module):
                 else:
                     grad = torch.full_like(outs[i], 1.0 / m) if last else self._recv(xs[i], nxt)
                     with trace.span("pp", x.device, step="B", mb=i):
-                        if i in auxes:
-                            aux = auxes.pop(i)
-                            torch.autograd.backward([outs.pop(i), aux], [grad, torch.full_like(aux, 1.0 / m)])
-                        else:
-                            torch.autograd.backward(outs.pop(i), grad)
+                        moe.backward(i, outs.pop(i), grad)
                     inp = ins.pop(i)
                     if not first:
                         sends.append((comm.send(inp.grad, prev, self.group), inp.grad))
@@ -156,26 +137,10 @@ class PipelineGPT(nn.Module):
         comm.all_reduce(loss, self.group)  # the last stage's loss plus the other stages' balance losses
         return loss, fresh
 
-    def _note_stats(self, moes) -> None:
-        """Add one forward's routing to this schedule's: load per expert, dropped, the Switch losses."""
-        if moes:
-            t = self._stats[0]
-            t[:-3] += sum(mo.load for mo in moes).double()
-            t[-3] += sum(mo.dropped for mo in moes)
-            t[-2] += sum(mo.aux_loss.detach().double() for mo in moes)
-
     def moe_stats(self) -> dict | None:
-        """The routing of the last training schedule over every stage (a collective over pp: every rank calls it,
-        as minite.train's log does): assignments per expert summed over the layers and micro-batches, dropped, and
-        the Switch balance loss averaged over the layers and micro-batches (1.0 = uniform). None for a dense GPT."""
-        if not self.config.moe_num_experts or self._stats is None:
-            return None
-        t, n = self._stats
-        t = t.clone()
-        t[-1] = n
-        comm.all_reduce(t, self.group)
-        return {"tokens_per_expert": [int(v) for v in t[:-3]], "dropped": int(t[-3]),
-                "balance_loss": round(float(t[-2] / t[-1]), 4)}
+        """The last training schedule's routing over every stage (StageMoE.gather_stats: a collective over pp;
+        minite.train's log calls it on every rank). None for a dense GPT."""
+        return self._moe.gather_stats(self.group) if self._moe is not None else None
 
     def _sum_tied_grads(self):
         """Sum the embedding's gradient (stage 0) and the tied head's (stage p-1): both copies get the dense grad."""
@@ -206,18 +171,8 @@ class PipelineGPT(nn.Module):
             g = g if scale == 1.0 else g * scale
             q.grad = g.clone() if q.grad is None else q.grad + g
         n = comm.size(self.dp_group)
-        if not self._sync or n == 1:
-            return
-        # pp x dp: average the (accumulated) gradients over the dp replicas of my stage. ep: my experts' gradients
-        # already sum my ep group's tokens (the all-to-all's backward): summed over their edp replicas, / dp
-        experts = [q for q in params if _expert(q)]
-        for qs, group in (([q for q in params if not _expert(q)], self.dp_group),
-                          (experts, self.dims.group("edp"))):
-            if qs:
-                flat = torch.cat([q.grad.reshape(-1) for q in qs])
-                comm.all_reduce(flat, group)
-                for q, g in zip(qs, (flat / n).split([q.numel() for q in qs])):
-                    q.grad = g.view_as(q).clone()
+        if self._sync and n > 1:  # pp x dp: average the (accumulated) gradients over the dp replicas of my stage
+            average_grads(params, self.dp_group, self.dims.group("edp"), n)  # (ep: experts over edp)
 
     def step(self, x, y, microbatches: int | None = None) -> float:
         """Forward and backward of the global batch (x, y) through the pipeline; returns the global loss."""
@@ -273,51 +228,30 @@ class PipelineGPT(nn.Module):
     def _shared(self, q) -> bool:  # the last stage's copy of the tied embedding (counted once, on stage 0)
         return self.p > 1 and self.stage.last and q is self.stage.wte.weight
 
-    def _sq(self, qs, grads: bool) -> torch.Tensor:
-        """Sum over qs of (grad ** 2 or 1) / tp_replicas, fp64 (1,): the experts' part summed over the ep group."""
-        dev = self._anchor.device if not qs else qs[0].device
-        parts = [torch.zeros(1, dtype=torch.float64, device=dev) for _ in range(2)]
-        for q in qs:
-            if grads and q.grad is None:
-                continue
-            v = q.grad.double() ** 2 if grads else torch.ones_like(q, dtype=torch.float64)
-            parts[_expert(q)] += (v / torch.as_tensor(q.tp_replicas, dtype=torch.float64, device=v.device)).sum()
-        comm.all_reduce(parts[1], self.dims.group("ep"))
-        return parts[0] + parts[1]
+    def _squares(self, grads: bool) -> torch.Tensor:  # over every stage, tp rank and (the experts) ep rank
+        counted = [q for q in self.stage.parameters() if not self._shared(q)]
+        return grad_squares(counted, self.dims.group("ep"), [self.group, self.tp_group], grads)
 
     def num_params(self) -> int:
-        """Parameters of the whole model: summed over the stages, tp ranks (and ep ranks: the experts), each element
-        counted once."""
-        total = self._sq([q for q in self.stage.parameters() if not self._shared(q)], grads=False)
-        comm.all_reduce(total, self.group)
-        comm.all_reduce(total, self.tp_group)
-        return round(float(total))
+        """Parameters of the whole model: summed over the stages, tp and ep ranks, each element counted once."""
+        return round(float(self._squares(grads=False)))
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip by the norm of the whole model's gradient, over every stage and tp rank (the tied embedding's copy
-        on the last stage is clipped, not counted: stage 0 counts it)."""
-        params = list(self.stage.parameters())
-        if not any(_expert(q) for q in params):
-            counted = [q for q in params if not self._shared(q)]
-            return comm.clip_grad_norm_(params, max_norm, [self.group, self.tp_group], norm_params=counted)
-        sq = self._sq([q for q in params if not self._shared(q)], grads=True)  # ep: my experts' squares + the others'
-        comm.all_reduce(sq, self.group)
-        comm.all_reduce(sq, self.tp_group)
-        norm = sq.sqrt()
+        """Clip by the norm of the whole model's gradient, over every stage, tp rank and (experts) ep rank (the tied
+        embedding's copy on the last stage is clipped, not counted: stage 0 counts it)."""
+        norm = self._squares(grads=True).sqrt()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for q in params:
+        for q in self.stage.parameters():
             if q.grad is not None:
                 q.grad.mul_(coef.to(q.grad.dtype))
         return norm
 
-    def _gather(self, t: torch.Tensor, q) -> torch.Tensor:
-        """The dense tensor of which t holds q's part: experts all-gathered over ep, tp shards over tp."""
-        return gather_dense(t, q, self.dims.group("ep") if _expert(q) else self.tp_group)
-
     def dense_state_dict(self) -> dict:
         """The dense GPT's state dict (the MoE's bias buffers too), every stage's tensors gathered on every rank
-        (collective)."""
-        mine = {q.dense_name: self._gather(q.detach(), q).cpu() for q in self.stage.parameters()}
+        (collective): tp shards over tp, experts over ep."""
+        ep = self.dims.group("ep")
+        mine = {q.dense_name: gather_dense(q.detach(), q, ep if is_expert(q) else self.tp_group).cpu()
+                for q in self.stage.parameters()}
         names = {n for n, _ in self.stage.named_parameters()}
         mine.update({k: v.detach().cpu().clone() for k, v in self.stage.state_dict().items() if k not in names})
         if self.p == 1:

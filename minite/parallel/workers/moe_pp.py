@@ -3,8 +3,8 @@
 the routing (moe_stats), the dense state after 5 clipped AdamW steps (the "bias" buffers exactly) and the dense
 checkpoint. The m micro-batches are gradient accumulation: under balance "aux" the reference runs the dense GPT
 micro-batch by micro-batch (the Switch loss per micro-batch, loss / m each); under "bias" on the whole batch.
-Layouts at world 4: pp2 x dp2 (aux, bias), pp2 x dp2 x ep2 (aux, bias; then a one-process checkpoint resumed
-there), pp2 x tp2 with SP (aux)."""
+Layouts at world 4: pp2 x dp2 (aux, bias), pp2 x dp2 x ep2 (aux; then a one-process checkpoint resumed there),
+pp2 x tp2 with SP (aux)."""
 from __future__ import annotations
 
 import torch
@@ -50,11 +50,14 @@ def _reference(kw: dict, data, dp: int, per_micro: bool):
     return loss0, grads, stats, model, opt
 
 
-def _case(out: dict, d, balance: str, sp: bool = False) -> None:
+def _case(out: dict, d, balance: str, sp: bool = False, refs: dict | None = None) -> None:
     from minite.parallel.runtime import Parallel
     kw = dict(**MOE, moe_balance=balance)
     data = batches(STEPS + 1, 8)
-    loss_ref, ref_grads, ref_stats, ref, ref_opt = _reference(kw, data, d.dp, per_micro=balance == "aux")
+    refs = {} if refs is None else refs  # the reference of (balance, dp), shared by the layouts that need it
+    if (balance, d.dp) not in refs:
+        refs[balance, d.dp] = _reference(kw, data, d.dp, per_micro=balance == "aux")
+    loss_ref, ref_grads, ref_stats, ref, ref_opt = refs[balance, d.dp]
     par = Parallel(d, sp=sp, microbatches=M)
     model = par.wrap(tiny_gpt(**kw))
     opt = adamw(model)
@@ -87,7 +90,7 @@ def _case(out: dict, d, balance: str, sp: bool = False) -> None:
     layout = "".join(f"_{a}{getattr(d, a)}" for a in ("pp", "dp", "ep", "tp") if getattr(d, a) > 1)
     name = f"moe{layout}{'_sp' if sp else ''}_{balance}"
     out[name] = res
-    if d.ep > 1 and balance == "aux":
+    if d.ep > 1:  # (last: it takes the reference one step further)
         out[name + "_resume"] = _resume(par, model, opt, ref, ref_opt, data[STEPS], kw)
 
 
@@ -119,14 +122,12 @@ def _resume(par, model, opt, ref, ref_opt, batch, kw) -> dict:
 
 
 def check_moe_pp(dims, args) -> dict:
-    """World 4: pp2 x dp2 (aux, bias), pp2 x dp2 x ep2 (aux + resume, bias), pp2 x tp2 with SP (aux)."""
-    out = {}
+    """World 4: pp2 x dp2 (aux, bias), pp2 x dp2 x ep2 (aux, then resume), pp2 x tp2 with SP (aux)."""
+    out, refs = {}, {}
     d = ParallelDims(pp=2, dp=2).build(dims.rank, dims.world)
     for balance in ("aux", "bias"):
-        _case(out, d, balance)
-    d = ParallelDims(pp=2, dp=2, ep=2).build(dims.rank, dims.world)
-    for balance in ("aux", "bias"):
-        _case(out, d, balance)
+        _case(out, d, balance, refs=refs)
+    _case(out, ParallelDims(pp=2, dp=2, ep=2).build(dims.rank, dims.world), "aux", refs=refs)
     _case(out, ParallelDims(pp=2, tp=2).build(dims.rank, dims.world), "aux", sp=True)
     return out
 
