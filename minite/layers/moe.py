@@ -148,6 +148,11 @@ class MoE(nn.Module):
             update_bias(self.expert_bias, self._pending, self.bias_rate)
             self._pending = None
 
+    @torch.compiler.disable  # eager: the autograd engine's state is not something to trace
+    def _hold(self, counts: torch.Tensor) -> None:
+        if torch._C._current_graph_task_id() == -1:  # a recompute inside a backward is not a new forward
+            self._held += counts
+
     def experts_ffn(self, xs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """The local experts on rows sorted by expert: (M, C) -> (M, C); two grouped GEMMs around SwiGLU."""
         h = grouped_gemm(xs, self.w_gate_up.to(xs.dtype), offsets, backend=self.backend)  # (M, 2H)
@@ -169,9 +174,8 @@ class MoE(nn.Module):
             comm.all_reduce(counts, self.stats_group)  # the global load: every dp rank balances the same way
         self.aux_loss = load_balance_loss(probs, counts)  # the loss only under "aux"; a measure of balance always
         if self.balance == "bias" and self.training and torch.is_grad_enabled():
-            if self._held is not None:  # hold_bias: summed; a recompute inside a backward is not a new forward
-                if torch._C._current_graph_task_id() == -1:
-                    self._held += counts
+            if self._held is not None:  # hold_bias: summed, moved when the block ends
+                self._hold(counts)
             else:
                 self._pending = counts  # the bias moves after the backward (for the next step)
                 if self._hooked != id(self.router.weight):

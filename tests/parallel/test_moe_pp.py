@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from minite.config import make_config
 from minite.errors import ParallelError
@@ -28,9 +29,11 @@ def test_hold_bias_moves_once_by_the_summed_load():
     x = torch.randn(2, 12, 8)
     whole = torch.bincount(moe.router(x.reshape(-1, 8)).argmax(-1), minlength=4)  # top-1, zero bias
     with hold_bias([moe]):
-        for part in x.chunk(2):
-            moe(part).sum().backward()
+        for i, part in enumerate(x.chunk(2)):  # the first under activation recompute: its forward runs twice
+            out = checkpoint(moe, part, use_reentrant=False) if i == 0 else moe(part)
+            out.sum().backward()
             assert not moe.expert_bias.any()  # held: the second micro-batch routes with the same bias
+            assert int(moe._held.sum()) == 12 * (i + 1)  # 12 tokens, top-1: each forward counted once
     assert torch.equal(moe.expert_bias, 0.5 * torch.sign(whole.float().mean() - whole.float()))
     before = moe.expert_bias.clone()
     moe(x).sum().backward()  # outside: the hook moves it after every backward again, by that forward's load
