@@ -18,8 +18,8 @@ the contributions of all ep ranks' tokens (the backward all-to-all brought them)
 replicas and divided by dp: the gradient of the global batch's mean loss. The checkpoint stays dense (the experts
 all-gathered over ep), so it resumes under any layout. Under tp (sequence.py) every tp rank holds the same E/ep
 experts and runs them on the same tokens: the ep and edp groups join the ranks of one tp index, the gradient norm
-counts each element once. Under pp (pipeline.py) each stage's MoE layers are sharded so and the pipeline reduces
-their gradients itself (``average_grads``, ``grad_squares``). Not composed with cp or ZeRO here (refused by
+counts each element once. Under pp (pipeline.py) each stage's MoE layers are sharded the same way and the pipeline
+reduces their gradients itself (``average_grads``, ``grad_squares``). Not composed with cp or ZeRO here (refused by
 ``check_layout``).
 """
 from __future__ import annotations
