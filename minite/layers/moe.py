@@ -15,7 +15,8 @@ Load balance, two ways:
 * ``"bias"`` (DeepSeek-V3, auxiliary-loss-free): a per-expert bias added to the scores only to *choose* the
   experts; after each training backward, bias_i += rate * sign(mean load - load_i). No gradient, no extra loss.
   (The update runs from a hook on the router's gradient, not in the forward: activation recompute runs the forward
-  twice, and the recomputed routing must be the first one.)
+  twice, and the recomputed routing must be the first one.) Under ``hold_bias`` (a pipeline's micro-batches) the
+  counts of every forward add up and the bias moves once, at the end: every micro-batch routes with the same bias.
 Capacity: with capacity_factor c > 0 each expert takes at most ceil(c * N * k / E) assignments, in token order; the
 rest are dropped (their token skips the experts: the residual carries it). c = 0 is dropless.
 
@@ -24,6 +25,7 @@ this module holds only experts [expert_lo, expert_lo + E_local) and ``ep_group``
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -35,7 +37,7 @@ from minite.kernels.swiglu import swiglu
 from minite.layers.mlp import SwiGLU
 
 __all__ = ["route", "load_balance_loss", "update_bias", "capacity", "permute", "unpermute", "moe_ref", "MoE",
-           "BALANCE"]
+           "hold_bias", "BALANCE"]
 
 BALANCE = ("aux", "bias", "none")
 
@@ -133,6 +135,7 @@ class MoE(nn.Module):
         self.aux_loss = self.load = self.dropped = None
         self._pending = None  # "bias": the load of the last training forward, applied when its backward arrives
         self._hooked = None  # id of the router weight that carries the hook (a deepcopy's weight carries none)
+        self._held = None  # under hold_bias: the counts of the forwards so far (the bias moves when it ends)
 
     def __getstate__(self):  # deepcopy / pickle: the last aux_loss without its graph (a non-leaf cannot be copied)
         state = dict(self.__dict__)
@@ -144,6 +147,11 @@ class MoE(nn.Module):
         if self._pending is not None:
             update_bias(self.expert_bias, self._pending, self.bias_rate)
             self._pending = None
+
+    @torch.compiler.disable  # eager: the autograd engine's state is not something to trace
+    def _hold(self, counts: torch.Tensor) -> None:
+        if torch._C._current_graph_task_id() == -1:  # a recompute inside a backward is not a new forward
+            self._held += counts
 
     def experts_ffn(self, xs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """The local experts on rows sorted by expert: (M, C) -> (M, C); two grouped GEMMs around SwiGLU."""
@@ -166,10 +174,13 @@ class MoE(nn.Module):
             comm.all_reduce(counts, self.stats_group)  # the global load: every dp rank balances the same way
         self.aux_loss = load_balance_loss(probs, counts)  # the loss only under "aux"; a measure of balance always
         if self.balance == "bias" and self.training and torch.is_grad_enabled():
-            self._pending = counts  # the bias moves after the backward (for the next step)
-            if self._hooked != id(self.router.weight):
-                self.router.weight.register_post_accumulate_grad_hook(self._update_bias)
-                self._hooked = id(self.router.weight)
+            if self._held is not None:  # hold_bias: summed, moved when the block ends
+                self._hold(counts)
+            else:
+                self._pending = counts  # the bias moves after the backward (for the next step)
+                if self._hooked != id(self.router.weight):
+                    self.router.weight.register_post_accumulate_grad_hook(self._update_bias)
+                    self._hooked = id(self.router.weight)
         cap = capacity(self.capacity_factor, experts.numel(), E)
         xs, order, offsets = permute(x2, experts, E, cap)
         if self.ep_group is not None:
@@ -187,6 +198,24 @@ class MoE(nn.Module):
         return (f"dim={self.dim}, hidden={self.hidden}, num_experts={self.num_experts}, top_k={self.top_k}, "
                 f"capacity_factor={self.capacity_factor}, balance={self.balance!r}, "
                 f"shared_expert={self.shared is not None}")
+
+
+@contextlib.contextmanager
+def hold_bias(moes):
+    """``with hold_bias(moe_layers):`` the "bias" balance of these MoE layers adds up the counts of every training
+    forward inside and moves each bias once when the block ends (after the backwards), by the summed load: the
+    micro-batches of a pipeline schedule all route with the same bias, like one process on the whole batch. Not
+    moved if the block raises. Layers with another balance are left alone."""
+    held = [m for m in moes if m.balance == "bias"]
+    for m in held:
+        m._pending, m._held = None, torch.zeros_like(m.expert_bias, dtype=torch.long)
+    try:
+        yield
+        for m in held:
+            update_bias(m.expert_bias, m._held, m.bias_rate)
+    finally:
+        for m in held:
+            m._held = None
 
 
 def moe_ref(moe: MoE, x: torch.Tensor) -> torch.Tensor:

@@ -239,9 +239,8 @@ def check_layout(p, model, *, world: int, seq_len: int, batch_size: int, lora_r:
         (p.zero == 3 and p.tp > 1, f"zero=3 with tp={p.tp} (use zero 0-2 with tp)"),
         (lora_r > 0 and dims.size > 1, f"LoRA (lora.r={lora_r}) under a parallel layout (fine-tune in one "
                                        "process)"),
-        *[(getattr(model, "moe_num_experts", 0) and deg > 1, f"a mixture of experts (model.moe_num_experts="
-           f"{model.moe_num_experts}) with {a}={deg} (experts run with dp, ep, tp and cp only)")
-          for a, deg in (("pp", p.pp),)],
+        (getattr(model, "moe_num_experts", 0) and p.pp > 1 and p.cp > 1, f"a mixture of experts (model.moe_num_"
+         f"experts={getattr(model, 'moe_num_experts', 0)}) with pp={p.pp} and cp={p.cp} (use pp or cp with a MoE)"),
         (getattr(p, "ep", 1) > 1 and p.zero > 0, f"ep={getattr(p, 'ep', 1)} with zero={p.zero} (use zero=0 with ep)"),
         (getattr(model, "moe_num_experts", 0) and p.tp > 1 and p.zero > 0,
          f"a mixture of experts (model.moe_num_experts={getattr(model, 'moe_num_experts', 0)}) with tp={p.tp} and "

@@ -20,8 +20,9 @@ all-gathered over ep), so it resumes under any layout. Under tp (sequence.py) ev
 experts and runs them on the same tokens: the ep and edp groups join the ranks of one tp index, the gradient norm
 counts each element once. Under cp (context_gpt.py) each cp rank runs its T/cp tokens through the experts of its
 ep group (ep and edp lie inside dp at one cp index): dense gradients are averaged over dp x cp, an expert's summed
-over its replicas at every cp index (``edp_cp``), both divided by dp * cp. Not composed with pp or ZeRO here
-(refused by ``check_layout``).
+over its replicas at every cp index (``edp_cp``), both divided by dp * cp. Under pp (pipeline.py) each stage's MoE
+layers are sharded the same way and the pipeline reduces their gradients itself (``average_grads``,
+``grad_squares``). Not composed with pp and cp together, or with ZeRO here (refused by ``check_layout``).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from minite.parallel import comm
 from minite.parallel.sequence import gather_dense
 
 __all__ = ["AllToAll", "all_to_all", "exchange_counts", "expert_parallel_ffn", "shard_experts",
-           "ExpertDataParallel", "moe_layers", "stats_group"]
+           "ExpertDataParallel", "moe_layers", "stats_group", "is_expert", "average_grads", "grad_squares"]
 
 
 def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
@@ -103,6 +104,40 @@ def stats_group(dims):
 def moe_layers(model: nn.Module) -> list:
     from minite.layers.moe import MoE
     return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def is_expert(q) -> bool:
+    """An expert parameter sharded over ep (shard_experts tags it)."""
+    return getattr(q, "expert_parallel", False)
+
+
+def average_grads(params, dp_group, edp_group, n: int) -> None:
+    """Gradients summed over their replicas and divided by dp = n: the experts' (sharded over ep: theirs already sum
+    my ep group's tokens, the all-to-all's backward) over edp, the others over dp. One flat all-reduce each."""
+    experts = [q for q in params if is_expert(q)]
+    for qs, group in (([q for q in params if not is_expert(q)], dp_group), (experts, edp_group)):
+        if qs:
+            flat = torch.cat([q.grad.reshape(-1) for q in qs])
+            comm.all_reduce(flat, group)
+            for q, g in zip(qs, (flat / n).split([q.numel() for q in qs])):
+                q.grad = g.view_as(q).clone()
+
+
+def grad_squares(qs, ep_group, groups, grads: bool = True) -> torch.Tensor:
+    """Sum over qs of (grad ** 2, or 1 to count elements) / tp_replicas, fp64 (1,): the experts' part summed over
+    the ep group (each rank holds E/ep of them), then the whole over each of `groups` (pp, tp)."""
+    parts = [torch.zeros(1, dtype=torch.float64, device=qs[0].device if qs else None) for _ in range(2)]
+    for q in qs:
+        if grads and q.grad is None:
+            continue
+        v = q.grad.double() ** 2 if grads else torch.ones_like(q, dtype=torch.float64)
+        replicas = torch.as_tensor(getattr(q, "tp_replicas", 1), dtype=torch.float64, device=v.device)
+        parts[is_expert(q)] += (v / replicas).sum()
+    comm.all_reduce(parts[1], ep_group)
+    total = parts[0] + parts[1]
+    for group in groups:
+        comm.all_reduce(total, group)
+    return total
 
 
 def shard_experts(model: nn.Module, dims) -> nn.Module:

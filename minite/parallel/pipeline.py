@@ -10,6 +10,11 @@ schedule whose dependencies are acyclic cannot deadlock. The tied embedding live
 gradients are summed after the backward (Megatron's embedding group), so both copies take the same AdamW step.
 With a ``trace.Recorder`` active, each step reports a "pp" event (F or B, micro-batch, start, end; a forward also
 the bytes of activations autograd saved for its backward): the lesson's timeline and memory per stage.
+
+A mixture of experts (chapter 16): the m micro-batches are gradient accumulation, so each stage adds its blocks'
+Switch loss per micro-batch ("aux"; the reported loss sums every stage's) and the "bias" moves once per schedule
+(``StageMoE``). With ep > 1 (``runtime.Parallel.wrap`` shards the stage's experts) expert gradients are summed over
+the edp replicas, the rest over dp, both divided by dp, as ExpertDataParallel does.
 """
 from __future__ import annotations
 
@@ -23,8 +28,9 @@ from torch import nn
 from minite.models.gpt import GPT
 from minite.parallel import comm, trace
 from minite.parallel.dims import ParallelError
+from minite.parallel.expert import average_grads, grad_squares, is_expert
 from minite.parallel.pipeline_schedule import SCHEDULES, check_schedule
-from minite.parallel.pipeline_stage import Stage, _PendingGrads, my_tokens, partition
+from minite.parallel.pipeline_stage import Stage, StageMoE, _PendingGrads, my_tokens, partition
 from minite.parallel.sequence import gather_dense
 
 __all__ = ["partition", "Stage", "PipelineGPT"]
@@ -62,6 +68,7 @@ class PipelineGPT(nn.Module):
         self._pending = None  # the schedule's gradients, until the returned loss's backward adds them
         self._anchor = torch.zeros((), requires_grad=True)
         self._sync = True  # False under no_sync(): gradients accumulate, not averaged over dp
+        self._moe = None  # the last training schedule's StageMoE (its routing: moe_stats)
 
     # ------------------------------------------------------------------ the schedule
     def _chunks(self, x, y, m):
@@ -98,33 +105,42 @@ class PipelineGPT(nn.Module):
         nxt = self.dims.neighbour("pp", 1)
         ins, outs, sends = {}, {}, []
         loss = torch.zeros((), dtype=torch.float64, device=x.device)
-        for kind, i in steps:
-            if kind == "F":
-                inp = xs[i] if first else self._recv(xs[i], prev).requires_grad_()
-                weights = itertools.chain(st.parameters(), st.buffers())  # not activations
-                with trace.span("pp", x.device, step="F", mb=i) as row, trace.saved_bytes(row, weights):
-                    out = st(inp, ys[i] if last else None)
-                if last:
-                    loss += out.detach().double() / m
+        self._moe = moe = StageMoE(st, self.config, self.training, m, x.device)
+        with moe.hold():  # "bias": every micro-batch routes with the same bias; it moves once, at the end
+            for kind, i in steps:
+                if kind == "F":
+                    inp = xs[i] if first else self._recv(xs[i], prev).requires_grad_()
+                    weights = itertools.chain(st.parameters(), st.buffers())  # not activations
+                    with trace.span("pp", x.device, step="F", mb=i) as row, trace.saved_bytes(row, weights):
+                        out = st(inp, ys[i] if last else None)
+                    out, share = moe.after_forward(i, out, last)  # MoE: + the balance loss ("aux"), stats
+                    loss += share
+                    if last:
+                        loss += out.detach().double() / m
+                    else:
+                        sends.append((comm.send(out.detach(), nxt, self.group), out))
+                    ins[i] = inp
+                    outs[i] = out
                 else:
-                    sends.append((comm.send(out.detach(), nxt, self.group), out))
-                ins[i] = inp
-                outs[i] = out
-            else:
-                grad = torch.full_like(outs[i], 1.0 / m) if last else self._recv(xs[i], nxt)
-                with trace.span("pp", x.device, step="B", mb=i):
-                    torch.autograd.backward(outs.pop(i), grad)
-                inp = ins.pop(i)
-                if not first:
-                    sends.append((comm.send(inp.grad, prev, self.group), inp.grad))
-        for work, _ in sends:
-            work.wait()
+                    grad = torch.full_like(outs[i], 1.0 / m) if last else self._recv(xs[i], nxt)
+                    with trace.span("pp", x.device, step="B", mb=i):
+                        moe.backward(i, outs.pop(i), grad)
+                    inp = ins.pop(i)
+                    if not first:
+                        sends.append((comm.send(inp.grad, prev, self.group), inp.grad))
+            for work, _ in sends:
+                work.wait()
         self._sum_tied_grads()
         fresh = [q.grad if q.grad is not None else torch.zeros_like(q) for q in params]
         for q, g in zip(params, kept):
             q.grad = g
-        comm.broadcast(loss, self.ends[1], self.group)
+        comm.all_reduce(loss, self.group)  # the last stage's loss plus the other stages' balance losses
         return loss, fresh
+
+    def moe_stats(self) -> dict | None:
+        """The last training schedule's routing over every stage (StageMoE.gather_stats: a collective over pp;
+        minite.train's log calls it on every rank). None for a dense GPT."""
+        return self._moe.gather_stats(self.group) if self._moe is not None else None
 
     def _sum_tied_grads(self):
         """Sum the embedding's gradient (stage 0) and the tied head's (stage p-1): both copies get the dense grad."""
@@ -156,10 +172,7 @@ class PipelineGPT(nn.Module):
             q.grad = g.clone() if q.grad is None else q.grad + g
         n = comm.size(self.dp_group)
         if self._sync and n > 1:  # pp x dp: average the (accumulated) gradients over the dp replicas of my stage
-            flat = torch.cat([q.grad.reshape(-1) for q in params])
-            comm.all_reduce(flat, self.dp_group)
-            for q, g in zip(params, (flat / n).split([q.numel() for q in params])):
-                q.grad = g.view_as(q).clone()
+            average_grads(params, self.dp_group, self.dims.group("edp"), n)  # (ep: experts over edp)
 
     def step(self, x, y, microbatches: int | None = None) -> float:
         """Forward and backward of the global batch (x, y) through the pipeline; returns the global loss."""
@@ -215,25 +228,32 @@ class PipelineGPT(nn.Module):
     def _shared(self, q) -> bool:  # the last stage's copy of the tied embedding (counted once, on stage 0)
         return self.p > 1 and self.stage.last and q is self.stage.wte.weight
 
+    def _squares(self, grads: bool) -> torch.Tensor:  # over every stage, tp rank and (the experts) ep rank
+        counted = [q for q in self.stage.parameters() if not self._shared(q)]
+        return grad_squares(counted, self.dims.group("ep"), [self.group, self.tp_group], grads)
+
     def num_params(self) -> int:
-        """Parameters of the whole model: summed over the stages and tp ranks, each element counted once."""
-        qs = [q for q in self.stage.parameters() if not self._shared(q)]
-        total = sum((torch.ones_like(q, dtype=torch.float64) / torch.as_tensor(q.tp_replicas, device=q.device)).sum()
-                    for q in qs).reshape(1)
-        comm.all_reduce(total, self.group)
-        comm.all_reduce(total, self.tp_group)
-        return round(float(total))
+        """Parameters of the whole model: summed over the stages, tp and ep ranks, each element counted once."""
+        return round(float(self._squares(grads=False)))
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip by the norm of the whole model's gradient, over every stage and tp rank (the tied embedding's copy
-        on the last stage is clipped, not counted: stage 0 counts it)."""
-        params = list(self.stage.parameters())
-        counted = [q for q in params if not self._shared(q)]
-        return comm.clip_grad_norm_(params, max_norm, [self.group, self.tp_group], norm_params=counted)
+        """Clip by the norm of the whole model's gradient, over every stage, tp rank and (experts) ep rank (the tied
+        embedding's copy on the last stage is clipped, not counted: stage 0 counts it)."""
+        norm = self._squares(grads=True).sqrt()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for q in self.stage.parameters():
+            if q.grad is not None:
+                q.grad.mul_(coef.to(q.grad.dtype))
+        return norm
 
     def dense_state_dict(self) -> dict:
-        """The dense GPT's state dict, every stage's tensors gathered on every rank (collective)."""
-        mine = {q.dense_name: gather_dense(q.detach(), q, self.tp_group).cpu() for q in self.stage.parameters()}
+        """The dense GPT's state dict (the MoE's bias buffers too), every stage's tensors gathered on every rank
+        (collective): tp shards over tp, experts over ep."""
+        ep = self.dims.group("ep")
+        mine = {q.dense_name: gather_dense(q.detach(), q, ep if is_expert(q) else self.tp_group).cpu()
+                for q in self.stage.parameters()}
+        names = {n for n, _ in self.stage.named_parameters()}
+        mine.update({k: v.detach().cpu().clone() for k, v in self.stage.state_dict().items() if k not in names})
         if self.p == 1:
             return mine
         parts = [None] * self.p

@@ -2,7 +2,8 @@
 
 ``partition`` balances the stages by parameter count with the embedding on the first stage and the tied head on the
 last; ``Stage`` holds deep copies of the dense GPT's modules under their dense names, so a test compares
-gradients by name and the stages' state dicts together are the dense state dict.
+gradients by name and the stages' state dicts together are the dense state dict. ``StageMoE``: a stage's
+mixture-of-experts duties in one schedule (the balance loss per micro-batch, the held bias, the routing stats).
 """
 from __future__ import annotations
 
@@ -13,13 +14,15 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from minite.models.gpt import GPT
+from minite.layers.moe import hold_bias
+from minite.models.gpt import GPT, _take_aux_loss
 from minite.ops import cross_entropy
 from minite.parallel import comm
 from minite.parallel.dims import ParallelError
+from minite.parallel.expert import moe_layers
 from minite.parallel.sequence import TPGPT
 
-__all__ = ["partition", "Stage"]
+__all__ = ["partition", "Stage", "StageMoE"]
 
 
 def partition(model: GPT, p: int) -> list[range]:
@@ -123,3 +126,54 @@ def my_tokens(stage: Stage, cp_group, x: torch.Tensor):
     finally:
         for a in attns:
             a.pos = None
+
+
+class StageMoE:
+    """One schedule's mixture-of-experts duties on a stage (nothing to do for a dense GPT). Under balance "aux" in
+    training, micro-batch i's backward includes moe_aux_weight * (my blocks' Switch loss) / m: added to the loss
+    on the last stage, a second root of the backward with gradient 1/m elsewhere (Megatron's per-micro-batch
+    balance loss). ``hold()``: the "bias" moves once, after the schedule. ``stats``: the routing, summed."""
+
+    def __init__(self, stage: Stage, cfg, training: bool, m: int, device):
+        self.moes, self.cfg, self.m = moe_layers(stage), cfg, m
+        self.blocks = list(stage.blocks.values())
+        self.aux = bool(self.moes) and cfg.moe_balance == "aux" and cfg.moe_aux_weight > 0 and training
+        self.held = {}  # micro-batch -> its balance loss term, until its backward
+        self.stats = torch.zeros(cfg.moe_num_experts + 3, dtype=torch.float64, device=device)
+        self.stats[-1] = len(self.moes) * m  # [load per expert..., dropped, sum of Switch losses, their count]
+
+    def hold(self):
+        return hold_bias(self.moes)  # "bias": every micro-batch routes with the same bias
+
+    def after_forward(self, i: int, out: torch.Tensor, last: bool):
+        """(the stage's output, its share of the reported loss) after micro-batch i's forward."""
+        if not self.moes:
+            return out, 0.0
+        aux = _take_aux_loss(self.cfg, self.blocks)
+        self.stats[:-3] += sum(mo.load for mo in self.moes).double()
+        self.stats[-3] += sum(mo.dropped for mo in self.moes)
+        self.stats[-2] += aux.detach().double()
+        if not self.aux:
+            return out, 0.0
+        if last:  # the loss of micro-batch i, its balance share included
+            return out + self.cfg.moe_aux_weight * aux, 0.0
+        self.held[i] = self.cfg.moe_aux_weight * aux
+        return out, self.held[i].detach().double() / self.m
+
+    def backward(self, i: int, out: torch.Tensor, grad: torch.Tensor) -> None:
+        aux = self.held.pop(i, None)
+        if aux is None:
+            torch.autograd.backward(out, grad)
+        else:
+            torch.autograd.backward([out, aux], [grad, torch.full_like(aux, 1.0 / self.m)])
+
+    def gather_stats(self, group) -> dict | None:
+        """Every stage's routing (a collective over `group`, the pp group): assignments per expert summed over the
+        layers and micro-batches, dropped, the Switch loss averaged over them (1.0 = uniform)."""
+        if not self.moes:
+            return None
+        t = self.stats.clone()
+        comm.all_reduce(t, group)
+        return {"tokens_per_expert": [int(v) for v in t[:-3]], "dropped": int(t[-3]),
+                "balance_loss": round(float(t[-2] / t[-1]), 4)}
+

@@ -9,6 +9,7 @@ state: each moment keyed by the dense parameter's name and shaped like it, plus 
 Saving gathers, loading slices, by the same map from a local parameter to its dense tensor:
   tp     the tag ``p.dense_name``, ``p.dense_index = (dim, index)``: all-gather along dim, place by index / index_select
   pp     each stage holds its own names: every stage's dict is all-gathered (objects) over the pp group
+  ep     an expert parameter (``expert_parallel``) holds rows dense_index of the dense experts: gathered over ep
   ZeRO   each dp rank holds a flat shard of the moments: all-gathered per unit, cut per parameter / my pieces of it
   dp, cp every replica holds the whole parameter: nothing to gather
 Loading the dense weights happens before the wrappers cut the model (``minite.train``), so the model side is the
@@ -58,11 +59,12 @@ def dense_optim_state(model, opt, dims) -> dict:
     """The layout-free AdamW state (a collective: every rank calls it; rank 0 writes what it returns)."""
     moments, step = _local_moments(opt)
     tp = dims.group("tp") if dims is not None else None
+    ep = dims.group("ep") if dims is not None else None
     mine = {k: {} for k in MOMENTS}
     for name, p in _named(model):
         if p in moments:
             for k, t in zip(MOMENTS, moments[p]):
-                mine[k][name] = gather_dense(t, p, tp).cpu()
+                mine[k][name] = gather_dense(t, p, ep if getattr(p, "expert_parallel", False) else tp).cpu()
     pp = dims.group("pp") if dims is not None else None
     if pp is not None:  # every stage's names (the tied embedding arrives from both end stages: the same tensor)
         parts = [None] * comm.size(pp)

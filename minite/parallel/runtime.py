@@ -90,17 +90,20 @@ class Parallel:
         if d.cp > 1:  # chapter 13: my tokens of each sequence, attention by the ring; grads averaged over dp x cp
             from minite.parallel.context_gpt import CPGPT
             model = CPGPT.from_dense(model, d.group("cp"))
+        if d.pp > 1:  # chapter 12: this rank's stage of that model; the pipeline averages grads over dp (x cp)
+            from minite.parallel.pipeline import PipelineGPT
+            model = self.pipe = PipelineGPT(model, d, self.microbatches, self.schedule)  # (its MoE copies, below)
         if getattr(model.config, "moe_num_experts", 0) and d.dp * d.cp > 1:  # chapter 16: the global load
             from minite.parallel.expert import moe_layers, stats_group
-            for moe in moe_layers(model):  # under cp: CPGPT's blocks are the wrapped model's, the MoEs it runs
+            for moe in moe_layers(model):  # the MoEs that run: CPGPT's are the wrapped model's, a stage's its own
                 moe.stats_group = stats_group(d)  # the counts summed over dp (x cp): the whole global batch
         if d.ep > 1:  # chapter 16: my experts; dense grads averaged over dp, expert grads over the replicas (edp)
             from minite.parallel.expert import ExpertDataParallel, shard_experts
-            self.dp = ExpertDataParallel(shard_experts(model, d), d)
+            shard_experts(model, d)
+            if self.pipe is None:  # (the pipeline reduces its stage's gradients itself)
+                self.dp = ExpertDataParallel(model, d)
             return model
-        if d.pp > 1:  # chapter 12: this rank's stage of that model; the pipeline averages grads over dp (x cp)
-            from minite.parallel.pipeline import PipelineGPT
-            self.pipe = PipelineGPT(model, d, self.microbatches, self.schedule)
+        if self.pipe is not None:
             return self.pipe
         if d.dp > 1 or self.zero > 0 or d.cp > 1:
             from minite.parallel.data import DataParallel
@@ -137,7 +140,7 @@ class Parallel:
 
     def clip(self, model, opt, max_norm: float):
         """Clip the global gradient norm of the whole (sharded) model; returns the norm before clipping."""
-        if self.dims.ep > 1:  # the experts' part of the norm summed over the ep group
+        if self.dims.ep > 1 and self.pipe is None:  # the experts' part of the norm summed over the ep group
             return self.dp.clip_grad_norm_(max_norm)
         if hasattr(opt, "clip_grad_norm_"):  # ZeRO: the norm over every shard
             return opt.clip_grad_norm_(max_norm)
@@ -158,13 +161,13 @@ class Parallel:
         """The dense model's state dict (collective: every rank calls it; rank 0 writes it)."""
         if self.dp is not None and self.zero == 3:
             return self.dp.full_state_dict()
-        if self.dims.ep > 1:  # the experts all-gathered over ep
+        if self.dims.ep > 1 and self.pipe is None:  # the experts all-gathered over ep (the pipeline does its own)
             return self.dp.dense_state_dict()
         return model.dense_state_dict() if hasattr(model, "dense_state_dict") else model.state_dict()
 
     def optim_state(self, opt, model) -> dict:
         """The checkpoint's "optimizer" entry: the dense AdamW state, whatever the layout (collective; reshard.py)."""
-        if self.dims.ep > 1:
+        if self.dims.ep > 1 and self.pipe is None:
             return self.dp.dense_optim_state(opt)
         return reshard.dense_optim_state(model, opt, self.dims)
 
