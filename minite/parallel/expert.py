@@ -18,7 +18,8 @@ the contributions of all ep ranks' tokens (the backward all-to-all brought them)
 replicas and divided by dp: the gradient of the global batch's mean loss. The checkpoint stays dense (the experts
 all-gathered over ep), so it resumes under any layout. Under tp (sequence.py) every tp rank holds the same E/ep
 experts and runs them on the same tokens: the ep and edp groups join the ranks of one tp index, the gradient norm
-counts each element once. Not composed with pp, cp or ZeRO here (refused by ``check_layout``).
+counts each element once. Not composed with pp or cp here (refused by ``check_layout``). With ZeRO
+(``ExpertZero``) the dense parameters and the experts are sharded by two ``DataParallel``, over dp and over edp.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from minite.parallel import comm
 from minite.parallel.sequence import gather_dense
 
 __all__ = ["AllToAll", "all_to_all", "exchange_counts", "expert_parallel_ffn", "shard_experts",
-           "ExpertDataParallel", "moe_layers"]
+           "ExpertDataParallel", "ExpertZero", "moe_layers"]
 
 
 def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
@@ -195,3 +196,42 @@ class ExpertDataParallel:
                 for k, t in zip(MOMENTS, moments[p]):
                     state[k][getattr(p, "dense_name", name)] = self._dense(name, t, p).cpu()
         return {"format": FORMAT, "step": step, **state}
+
+
+class ExpertZero(ExpertDataParallel):
+    """ZeRO stage 1-3 with sharded experts: two ``DataParallel`` at that stage, one owning the dense parameters
+    (over dp, averaged), one the experts (over edp, the sum divided by dp, as ``finish`` above). ``optimizer()``
+    pairs their ``ShardedAdamW``: one global norm, the squares of both shards summed over dp (its ranks' shards
+    are disjoint and cover the model: edp x ep spans dp) and tp. The checkpoint is ExpertDataParallel's."""
+
+    def __init__(self, model: nn.Module, dims, stage: int):
+        from minite.parallel.data import DataParallel
+        self.model, self.dims, self.opt = model, dims, None
+        experts = [p for p in model.parameters() if getattr(p, "expert_parallel", False)]
+        dense = [p for p in model.parameters() if not getattr(p, "expert_parallel", False)]
+        self.parts = [DataParallel(model, dims.group("dp"), stage, params=dense),
+                      DataParallel(model, dims.group("edp"), stage, params=experts, divisor=dims.dp)]
+
+    def finish(self) -> None:
+        for dp in self.parts:
+            dp.finish()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        with self.parts[0].no_sync(), self.parts[1].no_sync():
+            yield
+
+    def optimizer(self, **kw):
+        """One optimizer over both shards (kw: ShardedAdamW's lr, betas, weight_decay)."""
+        from minite.parallel.zero import JointShardedAdamW, ShardedAdamW
+        tp = self.dims.group("tp")
+        self.opt = JointShardedAdamW([ShardedAdamW(dp, tp_group=tp, **kw) for dp in self.parts],
+                                     [self.dims.group("dp"), tp])
+        return self.opt
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return self.opt.clip_grad_norm_(max_norm)
+
+    def dense_state_dict(self) -> dict:
+        with self.parts[0].gathered(), self.parts[1].gathered():  # stage 3: every unit whole meanwhile
+            return super().dense_state_dict()

@@ -95,8 +95,9 @@ class Parallel:
             for moe in moe_layers(model):
                 moe.stats_group = d.group("dp")
         if d.ep > 1:  # chapter 16: my experts; dense grads averaged over dp, expert grads over the replicas (edp)
-            from minite.parallel.expert import ExpertDataParallel, shard_experts
-            self.dp = ExpertDataParallel(shard_experts(model, d), d)
+            from minite.parallel.expert import ExpertDataParallel, ExpertZero, shard_experts
+            model = shard_experts(model, d)  # ZeRO: the dense parameters sharded over dp, the experts over edp
+            self.dp = ExpertZero(model, d, self.zero) if self.zero else ExpertDataParallel(model, d)
             return model
         if d.pp > 1:  # chapter 12: this rank's stage of that model; the pipeline averages grads over dp (x cp)
             from minite.parallel.pipeline import PipelineGPT
@@ -111,8 +112,10 @@ class Parallel:
         if self.dp is None or self.zero == 0:
             return make(model)
         from minite.parallel.zero import ShardedAdamW
-        return ShardedAdamW(self.dp, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
-                            tp_group=self.dims.group("tp"))
+        kw = dict(lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+        if self.dims.ep > 1:  # expert.ExpertZero: one optimizer over the dense and the expert shards
+            return self.dp.optimizer(**kw)
+        return ShardedAdamW(self.dp, tp_group=self.dims.group("tp"), **kw)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -156,10 +159,10 @@ class Parallel:
 
     def model_state(self, model) -> dict:
         """The dense model's state dict (collective: every rank calls it; rank 0 writes it)."""
+        if self.dims.ep > 1:  # the experts all-gathered over ep (ZeRO-3: every unit gathered first)
+            return self.dp.dense_state_dict()
         if self.dp is not None and self.zero == 3:
             return self.dp.full_state_dict()
-        if self.dims.ep > 1:  # the experts all-gathered over ep
-            return self.dp.dense_state_dict()
         return model.dense_state_dict() if hasattr(model, "dense_state_dict") else model.state_dict()
 
     def optim_state(self, opt, model) -> dict:

@@ -14,6 +14,7 @@ rank, or measures what a lesson plots, or grades an exercise (``grade.run_graded
     context.py   chapter 13   ring and all-gather attention, the CP GPT, CP x TP (+SP); work, bytes, memory per rank
     lessons.py   chapter 11   the lesson's TP MLP on real ranks, the exercise's graded tasks
     moe.py       chapter 16   expert parallelism (ep 2 and 4) vs one process; the all-to-all's bytes; bad layouts
+    moe_zero.py  chapter 16   the MoE GPT under ZeRO-1/2/3 with ep 1, 2, 4 and under tp x ZeRO vs one process
     grade.py     exercises    ``@graded`` tasks (one per chapter file), ``run_graded`` for the check cells
     common.py                 the tiny GPT from a seed, its batches, AdamW, the tolerance
 
@@ -32,11 +33,12 @@ import torch.distributed as dist
 
 from minite.parallel import watch
 from minite.parallel.dims import ParallelDims, init_distributed
-from minite.parallel.workers import context, data, lessons, moe, pipeline, tensor
+from minite.parallel.workers import context, data, lessons, moe, moe_zero, pipeline, tensor
 
 __all__ = ["CHECKS", "main", "report"]
 
-CHECKS = {**data.CHECKS, **tensor.CHECKS, **pipeline.CHECKS, **context.CHECKS, **lessons.CHECKS, **moe.CHECKS}
+CHECKS = {**data.CHECKS, **tensor.CHECKS, **pipeline.CHECKS, **context.CHECKS, **lessons.CHECKS, **moe.CHECKS,
+          **moe_zero.CHECKS}
 
 
 def _parser() -> argparse.ArgumentParser:
