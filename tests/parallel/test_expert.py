@@ -4,7 +4,7 @@ checkpoint resumed at ep = 4; bad layouts; the MoE GPT under tp = 2, with and wi
 with dp = ep = 2);
 launches of ``minite.train`` at dp=4 ep=2, dp=4, tp=2 and dp=2 ep=2 tp=2 sp train one process's 20-step curve, and
 the dense checkpoints resume in one process; a rank killed in the dispatch ends the run, named. Layouts that are
-not built (a MoE with pp or cp, ep with ZeRO, a MoE under tp with ZeRO) are refused before any process starts."""
+not built (a MoE with pp or cp) are refused before any process starts (ZeRO: test_moe_zero.py)."""
 import pytest
 
 from minite.config import make_config
@@ -101,9 +101,6 @@ def test_cli_ep_matches_single_process(corpus, cli, flags, curve):
     ({"parallel.dp": 2, "parallel.ep": 2, "model.moe_num_experts": 0}, 2, "got moe_num_experts=0"),
     ({"parallel.dp": 2, "parallel.pp": 2}, 4, r"mixture of experts \(model.moe_num_experts=4\) with pp=2"),
     ({"parallel.cp": 2}, 2, r"mixture of experts \(model.moe_num_experts=4\) with cp=2"),
-    ({"parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 1}, 2, "ep=2 with zero=1"),
-    ({"parallel.dp": 2, "parallel.tp": 2, "parallel.zero": 1}, 4,
-     r"mixture of experts \(model.moe_num_experts=4\) with tp=2 and zero=1"),
 ])
 def test_layouts_refused(flags, over, world, match):
     cfg = make_config("cpu", {**flags, **MOE, **over})

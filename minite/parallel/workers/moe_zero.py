@@ -14,10 +14,10 @@ from minite.parallel.workers.common import CLIP, LR, STEPS, TOL, WD, adamw, batc
 
 MOE = dict(moe_num_experts=4, moe_top_k=2)
 HYPER = SimpleNamespace(lr=LR, beta1=0.9, beta2=0.999, weight_decay=WD)  # adamw()'s, as minite.train's config
-# (zero, dp, ep, tp, sp, balance) at world 4: ep 1 (every expert on every rank), 2 and 4 at each stage; under tp
-CASES = [*[(z, 4, ep, 1, False, "aux") for z in (1, 2, 3) for ep in (1, 2, 4)],
-         (2, 4, 2, 1, False, "bias"), (3, 4, 4, 1, False, "bias"),
-         (1, 2, 1, 2, True, "aux"), (2, 2, 1, 2, False, "bias"), (1, 2, 2, 2, True, "bias"), (2, 2, 2, 2, True, "aux")]
+# (zero, dp, ep, tp, sp, balance) at world 4: ep 1 (every expert on every rank), 2 and 4 at each stage ("bias"
+# balancing at the last); under tp (ZeRO-3 is refused with tp), with and without ep and SP
+CASES = [*[(z, 4, ep, 1, False, "bias" if (z, ep) == (3, 4) else "aux") for z in (1, 2, 3) for ep in (1, 2, 4)],
+         (1, 2, 1, 2, True, "aux"), (2, 2, 1, 2, False, "bias"), (2, 2, 2, 2, True, "aux")]
 
 
 def case_name(zero: int, dp: int, ep: int, tp: int, sp: bool, balance: str) -> str:
