@@ -32,7 +32,9 @@ RULES = [
     # issue 22 wrote the parallel files one statement a line (nanoGPT's style) instead of packing them:
     ("minite/parallel/tensor.py", 330),      # TP layers, vocab-parallel CE, the SP column linear (from sequence.py)
     ("minite/parallel/context.py", 300),     # ring and all-gather attention, forward and backward
-    ("minite/parallel/data.py", 280),        # DDP and ZeRO-1/2/3 in one class, its constructor in named steps
+    # DDP and ZeRO-1/2/3 in one class, its constructor in named steps; chapter 16: the parameters it owns and the
+    # gradient divisor (ep x ZeRO: a second one over edp for the experts), gathered() for a whole-model read
+    ("minite/parallel/data.py", 295),
     ("minite/parallel/comm.py", 280),        # every collective, and the one global-norm clip of sharded gradients
     ("minite/layers/lora.py", 310),          # LoRALinear, PEFT's API, and (issue 25) its argument / merged-state checks
     ("minite/parallel/dims.py", 260),       # every group of every layout: the grid's lines, ep, edp, edp_cp (16)

@@ -64,9 +64,12 @@ class DataParallel:
     """Data parallelism over `group` at ZeRO `stage` 0-3 (0: bucketed DDP). Call ``finish()`` after backward.
 
     units: the modules that form a unit each (default: ``model.blocks``); every other parameter joins the root.
+    params: the parameters it owns (default: all; expert parallelism gives the experts to a second one, over edp);
+    divisor: what the summed gradients are divided by (default W: the mean over the group).
     """
 
-    def __init__(self, model: nn.Module, group, stage: int = 0, units: list[nn.Module] | None = None):
+    def __init__(self, model: nn.Module, group, stage: int = 0, units: list[nn.Module] | None = None,
+                 params: list[nn.Parameter] | None = None, divisor: int | None = None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
         self.model = model
@@ -74,10 +77,11 @@ class DataParallel:
         self.stage = stage
         self.W = comm.size(group)
         self.r = comm.rank(group)
+        self.divisor = divisor or self.W
         self.pending = []  # (work, buffer, trace row) of each reduction in flight
         self.done = True  # no backward in progress: finish() has nothing to do
         self._sync = True  # False under no_sync(): backward accumulates, nothing is reduced
-        self.units = self._cut(model, units)
+        self.units = self._cut(model, units, params)
         # where each unit starts in the flat full buffers, and in my shard (the last entry: the total)
         self._unit_off = list(itertools.accumulate((u.numel for u in self.units), initial=0))
         self.shard_off = list(itertools.accumulate((u.shard_numel for u in self.units), initial=0))
@@ -88,13 +92,15 @@ class DataParallel:
             for _, p in u.params:
                 p.register_post_accumulate_grad_hook(lambda p, u=u: self._grad_ready(u))
 
-    def _cut(self, model: nn.Module, units: list[nn.Module] | None) -> list[Unit]:
+    def _cut(self, model: nn.Module, units: list[nn.Module] | None, params) -> list[Unit]:
         """A unit per module of `units` (default: the transformer blocks), then the root: every other parameter."""
         mods = list(model.blocks) if units is None else list(units)
         owner = {id(p): i for i, m in enumerate(mods) for p in m.parameters()}
+        mine = None if params is None else {id(p) for p in params}
         groups = [[] for _ in mods] + [[]]
         for name, p in model.named_parameters():
-            groups[owner.get(id(p), len(mods))].append((name, p))
+            if mine is None or id(p) in mine:
+                groups[owner.get(id(p), len(mods))].append((name, p))
         out = [Unit(f"unit{i}", m, g, self.W) for i, (m, g) in enumerate(zip(mods, groups))]
         return out + [Unit("root", model, groups[-1], self.W)]
 
@@ -234,9 +240,9 @@ class DataParallel:
         for u in self.units:
             u.ready = 0
         if self.stage == 0:
-            self.flat_grad /= self.W
+            self.flat_grad /= self.divisor
         else:
-            self.shard_grad /= self.W
+            self.shard_grad /= self.divisor
         if self.stage == 3:
             self._free(self.units[-1])
 
@@ -246,7 +252,7 @@ class DataParallel:
         if self.shard_grad is not None:
             self.shard_grad.zero_()
         if self.stage >= 2:
-            for _, p in self.model.named_parameters():
+            for p in (p for u in self.units for _, p in u.params):
                 p.grad = None
 
     def gather_params(self) -> None:
@@ -266,13 +272,18 @@ class DataParallel:
                 out[so + slo:so + shi] = v if not torch.is_tensor(v) else v.expand_as(params[name]).reshape(-1)[lo:hi]
         return out
 
+    @contextlib.contextmanager
+    def gathered(self):
+        """Inside, every parameter is whole (stage 3 gathers each unit, and frees them after; a collective)."""
+        for u in self.units if self.stage == 3 else []:
+            self._gather(u)
+        try:
+            yield
+        finally:
+            for u in self.units if self.stage == 3 else []:
+                self._free(u)
+
     def full_state_dict(self) -> dict:
         """The model's state dict with every parameter whole (stage 3 gathers each unit; a collective)."""
-        if self.stage == 3:
-            for u in self.units:
-                self._gather(u)
-        sd = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        if self.stage == 3:
-            for u in self.units:
-                self._free(u)
-        return sd
+        with self.gathered():
+            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}

@@ -241,10 +241,6 @@ def check_layout(p, model, *, world: int, seq_len: int, batch_size: int, lora_r:
                                        "process)"),
         (getattr(model, "moe_num_experts", 0) and p.pp > 1 and p.cp > 1, f"a mixture of experts (model.moe_num_"
          f"experts={getattr(model, 'moe_num_experts', 0)}) with pp={p.pp} and cp={p.cp} (use pp or cp with a MoE)"),
-        (getattr(p, "ep", 1) > 1 and p.zero > 0, f"ep={getattr(p, 'ep', 1)} with zero={p.zero} (use zero=0 with ep)"),
-        (getattr(model, "moe_num_experts", 0) and p.tp > 1 and p.zero > 0,
-         f"a mixture of experts (model.moe_num_experts={getattr(model, 'moe_num_experts', 0)}) with tp={p.tp} and "
-         f"zero={p.zero} (use zero=0 with a MoE under tp)"),
     ]
     for bad, why in unsupported:
         if bad:

@@ -22,7 +22,8 @@ counts each element once. Under cp (context_gpt.py) each cp rank runs its T/cp t
 ep group (ep and edp lie inside dp at one cp index): dense gradients are averaged over dp x cp, an expert's summed
 over its replicas at every cp index (``edp_cp``), both divided by dp * cp. Under pp (pipeline.py) each stage's MoE
 layers are sharded the same way and the pipeline reduces their gradients itself (``average_grads``,
-``grad_squares``). Not composed with pp and cp together, or with ZeRO here (refused by ``check_layout``).
+``grad_squares``). Not composed with pp and cp together (refused by ``check_layout``). With ZeRO (``ExpertZero``)
+the dense parameters and the experts are sharded by two ``DataParallel``, over dp and over edp (x cp).
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ from minite.parallel import comm
 from minite.parallel.sequence import gather_dense
 
 __all__ = ["AllToAll", "all_to_all", "exchange_counts", "expert_parallel_ffn", "shard_experts",
-           "ExpertDataParallel", "moe_layers", "stats_group", "is_expert", "average_grads", "grad_squares"]
+           "ExpertDataParallel", "ExpertZero", "moe_layers", "stats_group", "is_expert", "average_grads",
+           "grad_squares"]
 
 
 def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
@@ -241,3 +243,46 @@ class ExpertDataParallel:
                 for k, t in zip(MOMENTS, moments[p]):
                     state[k][getattr(p, "dense_name", name)] = self._dense(name, t, p).cpu()
         return {"format": FORMAT, "step": step, **state}
+
+
+class ExpertZero(ExpertDataParallel):
+    """ZeRO stage 1-3 with sharded experts: two ``DataParallel`` at that stage, one owning the dense parameters
+    (over dp, averaged), one the experts (over edp, the sum divided by dp, as ``finish`` above); under cp, dp x cp
+    and edp x cp (``edp_cp``), divided by dp * cp. ``optimizer()`` pairs their ``ShardedAdamW``: one global norm,
+    the squares of both shards summed over dp (x cp: its ranks' shards are disjoint and cover the model, edp x ep
+    spans dp) and tp. The checkpoint is ExpertDataParallel's."""
+
+    def __init__(self, model: nn.Module, dims, stage: int):
+        from minite.parallel.data import DataParallel
+        self.model, self.dims, self.opt = model, dims, None
+        experts = [p for p in model.parameters() if getattr(p, "expert_parallel", False)]
+        dense = [p for p in model.parameters() if not getattr(p, "expert_parallel", False)]
+        cp = dims.cp > 1  # under cp: the replicas of each cp index too, as ExpertDataParallel
+        self.norm_group = dims.group("dp_cp" if cp else "dp")
+        self.parts = [DataParallel(model, self.norm_group, stage, params=dense),
+                      DataParallel(model, dims.group("edp_cp" if cp else "edp"), stage, params=experts,
+                                   divisor=dims.dp * dims.cp)]
+
+    def finish(self) -> None:
+        for dp in self.parts:
+            dp.finish()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        with self.parts[0].no_sync(), self.parts[1].no_sync():
+            yield
+
+    def optimizer(self, **kw):
+        """One optimizer over both shards (kw: ShardedAdamW's lr, betas, weight_decay)."""
+        from minite.parallel.zero import JointShardedAdamW, ShardedAdamW
+        tp = self.dims.group("tp")
+        self.opt = JointShardedAdamW([ShardedAdamW(dp, tp_group=tp, **kw) for dp in self.parts],
+                                     [self.norm_group, tp])
+        return self.opt
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return self.opt.clip_grad_norm_(max_norm)
+
+    def dense_state_dict(self) -> dict:
+        with self.parts[0].gathered(), self.parts[1].gathered():  # stage 3: every unit whole meanwhile
+            return super().dense_state_dict()

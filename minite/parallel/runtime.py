@@ -98,10 +98,11 @@ class Parallel:
             for moe in moe_layers(model):  # the MoEs that run: CPGPT's are the wrapped model's, a stage's its own
                 moe.stats_group = stats_group(d)  # the counts summed over dp (x cp): the whole global batch
         if d.ep > 1:  # chapter 16: my experts; dense grads averaged over dp, expert grads over the replicas (edp)
-            from minite.parallel.expert import ExpertDataParallel, shard_experts
+            from minite.parallel.expert import ExpertDataParallel, ExpertZero, shard_experts
             shard_experts(model, d)
-            if self.pipe is None:  # (the pipeline reduces its stage's gradients itself)
-                self.dp = ExpertDataParallel(model, d)
+            if self.pipe is None:  # (the pipeline reduces its stage's gradients itself) ZeRO: the dense parameters
+                self.dp = ExpertZero(model, d, self.zero) if self.zero else ExpertDataParallel(model, d)  # over dp,
+            # the experts over edp
             return model
         if self.pipe is not None:
             return self.pipe
@@ -114,8 +115,10 @@ class Parallel:
         if self.dp is None or self.zero == 0:
             return make(model)
         from minite.parallel.zero import ShardedAdamW
-        return ShardedAdamW(self.dp, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
-                            tp_group=self.dims.group("tp"))
+        kw = dict(lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+        if self.dims.ep > 1:  # expert.ExpertZero: one optimizer over the dense and the expert shards
+            return self.dp.optimizer(**kw)
+        return ShardedAdamW(self.dp, tp_group=self.dims.group("tp"), **kw)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -159,10 +162,10 @@ class Parallel:
 
     def model_state(self, model) -> dict:
         """The dense model's state dict (collective: every rank calls it; rank 0 writes it)."""
+        if self.dims.ep > 1 and self.pipe is None:  # the experts all-gathered over ep (ZeRO-3: every unit gathered
+            return self.dp.dense_state_dict()  # first; the pipeline gathers its own)
         if self.dp is not None and self.zero == 3:
             return self.dp.full_state_dict()
-        if self.dims.ep > 1 and self.pipe is None:  # the experts all-gathered over ep (the pipeline does its own)
-            return self.dp.dense_state_dict()
         return model.dense_state_dict() if hasattr(model, "dense_state_dict") else model.state_dict()
 
     def optim_state(self, opt, model) -> dict:

@@ -8,6 +8,9 @@ torch.optim.AdamW does with two parameter groups. Clipping needs the *global* no
 its shard, one all-reduce adds them up (each element is counted once, because the shards do not overlap; an
 element that tensor parallelism replicates is divided by its ``tp_replicas``, as ``comm.clip_grad_norm_`` does).
 
+``JointShardedAdamW`` steps several of them as one optimizer (chapter 16: expert parallelism's dense parameters
+sharded over dp, its experts over edp): one global norm over all their shards.
+
 A checkpoint is saved sharded (one file per rank, each element tagged by parameter name and range) and can be
 loaded at another world size: a rank reads the pieces that overlap its new shard.
 """
@@ -20,7 +23,7 @@ import torch
 from minite.parallel import comm
 from minite.parallel.data import DataParallel
 
-__all__ = ["ShardedAdamW", "memory_per_rank", "bytes_per_step"]
+__all__ = ["ShardedAdamW", "JointShardedAdamW", "memory_per_rank", "bytes_per_step"]
 
 
 class ShardedAdamW:
@@ -140,6 +143,49 @@ class ShardedAdamW:
         self.param_groups[0]["lr"] = saved[0]["lr"]
         if self.dp.stage < 3:
             self.dp.gather_params()
+
+
+
+class JointShardedAdamW:
+    """Several ``ShardedAdamW`` as one optimizer (step, zero_grad, param_groups, clip, the layout-free moments).
+
+    groups: the norm's squares, every shard's, are summed over each of them (tp_replicas counted as above); the
+    shards must cover the whole model once over them (expert parallelism: dp, then tp)."""
+
+    def __init__(self, parts: list[ShardedAdamW], groups):
+        self.parts, self.groups = parts, groups
+        self.param_groups = [g for opt in parts for g in opt.param_groups]  # train.py sets the lr of each
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        shards = [opt.dp.shard_param for opt in self.parts]
+        for opt in self.parts:
+            opt.dp.shard_param.grad = opt.dp.shard_grad
+        try:
+            return comm.clip_grad_norm_(shards, max_norm, self.groups)
+        finally:
+            for s in shards:
+                s.grad = None
+
+    def step(self) -> None:
+        for opt in self.parts:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.parts:
+            opt.zero_grad()
+
+    def full_moments(self) -> tuple[dict, float]:
+        """Every part's {parameter: (exp_avg, exp_avg_sq)} (collectives, in the same order on every rank)."""
+        moments, step = {}, 0.0
+        for opt in self.parts:
+            m, s = opt.full_moments()
+            moments.update(m)
+            step = max(step, s)
+        return moments, step
+
+    def load_moments(self, moments: dict, step: float) -> None:
+        for opt in self.parts:
+            opt.load_moments(moments, step)
 
 
 # ----------------------------------------------------------------------------------- the formulas

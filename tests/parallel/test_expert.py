@@ -4,8 +4,7 @@ checkpoint resumed at ep = 4; bad layouts; the MoE GPT under tp = 2, with and wi
 with dp = ep = 2);
 launches of ``minite.train`` at dp=4 ep=2, dp=4, tp=2 and dp=2 ep=2 tp=2 sp train one process's 20-step curve, and
 the dense checkpoints resume in one process; a rank killed in the dispatch ends the run, named. Layouts that are
-not built (a MoE with pp and cp together, ep with ZeRO, a MoE under tp with ZeRO) are refused before any process
-starts."""
+not built (a MoE with pp and cp together) are refused before any process starts (ZeRO: test_moe_zero.py)."""
 import pytest
 
 from minite.config import make_config
@@ -101,9 +100,6 @@ def test_cli_ep_matches_single_process(corpus, cli, flags, curve):
     ({"parallel.dp": 4, "parallel.ep": 3}, 4, "ep=3 must be a positive integer dividing dp=4"),
     ({"parallel.dp": 2, "parallel.ep": 2, "model.moe_num_experts": 3}, 2, "got moe_num_experts=3"),
     ({"parallel.dp": 2, "parallel.ep": 2, "model.moe_num_experts": 0}, 2, "got moe_num_experts=0"),
-    ({"parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 1}, 2, "ep=2 with zero=1"),
-    ({"parallel.dp": 2, "parallel.tp": 2, "parallel.zero": 1}, 4,
-     r"mixture of experts \(model.moe_num_experts=4\) with tp=2 and zero=1"),
 ])
 def test_layouts_refused(flags, over, world, match):
     cfg = make_config("cpu", {**flags, **MOE, **over})

@@ -25,7 +25,8 @@ def world4(workers):
 
 @pytest.mark.parametrize("name", ["moe_cp2_dp2_aux", "moe_cp4_bias", "moe_cp2_dp2_ep2_aux",
                                   "moe_cp2_dp2_ep2_bias", "moe_cp2_tp2_aux", "moe_cp2_tp2_sp_bias",
-                                  "moe_cp2_dp2_zero1_bias", "moe_cp2_dp2_zero3_aux"])
+                                  "moe_cp2_dp2_zero1_bias", "moe_cp2_dp2_zero3_aux",
+                                  "moe_cp2_dp2_ep2_zero2_aux"])
 def test_moe_under_cp_matches_one_process(world4, check, name):
     check(world4, name)
 

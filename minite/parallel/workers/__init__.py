@@ -16,6 +16,7 @@ rank, or measures what a lesson plots, or grades an exercise (``grade.run_graded
     moe.py       chapter 16   expert parallelism (ep 2 and 4) vs one process; the all-to-all's bytes; bad layouts
     moe_cp.py    chapter 16   the MoE GPT under cp, with dp, ep, tp (+SP) and ZeRO (ep = 1) vs one process
     moe_pp.py    chapter 16   the MoE GPT under pp (x dp, ep, tp + SP): aux per micro-batch, bias once per schedule
+    moe_zero.py  chapter 16   the MoE GPT under ZeRO-1/2/3 with ep 1, 2, 4 and under tp x ZeRO vs one process
     grade.py     exercises    ``@graded`` tasks (one per chapter file), ``run_graded`` for the check cells
     common.py                 the tiny GPT from a seed, its batches, AdamW, the tolerance
 
@@ -34,12 +35,12 @@ import torch.distributed as dist
 
 from minite.parallel import watch
 from minite.parallel.dims import ParallelDims, init_distributed
-from minite.parallel.workers import context, data, lessons, moe, moe_cp, moe_pp, pipeline, tensor
+from minite.parallel.workers import context, data, lessons, moe, moe_cp, moe_pp, moe_zero, pipeline, tensor
 
 __all__ = ["CHECKS", "main", "report"]
 
 CHECKS = {**data.CHECKS, **tensor.CHECKS, **pipeline.CHECKS, **context.CHECKS, **lessons.CHECKS, **moe.CHECKS,
-          **moe_cp.CHECKS, **moe_pp.CHECKS}
+          **moe_cp.CHECKS, **moe_pp.CHECKS, **moe_zero.CHECKS}
 
 
 def _parser() -> argparse.ArgumentParser:

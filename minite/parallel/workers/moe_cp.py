@@ -2,7 +2,8 @@
 (``runtime.Parallel``: tp -> CPGPT -> the global-load stats group -> ep), against one process on the whole batch.
 
 Each case (world 4): cp = 2 x dp = 2 (the Switch loss), cp = 4 alone (the bias), cp = 2 x dp = 2 x ep = 2 (both
-balances), cp = 2 x tp = 2 with and without SP, cp = 2 x dp = 2 under ZeRO-1 (the bias) and ZeRO-3 (ep = 1).
+balances), cp = 2 x tp = 2 with and without SP, cp = 2 x dp = 2 under ZeRO-1 (the bias) and ZeRO-3 (ep = 1), and
+cp = 2 x dp = 2 x ep = 2 under ZeRO-2 (two shards: dense over dp x cp, experts over edp x cp).
 Compared: the global loss and every gradient of the first step (1e-6; my experts' rows under ep, my tp slice under
 tp, my flat shard under ZeRO), then after 5 clipped AdamW steps the dense checkpoint (every key, TOL), the "bias"
 balance's buffers (exactly: every rank moved them by the global load, as one process did) and the dense AdamW
@@ -15,7 +16,7 @@ from types import SimpleNamespace
 import torch
 
 from minite.parallel.dims import ParallelDims
-from minite.parallel.reshard import dense_optim_state
+from minite.parallel.reshard import dense_optim_state, local_slice
 from minite.parallel.runtime import Parallel
 from minite.parallel.workers.common import CLIP, LR, STEPS, TOL, WD, adamw, batches, maxerr, result, tiny_gpt
 
@@ -32,6 +33,7 @@ CASES = {
     "moe_cp2_tp2_sp_bias": (dict(cp=2, tp=2), "bias", True, 0),
     "moe_cp2_dp2_zero1_bias": (dict(dp=2, cp=2), "bias", False, 1),
     "moe_cp2_dp2_zero3_aux": (dict(dp=2, cp=2), "aux", False, 3),
+    "moe_cp2_dp2_ep2_zero2_aux": (dict(dp=2, cp=2, ep=2), "aux", False, 2),
 }
 
 
@@ -54,8 +56,10 @@ def _reference(kw: dict, data):
 def _grad_err(par: Parallel, model, ref: dict) -> tuple[float, str]:
     """The largest |my gradient - my part of the dense one| (the parameter named): the slice that a parameter's
     dense_index names (an ep shard's experts, a tp slice), or my flat shard of every gradient under ZeRO."""
-    if par.zero:
-        return float((par.dp.shard_grad - par.dp.shard_mask(lambda n, p: ref[n])).abs().max()), "zero shard"
+    if par.zero:  # ep x ZeRO (expert.ExpertZero): a dense and an expert DataParallel, each its own shard
+        return max(float((dp.shard_grad - dp.shard_mask(lambda n, p: local_slice(ref[getattr(p, "dense_name", n)],
+                                                                                  p))).abs().max())
+                   for dp in getattr(par.dp, "parts", [par.dp])), "zero shard"
     errs = {}
     for n, p in model.named_parameters():
         name = getattr(p, "dense_name", n)
