@@ -39,6 +39,7 @@ RULES = [
     ("minite/layers/lora.py", 310),          # LoRALinear, PEFT's API, and (issue 25) its argument / merged-state checks
     ("minite/parallel/dims.py", 260),       # every group of every layout: the grid's lines, ep, edp, edp_cp (16)
     ("minite/parallel/pipeline.py", 265),    # the schedules' runner, and (chapter 16) a MoE inside the stages
+    ("minite/parallel/expert.py", 300),      # EP's dispatch, its gradient averaging under dp/cp/tp, ZeRO's and pp's
     ("minite/parallel/*.py", 250),
     ("minite/parallel/workers/*.py", 260),   # the torchrun workers, a file per chapter: checks, measurements, task
     ("minite/**/*.py", 300),
