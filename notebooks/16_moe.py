@@ -415,10 +415,27 @@ print(f"measured all-to-all bytes (forward, rank 0, 2 layers): {v['a2a_bytes']:,
 # python -m minite.train --model.moe.num_experts=8 --model.moe.capacity_factor=1.25 --model.moe.shared_expert=True
 # torchrun --nproc-per-node 4 -m minite.train --model.moe.num_experts=8 --parallel.dp=4 --parallel.ep=2
 # torchrun --nproc-per-node 4 -m minite.train --model.moe.num_experts=8 --parallel.dp=2 --parallel.ep=2 --parallel.tp=2
+# torchrun --nproc-per-node 4 -m minite.train --model.moe.num_experts=8 --parallel.pp=2 --parallel.dp=2 --parallel.ep=2
+# torchrun --nproc-per-node 4 -m minite.train --model.moe.num_experts=8 --parallel.dp=2 --parallel.cp=2 --parallel.ep=2
+# torchrun --nproc-per-node 4 -m minite.train --model.moe.num_experts=8 --parallel.dp=4 --parallel.ep=2 --parallel.zero=2
 # ```
 # Each line of `log.jsonl` then shows `moe_tokens_per_expert` (summed over the blocks), `moe_dropped` and
-# `moe_balance_loss` ($E\sum f_i P_i$, 1.0 = uniform). Checkpoints hold the dense experts, whatever the layout, so a
-# run resumes under any `ep`. Experts compose with data, expert and tensor parallelism: under `--parallel.tp`
-# attention is split as in chapter 11, while every tp rank keeps its whole share of the experts and runs them on
-# the same tokens (under `--parallel.sp` the sequence is gathered first), so expert gradients need no tp reduction.
-# Pipeline and context parallelism, and ZeRO, are refused with an error naming what is not supported.
+# `moe_balance_loss` ($E\sum f_i P_i$, 1.0 = uniform), all three for the whole global batch. Checkpoints hold the
+# dense experts, whatever the layout, so a run resumes under any layout. Experts compose with every other dimension:
+# - **tp**: attention is split as in chapter 11, while every tp rank keeps its whole share of the experts and runs
+#   them on the same tokens (under `--parallel.sp` the sequence is gathered first), so expert gradients need no tp
+#   reduction.
+# - **cp**: only attention mixes tokens, so each cp rank routes its own $T/\mathrm{cp}$ tokens (to the experts of its
+#   own ep group). The counts are summed over dp $\times$ cp, so both balancing schemes see the load of the whole
+#   batch; an expert's gradient is summed over all its copies across dp and cp and divided by dp$\cdot$cp.
+# - **pp**: a pipeline's $m$ micro-batches are gradient accumulation, so under `balance=aux` each stage adds its own
+#   blocks' Switch loss to every micro-batch's backward, scaled by $1/m$: the balance loss is per micro-batch, as in
+#   Megatron. Under `balance=bias` the bias is held for the whole schedule and moves once, by the load summed over the
+#   micro-batches, so every micro-batch routes with the same bias, exactly as one process on the whole batch.
+# - **ZeRO**: with ep, a rank's parameters fall into two ZeRO groups at the same stage, the dense ones sharded over dp
+#   and averaged, its experts sharded over their edp replicas (summed, divided by dp: the owner already holds the sum
+#   over the ep ranks' tokens). The clip norm adds both shards' squares over dp, each tp-replicated element once.
+#
+# A capacity limit caps each rank's own tokens (as under dp), so a run with `capacity_factor > 0` matches one process
+# only when no expert overflows; dropless runs match it to rounding. Every layout is checked against one process
+# (loss, every gradient, five AdamW steps, the checkpoint) by the test suite.
