@@ -166,7 +166,7 @@ class Parallel:
         if not self.active:
             return found
         flag = torch.tensor([float(found)], device=self.dev)  # NCCL reduces CUDA tensors only, gloo CPU ones
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # the default group: every rank holds part of the model
+        comm.all_reduce(flag, dist.group.WORLD, op=dist.ReduceOp.MAX)  # the world: every rank holds part of it
         return bool(flag.item())
 
     def model_state(self, model) -> dict:

@@ -4,6 +4,8 @@ AdamW's moments and the weights == one process's step with the same scaler); an 
 (its ZeRO shard, a JointShardedAdamW's second shard, its tp shards, its pipeline stage) makes EVERY rank skip the
 step and back its scale off. A launch of ``minite.train --train.precision=fp16`` at dp=2 zero=1 logs one process's
 fp16 loss curve and gradient norm."""
+import json
+
 import pytest
 
 from minite.parallel.launch import torchrun
@@ -26,14 +28,14 @@ def test_fp16_scaler_on_two_ranks(world2, check, name):
 
 
 def _norms(out):
-    import json
     rows = [json.loads(r) for r in (out / "log.jsonl").read_text().splitlines()]
     return [r["grad_norm"] for r in rows if "grad_norm" in r]
 
 
 def test_cli_fp16_zero1_matches_single_process(corpus, cli, flags, curve):
     d, data = corpus
-    base = {**flags, **data, "train.precision": "fp16", "train.max_iters": 6, "train.eval_interval": 6}
+    base = {**flags, **data, "train.precision": "fp16", "train.max_iters": 6, "train.eval_interval": 6,
+            "train.grad_clip": 1.0}  # (the norm is logged when clipping)
     train(cli({**base, "train.out_dir": str(d / "fp16_single")}, 2)[0])
     loss1, norm1 = curve(d / "fp16_single")[0], _norms(d / "fp16_single")
     res = torchrun(2, [*cli({**base, "train.out_dir": str(d / "fp16_z1")}, 2)[1], "--parallel.dp=2",
