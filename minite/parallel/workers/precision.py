@@ -25,10 +25,12 @@ from minite.parallel.zero import JointShardedAdamW, ShardedAdamW
 S = 2.0 ** 16  # the scaler's initial scale, as minite.train's
 
 
-def _scaler(dims) -> DynamicLossScaler:
+def _scaler(dims, args) -> DynamicLossScaler:
     """minite.train's scaler, its verdict OR-ed over the world as minite.train sets it."""
+    par = Parallel(dims)
+    par.device(torch.device(args.device))  # the flag's device: NCCL reduces CUDA tensors only
     scaler = DynamicLossScaler(init_scale=S)
-    scaler.found_inf_everywhere = Parallel(dims).found_inf_anywhere
+    scaler.found_inf_everywhere = par.found_inf_anywhere
     return scaler
 
 
@@ -68,7 +70,7 @@ def check_zero(dims, args) -> dict:
     for stage in (1, 2, 3):
         model = tiny_gpt()
         dp = DataParallel(model, group, stage=stage)
-        opt, scaler = ShardedAdamW(dp, lr=LR, weight_decay=WD), _scaler(dims)
+        opt, scaler = ShardedAdamW(dp, lr=LR, weight_decay=WD), _scaler(dims, args)
         scaler.scale(model(_mine(x, dims), _mine(y, dims))[1]).backward()
         dp.finish()
         stepped, norm = _step(scaler, opt, lambda: opt.clip_grad_norm_(math.inf))
@@ -79,7 +81,7 @@ def check_zero(dims, args) -> dict:
                                     "weight_err": w_err, "scale": scaler.scale_value}
         model = tiny_gpt()  # an inf in rank 1's shard only
         dp = DataParallel(model, group, stage=stage)
-        opt, scaler = ShardedAdamW(dp, lr=LR, weight_decay=WD), _scaler(dims)
+        opt, scaler = ShardedAdamW(dp, lr=LR, weight_decay=WD), _scaler(dims, args)
         scaler.scale(model(_mine(x, dims), _mine(y, dims))[1]).backward()
         dp.finish()
         if dims.dp_rank == 1:
@@ -89,7 +91,7 @@ def check_zero(dims, args) -> dict:
     models = [tiny_gpt(), tiny_gpt(seed=1)]  # JointShardedAdamW: two shards, the inf in the second one's
     dps = [DataParallel(m, group, stage=2) for m in models]
     opt = JointShardedAdamW([ShardedAdamW(d, lr=LR, weight_decay=WD) for d in dps], [group])
-    scaler = _scaler(dims)
+    scaler = _scaler(dims, args)
     scaler.scale(sum(m(_mine(x, dims), _mine(y, dims))[1] for m in models)).backward()
     for d in dps:
         d.finish()
@@ -108,7 +110,7 @@ def check_tp(dims, args) -> dict:
     group = dims.group("tp")
     model = TPGPT.from_dense(tiny_gpt(), group)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    opt, scaler = adamw(model), _scaler(dims)
+    opt, scaler = adamw(model), _scaler(dims, args)
     scaler.scale(model(x, y)[1]).backward()
     if dims.tp_rank == 1:
         next(model.parameters()).grad.view(-1)[0] = math.inf
@@ -121,7 +123,7 @@ def check_pp(dims, args) -> dict:
     (x, y), = batches(1, 4)
     pipe = PipelineGPT(tiny_gpt(), dims, 2, "1f1b")
     before = {k: v.clone() for k, v in pipe.state_dict().items()}
-    opt, scaler = torch.optim.AdamW(pipe.parameters(), lr=LR), _scaler(dims)
+    opt, scaler = torch.optim.AdamW(pipe.parameters(), lr=LR), _scaler(dims, args)
     scaler.scale(pipe(x, y)[1]).backward()
     if dims.local_rank("pp") == dims.pp - 1:
         next(pipe.parameters()).grad.view(-1)[0] = math.inf
