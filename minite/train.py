@@ -213,6 +213,8 @@ def build(plan: Plan, par: Parallel) -> Run:
         torch.set_num_threads(t.threads or (1 if par.active else pick_threads(model, t.batch_size, plan.block)))
     opt = par.optimizer(model, lambda m: _optimizer(m, t, dev), t)  # ZeRO >= 1: the sharded AdamW
     ctx, scaler = _precision(cfg, dev)
+    if scaler is not None and par.active:  # fp16: skip a step on every rank when any rank's gradient overflowed
+        scaler.found_inf_everywhere = par.found_inf_anywhere
     run = Run(plan, par, dev, model, opt, ctx, scaler, sampler, compiled)
     if plan.resume is not None:
         _restore(run, plan.resume)

@@ -18,8 +18,14 @@ overflows to inf: then the step is skipped and S shrinks. The rule (``update``):
     scaler.update()
 
 The scaler works on the gradients of the optimizer's parameters: with FP16 model weights and FP32 master
-weights, copy the FP16 grads into the master params' ``.grad`` before ``unscale_``. BF16 has FP32's range and
-needs no scaler (``enabled=False`` makes every method a pass-through).
+weights, copy the FP16 grads into the master params' ``.grad`` before ``unscale_``. An optimizer that keeps its
+gradients elsewhere says where with a ``grads()`` method (ZeRO's ShardedAdamW: its flat shard's gradient). BF16
+has FP32's range and needs no scaler (``enabled=False`` makes every method a pass-through).
+
+Distributed: when the ranks hold different pieces of the gradient (ZeRO shards, tensor-parallel slices, pipeline
+stages), one rank may find the inf alone; if only it skipped, the replicas would drift apart. So the verdict is
+OR-ed over the ranks by ``found_inf_everywhere`` (a callable, bool -> bool: minite.train sets it to
+``Parallel.found_inf_anywhere``, one all-reduce of one flag per step) before anyone steps.
 """
 from __future__ import annotations
 
@@ -34,7 +40,8 @@ class DynamicLossScaler:
     """Scale the loss, unscale and check the grads, skip steps on overflow, adapt the scale."""
 
     def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 1000, hysteresis: int = 1, min_scale: float = 1.0, enabled: bool = True):
+                 growth_interval: int = 1000, hysteresis: int = 1, min_scale: float = 1.0, enabled: bool = True,
+                 found_inf_everywhere=None):
         w = "DynamicLossScaler"
         init_scale = _v.real(w, "init_scale", init_scale, gt=0)
         growth_factor = _v.real(w, "growth_factor", growth_factor, gt=1)
@@ -50,6 +57,10 @@ class DynamicLossScaler:
         self._growth_tracker = 0                 # clean steps since the last change of scale
         self._hysteresis_tracker = self.hysteresis   # overflows still tolerated before backing off
         self._found_inf: bool | None = None     # this iteration's verdict; None: grads not unscaled yet
+        if found_inf_everywhere is not None and not callable(found_inf_everywhere):
+            raise TypeError(f"{w}: found_inf_everywhere must be a callable (bool -> bool) or None, "
+                            f"got {type(found_inf_everywhere).__name__}")
+        self.found_inf_everywhere = found_inf_everywhere  # my verdict -> every rank's (distributed), else None
 
     @property
     def scale_value(self) -> float:
@@ -62,6 +73,8 @@ class DynamicLossScaler:
 
     @staticmethod
     def _grads(optimizer) -> list[torch.Tensor]:
+        if hasattr(optimizer, "grads"):          # ZeRO: the gradients live in the shard, not in the params' .grad
+            return list(optimizer.grads())
         return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
     @torch.no_grad()
@@ -78,8 +91,11 @@ class DynamicLossScaler:
             g.mul_(inv)                         # inf stays inf and NaN stays NaN, so check after unscaling
             flag = ~torch.isfinite(g).all()
             bad = flag if bad is None else bad | flag.to(bad.device)
-        self._found_inf = bool(bad) if bad is not None else False
-        return self._found_inf
+        found = bool(bad) if bad is not None else False
+        if self.found_inf_everywhere is not None:  # the same verdict on every rank: all step, or all skip
+            found = bool(self.found_inf_everywhere(found))
+        self._found_inf = found
+        return found
 
     def step(self, optimizer: torch.optim.Optimizer, *args: object, **kwargs: object) -> bool:
         """Unscale (if not done) and call optimizer.step() unless inf/NaN was found. Returns True if it stepped."""

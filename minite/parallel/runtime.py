@@ -160,6 +160,15 @@ class Parallel:
         comm.all_reduce(t, self.dims.group("dp"))
         return float(t) / self.dims.dp
 
+    def found_inf_anywhere(self, found: bool) -> bool:
+        """FP16's loss-scaler verdict OR-ed over the world (one all-reduce of one flag): a rank holding only a
+        shard, tp slice or stage of the model may see the inf alone, yet every rank must skip that step."""
+        if not self.active:
+            return found
+        flag = torch.tensor([float(found)], device=self.dev)  # NCCL reduces CUDA tensors only, gloo CPU ones
+        comm.all_reduce(flag, dist.group.WORLD, op=dist.ReduceOp.MAX)  # the world: every rank holds part of it
+        return bool(flag.item())
+
     def model_state(self, model) -> dict:
         """The dense model's state dict (collective: every rank calls it; rank 0 writes it)."""
         if self.dims.ep > 1 and self.pipe is None:  # the experts all-gathered over ep (ZeRO-3: every unit gathered

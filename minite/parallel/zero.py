@@ -43,6 +43,10 @@ class ShardedAdamW:
         # how many tp ranks hold each element of my shard (1 on the padding): the norm counts it once
         dp.shard_param.tp_replicas = dp.shard_mask(lambda n, p: getattr(p, "tp_replicas", 1), padding=1.0)
 
+    def grads(self) -> list[torch.Tensor]:
+        """The gradient step() applies, my reduced shard (a loss scaler unscales and checks it: it is no .grad)."""
+        return [self.dp.shard_grad]
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the gradient to a global norm of max_norm, from the shards; returns the norm before clipping."""
         shard = self.dp.shard_param
@@ -155,6 +159,9 @@ class JointShardedAdamW:
     def __init__(self, parts: list[ShardedAdamW], groups):
         self.parts, self.groups = parts, groups
         self.param_groups = [g for opt in parts for g in opt.param_groups]  # train.py sets the lr of each
+
+    def grads(self) -> list[torch.Tensor]:
+        return [g for opt in self.parts for g in opt.grads()]
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         shards = [opt.dp.shard_param for opt in self.parts]

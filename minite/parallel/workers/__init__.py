@@ -17,6 +17,7 @@ rank, or measures what a lesson plots, or grades an exercise (``grade.run_graded
     moe_cp.py    chapter 16   the MoE GPT under cp, with dp, ep, tp (+SP) and ZeRO (ep = 1) vs one process
     moe_pp.py    chapter 16   the MoE GPT under pp (x dp, ep, tp + SP): aux per micro-batch, bias once per schedule
     moe_zero.py  chapter 16   the MoE GPT under ZeRO-1/2/3 with ep 1, 2, 4 and under tp x ZeRO vs one process
+    precision.py chapter 01   the FP16 loss scaler under ZeRO, tp, pp: the shard's grad unscaled, an inf skips all ranks
     grade.py     exercises    ``@graded`` tasks (one per chapter file), ``run_graded`` for the check cells
     common.py                 the tiny GPT from a seed, its batches, AdamW, the tolerance
 
@@ -35,12 +36,23 @@ import torch.distributed as dist
 
 from minite.parallel import watch
 from minite.parallel.dims import ParallelDims, init_distributed
-from minite.parallel.workers import context, data, lessons, moe, moe_cp, moe_pp, moe_zero, pipeline, tensor
+from minite.parallel.workers import (
+    context,
+    data,
+    lessons,
+    moe,
+    moe_cp,
+    moe_pp,
+    moe_zero,
+    pipeline,
+    precision,
+    tensor,
+)
 
 __all__ = ["CHECKS", "main", "report"]
 
 CHECKS = {**data.CHECKS, **tensor.CHECKS, **pipeline.CHECKS, **context.CHECKS, **lessons.CHECKS, **moe.CHECKS,
-          **moe_cp.CHECKS, **moe_pp.CHECKS, **moe_zero.CHECKS}
+          **moe_cp.CHECKS, **moe_pp.CHECKS, **moe_zero.CHECKS, **precision.CHECKS}
 
 
 def _parser() -> argparse.ArgumentParser:
