@@ -225,8 +225,8 @@ class BlockFP8LinearFunction(torch.autograd.Function):
                                  blocks along O (W quantized again, transposed)
         wgrad    dW = dy^T @ x   dy per 1 x SK along N (dy quantized a second time), x per SK x 1 along N
 
-    Saves x (in its own dtype, not fp8: the wgrad needs x scaled along N, not K) and the quantized weight.
-    """
+    Saves x as the wgrad reads it, quantized along N at the forward (FP8 + a scale per SK values: half of bf16's
+    bytes; Transformer Engine's column-wise copy), the same numbers as quantizing it in the backward; and qW."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, recipe, backend):
@@ -242,14 +242,15 @@ class BlockFP8LinearFunction(torch.autograd.Function):
         y = block_scaled_gemm(qx, qw.t(), out_dtype=x.dtype, backend=backend)   # (N, K) @ (K, O)
         if bias is not None:
             y = y + bias.to(y.dtype)
-        ctx.save_for_backward(x2, weight, qw.data, qw.scale)
+        qxt = _rows(x2.t(), recipe, fwd, backend).t() if ctx.needs_input_grad[1] else None  # (N, K), SK x 1 blocks
+        ctx.save_for_backward(*(qxt.data, qxt.scale) if qxt else (None, None), weight, qw.data, qw.scale)
         ctx.recipe, ctx.backend, ctx.has_bias, ctx.x_shape = recipe, backend, bias is not None, x.shape
-        ctx.qw_block = qw.block
+        ctx.qw_block, ctx.qxt_block, ctx.x_dtype = qw.block, qxt.block if qxt is not None else None, x.dtype
         return y.reshape(*x.shape[:-1], O)                                # (..., O)
 
     @staticmethod
     def backward(ctx, grad_y):
-        x2, weight, qw_data, qw_scale = ctx.saved_tensors
+        qxt_data, qxt_scale, weight, qw_data, qw_scale = ctx.saved_tensors
         recipe, backend = ctx.recipe, ctx.backend
         bwd = recipe.fp8_format.bwd
         g2 = grad_y.reshape(-1, weight.shape[0])                          # (N, O)
@@ -260,10 +261,10 @@ class BlockFP8LinearFunction(torch.autograd.Function):
                 qw = _rows(weight.t(), recipe, recipe.fp8_format.fwd, backend).t()
             else:                                                         # the forward's tiles
                 qw = BlockScaledTensor(qw_data, qw_scale, ctx.qw_block, "blockwise", weight.dtype)
-            dx = block_scaled_gemm(qg, qw, out_dtype=x2.dtype, backend=backend).reshape(ctx.x_shape)
+            dx = block_scaled_gemm(qg, qw, out_dtype=ctx.x_dtype, backend=backend).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             qgt = _rows(g2.t(), recipe, bwd, backend)                     # (O, N), blocks along N
-            qxt = _rows(x2.t(), recipe, recipe.fp8_format.fwd, backend).t()   # (N, K), SK x 1 blocks along N
+            qxt = BlockScaledTensor(qxt_data, qxt_scale, ctx.qxt_block, recipe.kind, ctx.x_dtype)  # the forward's
             dw = block_scaled_gemm(qgt, qxt, out_dtype=weight.dtype, backend=backend)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g2.float().sum(0).to(weight.dtype)

@@ -117,3 +117,33 @@ def test_block_recipes_keep_no_history():
         BlockwiseScaling(pow2="no")
     with pytest.raises(ValueError, match="min_dim"):
         MXFP8Scaling(min_dim=-1)
+
+
+@pytest.mark.parametrize("recipe", RECIPES[:2], ids=["blockwise", "mxfp8"])
+def test_block_fp8_linear_saves_x_in_fp8_for_the_wgrad(recipe):
+    # the backward needs x only for dW, scaled along N: the forward keeps that FP8 copy, not x itself
+    x = _x((4, 32, 128), 8, torch.device("cpu"), spread=1).requires_grad_()
+    w = (_x((64, 128), 9, torch.device("cpu"), spread=1) * 0.1).requires_grad_()
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, t.numel()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = fp8_linear(x, w, None, recipe=recipe, backend="torch")
+    assert (x.dtype, x.numel()) not in saved, saved                       # no full-precision copy of x
+    fp8 = [n for dt, n in saved if dt.itemsize == 1 and n == x.numel()]
+    assert fp8, saved                                                     # its FP8 copy instead
+    dy = _x((4, 32, 64), 10, torch.device("cpu"))
+    dx, dw = torch.autograd.grad(y, (x, w), dy)
+    want = torch.autograd.grad(x.double() @ w.double().t(), (x, w), dy.double())
+    for name, got, e in zip(("dx", "dw"), (dx, dw), want):
+        assert ((got.double() - e).norm() / e.norm()).item() < 0.05, name
+    # a frozen weight: no wgrad, so no copy of x at all; dx unchanged
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y2 = fp8_linear(x, w.detach(), None, recipe=recipe, backend="torch")
+    assert not [n for dt, n in saved if n == x.numel()], saved
+    (dx2,) = torch.autograd.grad(y2, (x,), dy)
+    assert torch.equal(dx2, dx)
