@@ -239,8 +239,6 @@ def check_layout(p, model, *, world: int, seq_len: int, batch_size: int, lora_r:
         (p.zero == 3 and p.tp > 1, f"zero=3 with tp={p.tp} (use zero 0-2 with tp)"),
         (lora_r > 0 and dims.size > 1, f"LoRA (lora.r={lora_r}) under a parallel layout (fine-tune in one "
                                        "process)"),
-        (getattr(model, "moe_num_experts", 0) and p.pp > 1 and p.cp > 1, f"a mixture of experts (model.moe_num_"
-         f"experts={getattr(model, 'moe_num_experts', 0)}) with pp={p.pp} and cp={p.cp} (use pp or cp with a MoE)"),
     ]
     for bad, why in unsupported:
         if bad:

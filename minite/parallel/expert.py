@@ -22,7 +22,7 @@ counts each element once. Under cp (context_gpt.py) each cp rank runs its T/cp t
 ep group (ep and edp lie inside dp at one cp index): dense gradients are averaged over dp x cp, an expert's summed
 over its replicas at every cp index (``edp_cp``), both divided by dp * cp. Under pp (pipeline.py) each stage's MoE
 layers are sharded the same way and the pipeline reduces their gradients itself (``average_grads``,
-``grad_squares``). Not composed with pp and cp together (refused by ``check_layout``). With ZeRO (``ExpertZero``)
+``grad_squares``); with cp as well, over dp x cp and edp x cp, as under cp alone. With ZeRO (``ExpertZero``)
 the dense parameters and the experts are sharded by two ``DataParallel``, over dp and over edp (x cp).
 """
 from __future__ import annotations
@@ -114,8 +114,9 @@ def is_expert(q) -> bool:
 
 
 def average_grads(params, dp_group, edp_group, n: int) -> None:
-    """Gradients summed over their replicas and divided by dp = n: the experts' (sharded over ep: theirs already sum
-    my ep group's tokens, the all-to-all's backward) over edp, the others over dp. One flat all-reduce each."""
+    """Gradients summed over their replicas and divided by n (dp, or dp * cp): the experts' (sharded over ep: theirs
+    already sum my ep group's tokens, the all-to-all's backward) over edp_group (edp, or edp x cp), the others over
+    dp_group (dp, or dp x cp). One flat all-reduce each."""
     experts = [q for q in params if is_expert(q)]
     for qs, group in (([q for q in params if not is_expert(q)], dp_group), (experts, edp_group)):
         if qs:

@@ -14,7 +14,10 @@ the bytes of activations autograd saved for its backward): the lesson's timeline
 A mixture of experts (chapter 16): the m micro-batches are gradient accumulation, so each stage adds its blocks'
 Switch loss per micro-batch ("aux"; the reported loss sums every stage's) and the "bias" moves once per schedule
 (``StageMoE``). With ep > 1 (``runtime.Parallel.wrap`` shards the stage's experts) expert gradients are summed over
-the edp replicas, the rest over dp, both divided by dp, as ExpertDataParallel does.
+the edp replicas, the rest over dp, both divided by dp, as ExpertDataParallel does. Under cp too: each cp rank runs
+its T/cp tokens of every micro-batch through its stage, the routed counts are summed over dp x cp (the MoE's
+stats_group), the Switch loss (global f_i, my tokens' P_i) is averaged over cp with the rest of the loss, dense
+gradients over dp x cp, expert gradients over edp x cp (``edp_cp``), both divided by dp * cp.
 """
 from __future__ import annotations
 
@@ -63,6 +66,7 @@ class PipelineGPT(nn.Module):
         self.tp_group = dims.group("tp")
         self.cp_group = dims.group("cp")
         self.dp_group = dims.group("dp_cp" if dims.cp > 1 else "dp")  # the replicas of my stage's weights
+        self.edp_group = dims.group("edp_cp" if dims.cp > 1 else "edp")  # (ep) those of my experts
         self.ends = (dims.ranks.get("pp", [0])[0], dims.ranks.get("pp", [0])[-1])  # global ranks, first and last
         self.act_dtype = next(dense.parameters()).dtype
         self._pending = None  # the schedule's gradients, until the returned loss's backward adds them
@@ -171,8 +175,8 @@ class PipelineGPT(nn.Module):
             g = g if scale == 1.0 else g * scale
             q.grad = g.clone() if q.grad is None else q.grad + g
         n = comm.size(self.dp_group)
-        if self._sync and n > 1:  # pp x dp: average the (accumulated) gradients over the dp replicas of my stage
-            average_grads(params, self.dp_group, self.dims.group("edp"), n)  # (ep: experts over edp)
+        if self._sync and n > 1:  # pp x dp (x cp): average the (accumulated) gradients over my stage's replicas
+            average_grads(params, self.dp_group, self.edp_group, n)  # (ep: experts over edp (x cp))
 
     def step(self, x, y, microbatches: int | None = None) -> float:
         """Forward and backward of the global batch (x, y) through the pipeline; returns the global loss."""
@@ -228,7 +232,7 @@ class PipelineGPT(nn.Module):
     def _shared(self, q) -> bool:  # the last stage's copy of the tied embedding (counted once, on stage 0)
         return self.p > 1 and self.stage.last and q is self.stage.wte.weight
 
-    def _squares(self, grads: bool) -> torch.Tensor:  # over every stage, tp rank and (the experts) ep rank
+    def _squares(self, grads: bool) -> torch.Tensor:  # over every stage, tp and (experts) ep rank; dp, cp: replicas
         counted = [q for q in self.stage.parameters() if not self._shared(q)]
         return grad_squares(counted, self.dims.group("ep"), [self.group, self.tp_group], grads)
 

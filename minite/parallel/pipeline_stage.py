@@ -168,12 +168,16 @@ class StageMoE:
             torch.autograd.backward([out, aux], [grad, torch.full_like(aux, 1.0 / self.m)])
 
     def gather_stats(self, group) -> dict | None:
-        """Every stage's routing (a collective over `group`, the pp group): assignments per expert summed over the
-        layers and micro-batches, dropped, the Switch loss averaged over them (1.0 = uniform)."""
+        """Every stage's routing (a collective over `group`, the pp group, then over the MoE's stats group, dp x cp):
+        assignments per expert summed over the layers and micro-batches (the global load already), dropped summed
+        over the ranks, the Switch loss (global f_i, my tokens' P_i) averaged over them all (1.0 = uniform)."""
         if not self.moes:
             return None
         t = self.stats.clone()
         comm.all_reduce(t, group)
+        mine, stats_group = t[-3:-1].clone(), self.moes[0].stats_group  # dropped and Switch losses: per rank
+        comm.all_reduce(mine, stats_group)
+        t[-3], t[-2] = mine[0], mine[1] / comm.size(stats_group)
         return {"tokens_per_expert": [int(v) for v in t[:-3]], "dropped": int(t[-3]),
                 "balance_loss": round(float(t[-2] / t[-1]), 4)}
 

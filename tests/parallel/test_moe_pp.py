@@ -1,9 +1,10 @@
 """Chapter 16 x chapter 12: the MoE GPT under pipeline parallelism on real torch.distributed (gloo). One torchrun
 launch of world 4 runs minite.parallel.workers.moe_pp: pp2 x dp2 (balance aux against one process micro-batch by
-micro-batch, bias against the whole batch), pp2 x dp2 x ep2 (and a one-process checkpoint resumed there) and
-pp2 x tp2 with SP: the loss, every gradient, the routing statistics, 5 AdamW steps and the dense checkpoint. A
-launch of ``minite.train --parallel.pp=2 --parallel.dp=2 --parallel.ep=2`` trains one process's 20-step curve and
-its checkpoint resumes in one process. The bias of "bias" balancing moves once per pipeline schedule."""
+micro-batch, bias against the whole batch), pp2 x dp2 x ep2 (and a one-process checkpoint resumed there),
+pp2 x tp2 with SP and pp2 x cp2 (aux, bias): the loss, every gradient, the routing statistics, 5 AdamW steps and
+the dense checkpoint. A launch of ``minite.train --parallel.pp=2 --parallel.dp=2 --parallel.ep=2`` trains one
+process's 20-step curve and its checkpoint resumes in one process. The bias of "bias" balancing moves once per
+pipeline schedule. A MoE with pp and cp together is accepted."""
 import json
 
 import pytest
@@ -11,7 +12,6 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from minite.config import make_config
-from minite.errors import ParallelError
 from minite.layers.moe import MoE, hold_bias
 from minite.models.gpt import GPT, GPTConfig
 from minite.parallel.dims import check_layout
@@ -20,7 +20,7 @@ from minite.train import load_checkpoint, train
 
 MOE = {"model.moe_num_experts": 4, "model.moe_top_k": 2}
 CASES = ["moe_pp2_dp2_aux", "moe_pp2_dp2_bias", "moe_pp2_dp2_ep2_aux", "moe_pp2_dp2_ep2_aux_resume",
-         "moe_pp2_tp2_sp_aux"]
+         "moe_pp2_tp2_sp_aux", "moe_pp2_cp2_aux", "moe_pp2_cp2_bias"]
 
 
 def test_hold_bias_moves_once_by_the_summed_load():
@@ -81,9 +81,9 @@ def test_cli_pp_ep_matches_single_process(corpus, cli, flags, curve):
     assert max(abs(pp_more["losses"][s] - one_more["losses"][s]) for s in (21, 22)) < 1e-4
 
 
-def test_moe_pp_cp_refused(flags):
-    cfg = make_config("cpu", {**flags, **MOE, "parallel.pp": 2, "parallel.cp": 2})
-    with pytest.raises(ParallelError, match=r"moe_num_experts=4\) with pp=2 and cp=2"):
-        check_layout(cfg.parallel, cfg.model, world=4, seq_len=16, batch_size=8)
-    cfg = make_config("cpu", {**flags, **MOE, "parallel.pp": 2, "parallel.dp": 2, "parallel.ep": 2})
-    check_layout(cfg.parallel, cfg.model, world=4, seq_len=16, batch_size=8)  # accepted
+@pytest.mark.parametrize("over, world", [({"parallel.pp": 2, "parallel.cp": 2}, 4),
+                                         ({"parallel.pp": 2, "parallel.dp": 2, "parallel.ep": 2}, 4),
+                                         ({"parallel.pp": 2, "parallel.dp": 2, "parallel.cp": 2, "parallel.ep": 2}, 8)])
+def test_moe_pp_layouts_accepted(flags, over, world):
+    cfg = make_config("cpu", {**flags, **MOE, **over})
+    check_layout(cfg.parallel, cfg.model, world=world, seq_len=16, batch_size=8)

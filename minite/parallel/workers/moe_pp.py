@@ -4,12 +4,13 @@ the routing (moe_stats), the dense state after 5 clipped AdamW steps (the "bias"
 checkpoint. The m micro-batches are gradient accumulation: under balance "aux" the reference runs the dense GPT
 micro-batch by micro-batch (the Switch loss per micro-batch, loss / m each); under "bias" on the whole batch.
 Layouts at world 4: pp2 x dp2 (aux, bias), pp2 x dp2 x ep2 (aux; then a one-process checkpoint resumed there),
-pp2 x tp2 with SP (aux)."""
+pp2 x tp2 with SP (aux), pp2 x cp2 (aux, bias: each cp rank's T/cp tokens, the load summed over cp). At world 8
+(``moe_pp_cp_ep``, by hand: ~20 s on 2 CPU cores, not in the test suite): pp2 x dp2 x cp2 x ep2 (aux, bias, each
+resumed), whose expert gradients are summed over edp x cp."""
 from __future__ import annotations
 
 import torch
 
-from minite.parallel import comm
 from minite.parallel.dims import ParallelDims
 from minite.parallel.workers.common import CLIP, STEPS, TOL, adamw, batches, maxerr, result, tiny_gpt
 from minite.parallel.workers.moe import MOE, _tp_grad_err
@@ -31,8 +32,9 @@ def _reference(kw: dict, data, dp: int, per_micro: bool):
     with torch.no_grad():  # the first step's routing, micro-batch by micro-batch (what the pipeline reports)
         for i in range(M):
             model(_micro(data[0][0], dp, i), _micro(data[0][1], dp, i))
-            st = model.moe_stats()
-            tokens, bal = tokens + torch.tensor(st["tokens_per_expert"]), bal + st["balance_loss"] / M
+            st = model.moe_stats()  # (its balance loss rounded: the Switch losses themselves, below)
+            bal += float(sum(b.mlp.aux_loss for b in model.blocks)) / len(model.blocks) / M
+            tokens = tokens + torch.tensor(st["tokens_per_expert"])
     stats = {"tokens_per_expert": tokens.tolist(), "balance_loss": bal}
     loss0 = grads = None
     for step, (x, y) in enumerate(data[:STEPS]):
@@ -68,10 +70,7 @@ def _case(out: dict, d, balance: str, sp: bool = False, refs: dict | None = None
         if i == 0:
             loss0 = par.global_loss(loss.item())
             g_err, worst = _tp_grad_err(model.stage, ref_grads)
-            stats = model.moe_stats()  # every rank: a collective over pp
-            bal = torch.tensor([stats["balance_loss"]], dtype=torch.float64)
-            comm.all_reduce(bal, d.group("dp"))  # each dp rank's P is its own tokens': their mean is the batch's
-            stats["balance_loss"] = float(bal) / d.dp
+            stats = model.moe_stats()  # every rank: a collective over pp, then dp (x cp)
         par.clip(model, opt, CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -82,12 +81,13 @@ def _case(out: dict, d, balance: str, sp: bool = False, refs: dict | None = None
                  bias_err=maxerr(state, bias), tokens=stats["tokens_per_expert"],
                  bal_err=abs(stats["balance_loss"] - ref_stats["balance_loss"]),
                  n_params=model.num_params(), experts_shape=list(state["blocks.0.mlp.w_gate_up"].shape))
+    # bal_err: the logged balance loss is rounded to 4 decimals (5e-5); rank 0's Switch loss alone is off by more
     res["ok"] &= (res["loss_err"] < 1e-6 and g_err < 1e-6 and set(state) == set(want) and res["bias_err"] == 0
-                  and stats["tokens_per_expert"] == ref_stats["tokens_per_expert"] and res["bal_err"] < 2e-4
+                  and stats["tokens_per_expert"] == ref_stats["tokens_per_expert"] and res["bal_err"] < 6e-5
                   and stats["dropped"] == 0 and res["n_params"] == ref.num_params())
     if balance == "bias":  # the bias moved: the check of "exactly equal" is not 0 == 0
         res["ok"] &= float(bias["blocks.0.mlp.expert_bias"].abs().max()) > 0
-    layout = "".join(f"_{a}{getattr(d, a)}" for a in ("pp", "dp", "ep", "tp") if getattr(d, a) > 1)
+    layout = "".join(f"_{a}{getattr(d, a)}" for a in ("pp", "dp", "cp", "ep", "tp") if getattr(d, a) > 1)
     name = f"moe{layout}{'_sp' if sp else ''}_{balance}"
     out[name] = res
     if d.ep > 1:  # (last: it takes the reference one step further)
@@ -112,8 +112,10 @@ def _resume(par, model, opt, ref, ref_opt, batch, kw) -> dict:
     again(*par2.shard_batch(x, y))[1].backward()
     par2.clip(again, opt2, CLIP)
     opt2.step()
-    for i in range(M):  # one process's next step, micro-batch by micro-batch
-        (ref(_micro(x, par.dims.dp, i), _micro(y, par.dims.dp, i))[1] / M).backward()
+    dp = par.dims.dp  # one process's next step, micro-batch by micro-batch under "aux" (as _reference)
+    parts = [(_micro(x, dp, i), _micro(y, dp, i)) for i in range(M)] if kw["moe_balance"] == "aux" else [(x, y)]
+    for xi, yi in parts:
+        (ref(xi, yi)[1] / len(parts)).backward()
     torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
     ref_opt.step()
     res = result(maxerr(par2.model_state(again), ref.state_dict()), TOL, moment_err=moment_err)
@@ -122,14 +124,27 @@ def _resume(par, model, opt, ref, ref_opt, batch, kw) -> dict:
 
 
 def check_moe_pp(dims, args) -> dict:
-    """World 4: pp2 x dp2 (aux, bias), pp2 x dp2 x ep2 (aux, then resume), pp2 x tp2 with SP (aux)."""
+    """World 4: pp2 x dp2 (aux, bias), pp2 x dp2 x ep2 (aux, then resume), pp2 x tp2 with SP (aux), pp2 x cp2
+    (aux, bias)."""
     out, refs = {}, {}
     d = ParallelDims(pp=2, dp=2).build(dims.rank, dims.world)
     for balance in ("aux", "bias"):
         _case(out, d, balance, refs=refs)
     _case(out, ParallelDims(pp=2, dp=2, ep=2).build(dims.rank, dims.world), "aux", refs=refs)
-    _case(out, ParallelDims(pp=2, tp=2).build(dims.rank, dims.world), "aux", sp=True)
+    _case(out, ParallelDims(pp=2, tp=2).build(dims.rank, dims.world), "aux", sp=True, refs=refs)
+    d = ParallelDims(pp=2, cp=2).build(dims.rank, dims.world)  # my stage, on my T/cp tokens of each sequence
+    for balance in ("aux", "bias"):
+        _case(out, d, balance, refs=refs)
     return out
 
 
-CHECKS = {"moe_pp": (check_moe_pp, "dp")}
+def check_moe_pp_cp_ep(dims, args) -> dict:
+    """World 8: pp2 x dp2 x cp2 x ep2 (aux, then resume; bias): each stage's expert gradients summed over edp x cp."""
+    out, refs = {}, {}
+    d = ParallelDims(pp=2, dp=2, cp=2, ep=2).build(dims.rank, dims.world)
+    for balance in ("aux", "bias"):
+        _case(out, d, balance, refs=refs)
+    return out
+
+
+CHECKS = {"moe_pp": (check_moe_pp, "dp"), "moe_pp_cp_ep": (check_moe_pp_cp_ep, "dp")}
