@@ -3,8 +3,9 @@ workers' checks (ep = 2 and ep = 4: loss, every gradient, 5 AdamW steps against 
 checkpoint resumed at ep = 4; bad layouts; the MoE GPT under tp = 2, with and without SP, alone, with dp = 2 and
 with dp = ep = 2);
 launches of ``minite.train`` at dp=4 ep=2, dp=4, tp=2 and dp=2 ep=2 tp=2 sp train one process's 20-step curve, and
-the dense checkpoints resume in one process; a rank killed in the dispatch ends the run, named. Layouts that are
-not built (a MoE with pp and cp together) are refused before any process starts (ZeRO: test_moe_zero.py)."""
+the dense checkpoints resume in one process; a rank killed in the dispatch ends the run, named. Bad layouts are
+refused before any process starts. A MoE with ZeRO: test_moe_zero.py; with pp: test_moe_pp.py; with cp:
+test_moe_cp.py."""
 import pytest
 
 from minite.config import make_config
