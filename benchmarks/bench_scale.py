@@ -73,9 +73,6 @@ CONFIGS = {
                                "--parallel.zero=1"], "moe8_dp4_ep4", "ep + ZeRO-1: the dense AdamW state sharded"),
     "moe8_dp2_ep2_cp2": (4, ["--model.moe.num_experts=8", "--parallel.dp=2", "--parallel.ep=2", "--parallel.cp=2"],
                          None, "experts under context parallelism"),
-    "moe8_pp2_dp2_ep2": (4, ["--model.moe.num_experts=8", "--parallel.pp=2", "--parallel.dp=2", "--parallel.ep=2",
-                             "--parallel.microbatches=4"], None,
-                         "experts in a pipeline (its Switch loss per micro-batch: not one process's exactly)"),
 }
 
 

@@ -215,6 +215,8 @@ def build(plan: Plan, par: Parallel) -> Run:
     ctx, scaler = _precision(cfg, dev)
     if scaler is not None and par.active:  # fp16: skip a step on every rank when any rank's gradient overflowed
         scaler.found_inf_everywhere = par.found_inf_anywhere
+        if par.pipe is not None:  # and the pipeline's own backward starts from the scaled loss's gradient
+            par.pipe.grad_scale = lambda: scaler.scale_value
     run = Run(plan, par, dev, model, opt, ctx, scaler, sampler, compiled)
     if plan.resume is not None:
         _restore(run, plan.resume)

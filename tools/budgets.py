@@ -38,7 +38,7 @@ RULES = [
     ("minite/parallel/comm.py", 280),        # every collective, and the one global-norm clip of sharded gradients
     ("minite/layers/lora.py", 310),          # LoRALinear, PEFT's API, and (issue 25) its argument / merged-state checks
     ("minite/parallel/dims.py", 260),       # every group of every layout: the grid's lines, ep, edp, edp_cp (16)
-    ("minite/parallel/pipeline.py", 265),    # the schedules' runner, and (chapter 16) a MoE inside the stages
+    ("minite/parallel/pipeline.py", 270),    # the schedules' runner, (16) a MoE inside the stages, (01) fp16's S
     ("minite/parallel/expert.py", 300),      # EP's dispatch, its gradient averaging under dp/cp/tp, ZeRO's and pp's
     ("minite/parallel/*.py", 250),
     ("minite/parallel/workers/*.py", 260),   # the torchrun workers, a file per chapter: checks, measurements, task

@@ -70,6 +70,9 @@ class PipelineGPT(nn.Module):
         self.ends = (dims.ranks.get("pp", [0])[0], dims.ranks.get("pp", [0])[-1])  # global ranks, first and last
         self.act_dtype = next(dense.parameters()).dtype
         self._pending = None  # the schedule's gradients, until the returned loss's backward adds them
+        # fp16: minite.train sets grad_scale to the loss scaler's S; the schedule's backward starts from S / m, so the
+        # activation gradients in and between the stages are scaled as one process's; _seed: the S they carry
+        self.grad_scale, self._seed = (lambda: 1.0), 1.0
         self._anchor = torch.zeros((), requires_grad=True)
         self._sync = True  # False under no_sync(): gradients accumulate, not averaged over dp
         self._moe = None  # the last training schedule's StageMoE (its routing: moe_stats)
@@ -126,9 +129,9 @@ class PipelineGPT(nn.Module):
                     ins[i] = inp
                     outs[i] = out
                 else:
-                    grad = torch.full_like(outs[i], 1.0 / m) if last else self._recv(xs[i], nxt)
+                    grad = torch.full_like(outs[i], self._seed / m) if last else self._recv(xs[i], nxt)
                     with trace.span("pp", x.device, step="B", mb=i):
-                        moe.backward(i, outs.pop(i), grad)
+                        moe.backward(i, outs.pop(i), grad, self._seed / m)
                     inp = ins.pop(i)
                     if not first:
                         sends.append((comm.send(inp.grad, prev, self.group), inp.grad))
@@ -180,6 +183,7 @@ class PipelineGPT(nn.Module):
 
     def step(self, x, y, microbatches: int | None = None) -> float:
         """Forward and backward of the global batch (x, y) through the pipeline; returns the global loss."""
+        self._seed = 1.0
         loss, grads = self._run(x, y, microbatches or self.microbatches)
         self._accumulate(grads)
         return float(loss)
@@ -221,6 +225,7 @@ class PipelineGPT(nn.Module):
             return self._forward_only(idx, None), None
         if not torch.is_grad_enabled():
             return None, self._forward_only(idx, targets)
+        self._seed = float(self.grad_scale())
         loss, self._pending = self._run(idx, targets, self.microbatches)
         return None, _PendingGrads.apply(loss, self._anchor, self)
 

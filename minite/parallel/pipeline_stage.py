@@ -103,7 +103,7 @@ class _PendingGrads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        ctx.model._accumulate(ctx.model._pending, float(g))
+        ctx.model._accumulate(ctx.model._pending, float(g) / ctx.model._seed)  # the seed's scale is in them
         ctx.model._pending = None
         return None, None, None
 
@@ -160,12 +160,13 @@ class StageMoE:
         self.held[i] = self.cfg.moe_aux_weight * aux
         return out, self.held[i].detach().double() / self.m
 
-    def backward(self, i: int, out: torch.Tensor, grad: torch.Tensor) -> None:
+    def backward(self, i: int, out: torch.Tensor, grad: torch.Tensor, seed: float) -> None:
+        """Micro-batch i's backward from `grad`, its balance loss seeded with `seed` (loss scale / m)."""
         aux = self.held.pop(i, None)
         if aux is None:
             torch.autograd.backward(out, grad)
         else:
-            torch.autograd.backward([out, aux], [grad, torch.full_like(aux, 1.0 / self.m)])
+            torch.autograd.backward([out, aux], [grad, torch.full_like(aux, seed)])
 
     def gather_stats(self, group) -> dict | None:
         """Every stage's routing (a collective over `group`, the pp group, then over the MoE's stats group, dp x cp):

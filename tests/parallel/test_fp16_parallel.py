@@ -2,8 +2,9 @@
 checks of minite.parallel.workers.precision: under ZeRO-1/2/3 the shard's gradient is unscaled (the clip's norm,
 AdamW's moments and the weights == one process's step with the same scaler); an inf or NaN in ONE rank's gradient
 (its ZeRO shard, a JointShardedAdamW's second shard, its tp shards, its pipeline stage) makes EVERY rank skip the
-step and back its scale off. A launch of ``minite.train --train.precision=fp16`` at dp=2 zero=1 logs one process's
-fp16 loss curve and gradient norm."""
+step and back its scale off; the pipeline's own backward starts from the scaled loss (the gradients between
+the stages are S times one process's). A launch of ``minite.train --train.precision=fp16`` at dp=2 zero=1 logs
+one process's fp16 loss curve and gradient norm."""
 import json
 
 import pytest
@@ -14,12 +15,12 @@ from minite.train import train
 pytestmark = pytest.mark.distributed
 
 NAMES = [*[f"fp16_zero{s}{inf}" for s in (1, 2, 3) for inf in ("", "_inf")], "fp16_joint_zero2_nan", "fp16_tp_inf",
-         "fp16_pp_inf"]
+         "fp16_pp_inf", "fp16_pp_seed"]
 
 
 @pytest.fixture(scope="module")
 def world2(workers):
-    return workers(2, "fp16_zero", "fp16_tp", "fp16_pp")
+    return workers(2, "fp16_zero", "fp16_tp", "fp16_pp", "fp16_pp_seed")
 
 
 @pytest.mark.parametrize("name", NAMES)

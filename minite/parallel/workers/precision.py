@@ -131,8 +131,33 @@ def check_pp(dims, args) -> dict:
     return {"fp16_pp_inf": _skipped(stepped, scaler, pipe.state_dict(), before)}
 
 
+def check_pp_seed(dims, args) -> dict:
+    """pp = world, minite.train's fp16 wiring (grad_scale = the scaler's S): the gradients that travel between the
+    stages are S times one process's (the schedule's backward starts from the scaled loss, so fp16 activation
+    gradients do not underflow), and the weights' gradients after ``scaler.scale(loss).backward()`` are S times the
+    unscaled ones, as the scaler expects."""
+    (x, y), = batches(1, 4)
+    got = {}
+    for scale in (1.0, S):
+        pipe = PipelineGPT(tiny_gpt(), dims, 2, "1f1b")
+        pipe.grad_scale = lambda: scale
+        received, recv = [], pipe._recv
+        pipe._recv = lambda ref, src: received.append(recv(ref, src)) or received[-1]  # stage 0: the gradients
+        (pipe(x, y)[1] * scale).backward()
+        got[scale] = received, {k: q.grad.clone() for k, q in pipe.named_parameters()}
+    (r1, g1), (rs, gs) = got[1.0], got[S]
+    # stage 0 receives only gradients (S times); the last stage only activations (unscaled: the same)
+    k = S if dims.local_rank("pp") == 0 else 1.0
+    travel = max(float((b - a * k).abs().max() / (a * k).abs().max()) for a, b in zip(r1, rs))
+    weights = max(float((gs[n] - g1[n] * S).abs().max() / (g1[n] * S).abs().max().clamp_min(1e-30)) for n in g1)
+    ok = travel <= 1e-6 and weights <= 1e-6 and len(rs) == len(r1) == 2
+    return {"fp16_pp_seed": {"ok": bool(ok), "travel_rel_err": travel, "grad_rel_err": weights,
+                             "received": len(rs)}}
+
+
 CHECKS = {  # name: (check, the axis of ParallelDims that takes the world)
     "fp16_zero": (check_zero, "dp"),
     "fp16_tp": (check_tp, "tp"),
     "fp16_pp": (check_pp, "pp"),
+    "fp16_pp_seed": (check_pp_seed, "pp"),
 }
