@@ -52,6 +52,7 @@ from minite.config import ConfigError, RunConfig, apply_overrides, config_help, 
 from minite.data import BatchSampler, DataError, PreparedData, prepare
 from minite.errors import DivergenceError
 from minite.models.gpt import GPT
+from minite.parallel.dims import ParallelError, select_device
 from minite.parallel.runtime import Parallel, setup_parallel
 from minite.recompute import apply_recompute
 from minite.resources import check_memory, pick_threads
@@ -578,6 +579,15 @@ def parse_cli(argv: list[str]) -> tuple[str | None, dict[str, str], bool]:
     return preset, overrides, resume
 
 
+def default_preset(overrides: dict) -> str:
+    """`gpu` when this process will train on a GPU (select_device: a GPU per torchrun rank, --train.device), else `cpu`:
+    ranks that fall back to gloo on the CPU get the CPU's model, not the GPU's."""
+    try:
+        return "gpu" if select_device(str(overrides.get("train.device", "auto"))) == "cuda" else "cpu"
+    except ParallelError:  # cuda asked for, too few GPUs: the run itself stops with that error, on the GPU preset
+        return "gpu"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
@@ -585,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         preset, overrides, resume = parse_cli(argv)
-        preset = preset or ("gpu" if torch.cuda.is_available() else "cpu")
+        preset = preset or default_preset(overrides)
         cfg = make_config(preset, overrides)  # validates every key and type, also when resuming
         summary = train(cfg, resume=resume, resume_overrides=overrides)
     except (ConfigError, DataError, CheckpointError, FileNotFoundError) as e:

@@ -243,6 +243,10 @@ def test_an_answer_that_rewrites_the_solution_does_not_change_the_next_grade(tmp
     rep = grade(write(attack, tmp_path / "attack.ipynb"), sol_path, timeout=120, lint=False)
     assert rep.score == 0 and any("changed files of the course" in e for e in rep.errors), rep.summary()
     assert sol_path.read_bytes() == pristine, "the solution notebook was not restored"
+    # nothing is thrown away: the rewritten notebook is kept in the put-back folder the report names
+    kept = next(e for e in rep.errors if "changed files of the course" in e).split("is kept in ")[1]
+    moved = Path(kept) / str(sol_path).lstrip("/")
+    assert moved.read_bytes() != pristine and "print('PASS')" in moved.read_text(), moved
     blank = grade(write(make_exercise(sol), tmp_path / "blank.ipynb"), sol_path, timeout=120)
     assert blank.score == 0, blank.summary()
 

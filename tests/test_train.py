@@ -8,7 +8,7 @@ import torch
 from minite import sample as msample
 from minite.config import ConfigError, make_config, valid_keys
 from minite.resources import pick_threads
-from minite.train import CheckpointError, load_checkpoint, main, parse_cli, save_checkpoint, train
+from minite.train import CheckpointError, default_preset, load_checkpoint, main, parse_cli, save_checkpoint, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread, tiny ops on shared cores
 
@@ -20,6 +20,17 @@ def test_unknown_key_lists_valid_keys():
     assert all(k in str(e.value) for k in valid_keys())
     with pytest.raises(ConfigError, match="unknown config key 'nosection'"):
         make_config("cpu", {"nosection": "1"})
+
+
+@pytest.mark.parametrize("gpus, local_world, device, want", [
+    (0, 1, "auto", "cpu"), (1, 1, "auto", "gpu"), (1, 1, "cpu", "cpu"),
+    (1, 2, "auto", "cpu"),   # 2 torchrun ranks on 1 GPU: they train on gloo on the CPU, so the CPU preset
+    (2, 2, "auto", "gpu"), (1, 2, "cuda", "gpu")])  # cuda with too few GPUs: the run's own error, on gpu
+def test_default_preset_follows_the_ranks_device(monkeypatch, gpus, local_world, device, want):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
+    assert default_preset({} if device == "auto" else {"train.device": device}) == want
 
 
 def test_bad_type_and_preset():

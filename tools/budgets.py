@@ -19,8 +19,8 @@ RULES = [
     ("minite/formats/specs.py", 305),        # bit specs, reference + Triton encode/decode, typed public API
     ("minite/hf.py", 350),                   # Llama <-> GPT mapping, the layer swap, padded batches, the MoE refusal
     # resolve, build, step, loop, the CLI, their checks; a statement a line; the TensorBoard writer (issue 26) and the
-    # MoE routing in the log line (chapter 16)
-    ("minite/train.py", 615),
+    # MoE routing in the log line (chapter 16); the default preset from the rank's device
+    ("minite/train.py", 625),
     ("minite/models/gpt.py", 330),           # the GPT and (chapter 16) its MoE blocks: config, balance loss, stats
     ("minite/gpu_compile.py", 340),          # the sm_90/sm_80 gate: record, compile, ptxas, report
     ("minite/data.py", 360),                 # corpus preparation: registry, user file, tokenizers, batches, lock
@@ -35,7 +35,7 @@ RULES = [
     # DDP and ZeRO-1/2/3 in one class, its constructor in named steps; chapter 16: the parameters it owns and the
     # gradient divisor (ep x ZeRO: a second one over edp for the experts), gathered() for a whole-model read
     ("minite/parallel/data.py", 295),
-    ("minite/parallel/comm.py", 280),        # every collective, and the one global-norm clip of sharded gradients
+    ("minite/parallel/comm.py", 320),        # every collective (EP's all-to-all too), the global-norm clip of shards
     ("minite/layers/lora.py", 310),          # LoRALinear, PEFT's API, and (issue 25) its argument / merged-state checks
     ("minite/parallel/dims.py", 260),       # every group of every layout: the grid's lines, ep, edp, edp_cp (16)
     ("minite/parallel/pipeline.py", 270),    # the schedules' runner, (16) a MoE inside the stages, (01) fp16's S

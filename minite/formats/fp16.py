@@ -29,6 +29,8 @@ OR-ed over the ranks by ``found_inf_everywhere`` (a callable, bool -> bool: mini
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from minite import _validate as _v
@@ -41,7 +43,7 @@ class DynamicLossScaler:
 
     def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 1000, hysteresis: int = 1, min_scale: float = 1.0, enabled: bool = True,
-                 found_inf_everywhere=None):
+                 found_inf_everywhere: Callable[[bool], bool] | None = None):
         w = "DynamicLossScaler"
         init_scale = _v.real(w, "init_scale", init_scale, gt=0)
         growth_factor = _v.real(w, "growth_factor", growth_factor, gt=1)

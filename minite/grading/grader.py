@@ -108,7 +108,7 @@ def grade(student: str | Path, solution: str | Path | None = None, *, timeout: i
             cells = _execute(nb, timeout)  # the kernel and its processes are dead when this returns
             changed = files.restore()
             report = GradeReport(notebook=str(student), solution=str(solution), errors=notes)
-            _score(report, nb, cells, tests, reference, tasks, timeout, changed, untouched)
+            _score(report, nb, cells, tests, reference, tasks, timeout, changed, untouched, files.kept)
     finally:
         _dumpable(was_dumpable)
     return report
@@ -120,12 +120,15 @@ def _untouched(student_nb, sol_nb, tasks: dict[str, int]) -> set[str]:
     return {name for name, i in tasks.items() if mine.get(name) == stub_source(sol_nb.cells[i].source, name)}
 
 
-def _score(report, nb, cells, tests, reference, tasks, timeout, changed: list[str], untouched=frozenset()) -> None:
+def _score(report, nb, cells, tests, reference, tasks, timeout, changed: list[str], untouched=frozenset(),
+           kept=None) -> None:
     """Judge every check of the student's run into `report`."""
     tampered = ""
     if changed:
         shown = ", ".join(changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
         tampered = f"your notebook changed files of the course (they were put back): {shown}"
+        if kept:
+            tampered += f"; what it left there is kept in {kept}"
         report.errors.append(tampered)
     check_idx = {i for i, _ in check_cells(nb)}
     task_idx = {tasks[n] + 1: n for n in tasks}

@@ -3,7 +3,10 @@
 The student's kernel runs with the grader's user id, so it can write the course's files: the minite package (an
 editable install is the repository's minite/) and solutions/. ``CourseFiles`` takes a copy of them before the
 notebook runs and, once the kernel and its processes are dead, puts back every file that was changed, created or
-deleted (a notebook that changed one scores 0), so that no notebook changes the next one's grade.
+deleted (a notebook that changed one scores 0), so that no notebook changes the next one's grade. Nothing is thrown
+away: what was found in place of each file (an instructor's edit made while a batch was grading, say) is moved to
+a put-back folder first, ``.grading-put-back/<time>-<pid>/`` under the course (``$MINITE_PUT_BACK_DIR`` to move
+it), and the report names it.
 ``sealed_imports`` refuses every import of minite while a student's notebook runs and while it is judged: the
 grader imported what it needs before, so no file the student's code wrote runs in the grader.
 """
@@ -13,6 +16,7 @@ import contextlib
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 
@@ -87,12 +91,28 @@ class CourseFiles:
 
     def restore(self) -> list[str]:
         """Put every changed, created or deleted file back as it was; return the changed ones (compiled-bytecode
-        caches are put back too, and not named: other processes write those)."""
+        caches are put back too, and not named: other processes write those). What stood in place of a named file
+        is moved to ``self.kept`` first (None when nothing was): nothing written there is lost."""
         created = {p for t in self.trees for p in _listing(t)} - set(self.saved)
         changed = sorted({p for p, state in self.saved.items() if not _unchanged(p, state)} | created)
+        self.kept = None
         for path in changed:  # parents first: a folder replaced by a link is unlinked before its files are put back
+            if "__pycache__" not in Path(path).parts and os.path.lexists(path) and not (
+                    os.path.isdir(path) and not os.path.islink(path) and (self.saved.get(path) or ("",))[0] == "dir"):
+                self._keep(path)
             _put_back(path, self.saved.get(path))
         return [self._name(p) for p in changed if "__pycache__" not in Path(p).parts]
+
+    def _keep(self, path: str) -> None:
+        """Move `path` (a file, a link, or a folder that was not one) under the put-back folder, by its name."""
+        if self.kept is None:
+            base = Path(os.environ.get("MINITE_PUT_BACK_DIR") or self.root / ".grading-put-back")
+            self.kept = base / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        dest = self.kept / self._name(path).lstrip(os.sep)
+        if os.path.lexists(dest):  # already moved with its folder
+            return
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(path, dest)
 
     def _name(self, path: str) -> str:
         try:

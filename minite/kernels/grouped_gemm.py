@@ -13,8 +13,9 @@ Backward, for each expert e (the notebook derives it):  dx_e = dy_e @ w[e]^T  an
 dx is the forward kernel again with w's last two strides swapped (w[e]^T is a strided view); dw has its own kernel,
 one program per (expert, tile of w[e]) walking down that expert's rows.
 
-Not registered with ``torch.library`` yet (DESIGN §2 section 4): under torch.compile the Triton path runs eagerly
-behind a graph break (``torch.compiler.disable``).
+Both launchers are custom ops on CUDA (``torch.ops.minite.grouped_gemm_fwd`` / ``grouped_gemm_dw``, DESIGN §2
+section 4), with the gradient registered once from ``GroupedGemmFunction``: torch.compile keeps the kernels, and the
+device-side tile table, in the graph of a MoE layer instead of breaking it.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 
 from minite._triton import interpreting, tl, triton
 from minite.backend import resolve_backend
-from minite.kernels._common import launchable
+from minite.kernels._common import launchable, op, register_autograd, register_op
 
 __all__ = ["grouped_gemm_ref", "grouped_gemm", "GroupedGemmFunction", "grouped_gemm_fwd", "grouped_gemm_dw",
            "tile_table"]
@@ -150,6 +151,7 @@ def _flags(x: torch.Tensor) -> dict:
     return {"UPCAST": upcast, "IEEE": x.dtype == torch.float32}
 
 
+@register_op("grouped_gemm_fwd")  # torch.ops.minite.grouped_gemm_fwd, for torch.compile (section 4)
 def grouped_gemm_fwd(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """x (M, K) @ w[e] (K, N) per expert -> (M, N) in x's dtype; w may be a strided view (the backward's w^T)."""
     M, K = x.shape
@@ -165,6 +167,7 @@ def grouped_gemm_fwd(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) ->
     return y
 
 
+@register_op("grouped_gemm_dw")
 def grouped_gemm_dw(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, w_dtype: torch.dtype) -> torch.Tensor:
     """dw (E, K, N) = x_e^T @ dy_e per expert; x (M, K), dy (M, N) with unit column stride."""
     M, K = x.shape
@@ -184,18 +187,30 @@ def grouped_gemm_dw(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, w_
 
 # ------------------------------------------------------------------------------------- 4. autograd.Function
 class GroupedGemmFunction(torch.autograd.Function):
+    """Its setup_ctx and backward are also the gradient of torch.ops.minite.grouped_gemm_fwd: one formula."""
+
     @staticmethod
     def forward(ctx, x, w, offsets):
-        ctx.save_for_backward(x, w, offsets)
-        return grouped_gemm_fwd(x, w, offsets)
+        GroupedGemmFunction.setup_ctx(ctx, (x, w, offsets), None)
+        return op("grouped_gemm_fwd", grouped_gemm_fwd)(x, w, offsets)  # the custom op under torch.compile
+
+    @staticmethod
+    def setup_ctx(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)  # x, w, offsets: nothing else, the backward is two more grouped GEMMs
 
     @staticmethod
     def backward(ctx, dy):
         x, w, offsets = ctx.saved_tensors
         dy = dy.contiguous()
-        dx = grouped_gemm_fwd(dy, w.transpose(1, 2), offsets) if ctx.needs_input_grad[0] else None  # dy_e @ w[e]^T
-        dw = grouped_gemm_dw(x, dy, offsets, w.dtype) if ctx.needs_input_grad[1] else None
+        dx = dw = None
+        if ctx.needs_input_grad[0]:  # dx_e = dy_e @ w[e]^T: the forward kernel on a strided view of w
+            dx = op("grouped_gemm_fwd", grouped_gemm_fwd)(dy, w.transpose(1, 2), offsets)
+        if ctx.needs_input_grad[1]:  # dw[e] = x_e^T @ dy_e
+            dw = op("grouped_gemm_dw", grouped_gemm_dw)(x, dy, offsets, w.dtype)
         return dx, dw, None
+
+
+register_autograd("grouped_gemm_fwd", GroupedGemmFunction.backward, setup_context=GroupedGemmFunction.setup_ctx)
 
 
 # ------------------------------------------------------------------------------------------- 5. functional
@@ -218,11 +233,6 @@ def _check(x, w, offsets):
                              f"got {o}")
 
 
-@torch.compiler.disable  # not a registered op yet: torch.compile runs the kernels eagerly, behind a graph break
-def _triton_path(x, w, offsets):
-    return GroupedGemmFunction.apply(x, w, offsets)
-
-
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *,
                  backend: str | None = None) -> torch.Tensor:
     """y (M, N): rows offsets[e]:offsets[e+1] of x (M, K) times w[e] (K, N); rows past offsets[E] are 0.
@@ -230,7 +240,7 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *,
     check would sync, so it is the caller's: minite's MoE builds offsets from a cumsum of counts)."""
     _check(x, w, offsets)
     if w.shape[0] and x.dtype in _KERNEL_DTYPES and resolve_backend(x, backend) == "triton":
-        return _triton_path(x, w, offsets)
+        return GroupedGemmFunction.apply(x, w, offsets)
     return grouped_gemm_ref(x, w, offsets)  # fp64 (gradcheck) and the torch backend
 
 

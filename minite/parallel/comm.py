@@ -10,6 +10,7 @@ which is all tensor and sequence parallelism need (Megatron's f and g, the SP ga
        GatherFromSequence      forward: all-gather        / backward: reduce-scatter      (SP, before a column linear)
        ReduceScatterToSequence forward: reduce-scatter    / backward: all-gather          (SP, after a row linear)
        GatherSplit             forward: all-gather        / backward: keep my chunk       (gather outputs to print)
+       AllToAll                forward: all-to-all (send, recv) / backward: all-to-all (recv, send)  (EP dispatch)
 
 A group of size 1 (or None: no process group) makes all of them the identity, so the parallel layers with tp=1 are
 the dense ones. Groups are passed in (``ParallelDims``); nothing here is global but the optional byte log.
@@ -29,10 +30,11 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["size", "rank", "all_reduce", "all_gather", "reduce_scatter", "all_gather_into", "reduce_scatter_into",
-           "send", "recv", "broadcast", "CommLog", "clip_grad_norm_", "copy_to_parallel", "reduce_from_parallel",
+           "send", "recv", "broadcast",
+           "all_to_all", "all_to_all_counts", "CommLog", "clip_grad_norm_", "copy_to_parallel", "reduce_from_parallel",
            "scatter_to_sequence", "gather_from_sequence", "reduce_scatter_to_sequence", "gather_split",
            "CopyToParallel", "ReduceFromParallel", "ScatterToSequence", "GatherFromSequence",
-           "ReduceScatterToSequence", "GatherSplit"]
+           "ReduceScatterToSequence", "GatherSplit", "AllToAll"]
 
 _LOG: contextvars.ContextVar = contextvars.ContextVar("minite_comm_log", default=None)
 
@@ -144,6 +146,26 @@ def send(t: torch.Tensor, dst: int, group=None):
 
 def recv(t: torch.Tensor, src: int, group=None):
     return dist.irecv(t, src=src, group=group)
+
+
+def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    """Rows x[sum(send[:j]) : sum(send[:j+1])] go to rank j of `group`; returns the rows received, by source rank.
+    Logged as the rows that leave this rank (a rank's rows to itself never touch the network)."""
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    log = _LOG.get()
+    if log is not None:
+        row = x[0].numel() * x.element_size() if x.shape[0] else 0
+        sent = (sum(send) - send[rank(group)]) * row
+        log.rows.append({"op": "all_to_all", "bytes": sum(send) * row, "n": size(group), "sent": sent})
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    return out
+
+
+def all_to_all_counts(counts: torch.Tensor, group) -> torch.Tensor:
+    """Equal splits: counts (n * c,) -> (n, c), row j the c numbers rank j of `group` sent me (split sizes)."""
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    return out.view(size(group), -1)
 
 
 def clip_grad_norm_(params, max_norm: float, groups=(), *, norm_params=None) -> torch.Tensor:
@@ -259,6 +281,19 @@ class GatherSplit(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return _split(g, ctx.group, ctx.dim), None, None
+
+
+class AllToAll(torch.autograd.Function):
+    """forward: all_to_all with (send, recv) split sizes / backward: all_to_all with (recv, send)."""
+
+    @staticmethod
+    def forward(ctx, x, send, recv, group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return all_to_all(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return all_to_all(dy, ctx.recv, ctx.send, ctx.group), None, None, None
 
 
 def _wrap(fn, identity_if_single=True):

@@ -12,7 +12,7 @@ slice of the batch and holds the router, attention and embeddings whole; rank r 
     3. local experts                  re-sort the received rows by local expert, grouped GEMM, sort back
     4. combine                        all_to_all_single back (the splits swapped), then unpermute as before
 
-Autograd: the backward of an all-to-all is the all-to-all with the splits swapped (``AllToAll``).
+Autograd: the backward of an all-to-all is the all-to-all with the splits swapped (``comm.AllToAll``).
 Gradients: a non-expert parameter is averaged over dp as in DDP. An expert's gradient on its owner already sums
 the contributions of all ep ranks' tokens (the backward all-to-all brought them), so it is summed over the edp
 replicas and divided by dp: the gradient of the global batch's mean loss. The checkpoint stays dense (the experts
@@ -30,48 +30,19 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from minite.parallel import comm
 from minite.parallel.sequence import gather_dense
 
-__all__ = ["AllToAll", "all_to_all", "exchange_counts", "expert_parallel_ffn", "shard_experts",
+__all__ = ["exchange_counts", "expert_parallel_ffn", "shard_experts",
            "ExpertDataParallel", "ExpertZero", "moe_layers", "stats_group", "is_expert", "average_grads",
            "grad_squares"]
 
 
-def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
-    """Rows x[sum(send[:j]) : sum(send[:j+1])] go to rank j of `group`; returns the rows received, by source rank."""
-    out = x.new_empty((sum(recv), *x.shape[1:]))
-    log = comm._LOG.get()  # the lessons' byte counts (comm.CommLog): the rows that leave this rank
-    if log is not None:
-        row = x[0].numel() * x.element_size() if x.shape[0] else 0
-        b = (sum(send) - send[comm.rank(group)]) * row
-        log.rows.append({"op": "all_to_all", "bytes": sum(send) * row, "n": comm.size(group), "sent": b})
-    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
-    return out
-
-
-class AllToAll(torch.autograd.Function):
-    """forward: all_to_all_single with (send, recv) split sizes / backward: all_to_all_single with (recv, send)."""
-
-    @staticmethod
-    def forward(ctx, x, send, recv, group):
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        return all_to_all(x, send, recv, group)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return all_to_all(dy, ctx.recv, ctx.send, ctx.group), None, None, None
-
-
 def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
     """counts (E,): rows I send to each expert -> (ep, E/ep): rows each source rank sends to each of my experts."""
-    ep = comm.size(group)
-    recv = torch.empty_like(counts)
-    dist.all_to_all_single(recv, counts.contiguous(), group=group)  # equal splits: E/ep counts per rank
-    return recv.view(ep, -1)
+    return comm.all_to_all_counts(counts, group)
 
 
 @torch.compiler.disable  # Python split sizes and collectives: eager, behind a graph break under torch.compile
@@ -85,7 +56,7 @@ def expert_parallel_ffn(moe, xs: torch.Tensor, offsets: torch.Tensor) -> torch.T
     send_splits = counts.view(ep, El).sum(1).tolist()  # host sync: all_to_all_single takes Python split sizes
     recv_splits = recv.sum(1).tolist()
     kept = sum(send_splits)
-    xr = AllToAll.apply(xs[:kept], send_splits, recv_splits, group)  # (R, C): by source rank, then local expert
+    xr = comm.AllToAll.apply(xs[:kept], send_splits, recv_splits, group)  # (R, C): by source rank, then local expert
     local = torch.repeat_interleave(torch.arange(El, device=xs.device).repeat(ep), recv.reshape(-1))  # (R,)
     order = torch.argsort(local, stable=True)  # by local expert (sources in rank order within each)
     loffsets = torch.cat([recv.new_zeros(1), torch.cumsum(recv.sum(0), 0)])  # (El + 1,)
@@ -94,7 +65,7 @@ def expert_parallel_ffn(moe, xs: torch.Tensor, offsets: torch.Tensor) -> torch.T
     yl = moe.experts_ffn(xr[order], loffsets)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    ys = AllToAll.apply(yl[inverse], recv_splits, send_splits, group)  # (kept, C): back to their sources
+    ys = comm.AllToAll.apply(yl[inverse], recv_splits, send_splits, group)  # (kept, C): back to their sources
     return torch.cat([ys, ys.new_zeros((xs.shape[0] - kept, ys.shape[1]))])
 
 

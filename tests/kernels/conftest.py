@@ -37,6 +37,8 @@ FAKES = {
     "lora_fwd": lambda x2, w, a, b, s: (x2.new_empty((x2.shape[0], w.shape[0])),
                                         x2.new_empty((x2.shape[0], a.shape[0]), dtype=torch.float32)),
     "lora_bwd": lambda dy, x2, w, a, b, g, s: (torch.empty_like(x2), torch.empty_like(a), torch.empty_like(b)),
+    "grouped_gemm_fwd": lambda x, w, o: x.new_empty((x.shape[0], w.shape[2])),
+    "grouped_gemm_dw": lambda x, dy, o, dt: x.new_empty((o.shape[0] - 1, x.shape[1], dy.shape[1]), dtype=dt),
 }
 
 
@@ -49,7 +51,7 @@ def register_reference_ops(ns: str = "minite_ref") -> str:
         body, mutates_args = OPS[name]
         custom = torch.library.custom_op(f"{ns}::{name}", body, mutates_args=mutates_args, device_types="cpu")
         custom.register_fake(fake)
-    for name in sorted(FAKES.keys() & FORMULAS.keys()):  # linear_cross_entropy, fp8_linear_mm, attention, lora
+    for name in sorted(FAKES.keys() & FORMULAS.keys()):  # the ops with a gradient (FORMULAS)
         backward, setup_context = FORMULAS[name]
         torch.library.register_autograd(f"{ns}::{name}", calling_ops(ns, backward), setup_context=setup_context)
     return ns

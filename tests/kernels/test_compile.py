@@ -18,9 +18,10 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 OPS = ["softmax_fwd", "softmax_bwd", "rmsnorm_fwd", "rmsnorm_bwd", "layernorm_fwd", "layernorm_bwd", "rope",
        "swiglu_fwd", "swiglu_bwd", "cross_entropy_fwd", "cross_entropy_bwd", "fp8_gemm"]
 OTHER_OPS = ["linear_cross_entropy", "fp8_quantize_update", "fp8_linear_mm", "attention_fwd", "attention_bwd",
-             "decode_attention", "lora_fwd", "lora_bwd"]  # test_compile_fused.py, test_compile_attention.py
+             "decode_attention", "lora_fwd", "lora_bwd",  # test_compile_fused.py, test_compile_attention.py
+             "grouped_gemm_fwd", "grouped_gemm_dw"]  # test_grouped_gemm.py
 WITH_GRAD = {"softmax_fwd", "rmsnorm_fwd", "layernorm_fwd", "rope", "swiglu_fwd", "cross_entropy_fwd",
-             "linear_cross_entropy", "fp8_linear_mm", "attention_fwd", "lora_fwd"}
+             "linear_cross_entropy", "fp8_linear_mm", "attention_fwd", "lora_fwd", "grouped_gemm_fwd"}
 
 
 def _randn(*shape, seed=0, dtype=torch.float32, device="cpu", requires_grad=False):
@@ -47,6 +48,7 @@ def test_every_op_is_declared_with_its_schema_and_gradient():
                                   "(Tensor, Tensor)"  # no `blocks`: a test's tile sizes
     assert schemas["cross_entropy_bwd"].endswith("float label_smoothing) -> Tensor")  # no `out` buffer
     assert "Tensor(a1!) amax_history, Tensor(a2!) scale" in schemas["fp8_quantize_update"]
+    assert schemas["grouped_gemm_dw"] == "(Tensor x, Tensor dy, Tensor offsets, ScalarType w_dtype) -> Tensor"
     assert not [s for s in schemas.values() if "=" in s]  # no defaults: compiled callers pass every argument
 
 

@@ -98,3 +98,39 @@ def test_bad_input():
     for bad in ([1, 2, 4], [0, 3, 2], [0, 2, 5]):  # not from 0, decreasing, past M = 4: would read out of bounds
         with pytest.raises(ValueError, match="offsets must start at 0.*got " + re.escape(str(bad))):
             grouped_gemm(x, w, torch.tensor(bad), backend="triton")
+
+
+# ------------------------------------------------------------- the custom ops (torch.compile keeps the kernels)
+def _ops(device, reference_ops):
+    # CUDA: the minite:: triton_ops themselves; the CPU: the same bodies and formula as CPU ops (conftest.py)
+    return torch.ops.minite if device.type == "cuda" else reference_ops()
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("case", ["fwd", "fwd_transposed_w", "dw"])
+def test_opcheck(case, device, reference_ops):
+    # Schema, fake impl vs the kernels, the registered gradient, AOT dispatch with dynamic shapes; uneven groups, an
+    # empty expert and dropped rows.
+    ops = _ops(device, reference_ops)
+    x, w, offsets = _problem([5, 0, 9], 3, K=24, N=20, dtype=torch.float32, device=device)
+    if case == "dw":
+        dy = torch.randn(x.shape[0], 20, generator=torch.Generator().manual_seed(3)).to(device)
+        torch.library.opcheck(ops.grouped_gemm_dw, (x, dy, offsets, torch.float32))
+        return
+    if case == "fwd_transposed_w":  # what the backward passes for dx: w[e]^T as a strided view
+        x, w = torch.randn(x.shape[0], 20, generator=torch.Generator().manual_seed(4)).to(device), w.transpose(1, 2)
+    torch.library.opcheck(ops.grouped_gemm_fwd, (x.requires_grad_(), w.requires_grad_(), offsets))
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_op_fullgraph_matches_reference(ref_ops, dtype, device):
+    # The registered formula under torch.compile(fullgraph=True): y, dx and dw against the loop of matmuls.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    x, w, offsets = _problem([7, 0, 12, 1], 2, K=19, N=33, dtype=dtype, device=device)
+    cnt = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    f = torch.compile(lambda x, w: ref_ops.grouped_gemm_fwd(x, w, offsets), fullgraph=True, backend=cnt)
+    assert check_op("grouped_gemm op, fullgraph", f, lambda x, w: grouped_gemm_ref(x, w, offsets), x, w)
+    assert cnt.frame_count == 1
