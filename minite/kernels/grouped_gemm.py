@@ -226,7 +226,8 @@ def _check(x, w, offsets):
         raise ValueError(f"grouped_gemm: x is {x.dtype} but w is {w.dtype}")
     if not (x.device == w.device == offsets.device):
         raise ValueError(f"grouped_gemm: x on {x.device}, w on {w.device}, offsets on {offsets.device}")
-    if offsets.device.type == "cpu":  # free to read here (on a GPU it would sync): a bad table reads out of bounds
+    # free to read on the CPU (on a GPU it would sync), never while torch.compile traces (a data-dependent read)
+    if offsets.device.type == "cpu" and not torch.compiler.is_compiling():  # a bad table reads out of bounds
         o = offsets.tolist()
         if o[0] != 0 or o[-1] > x.shape[0] or any(b < a for a, b in zip(o, o[1:])):
             raise ValueError(f"grouped_gemm: offsets must start at 0, never decrease and end <= M={x.shape[0]}, "

@@ -36,8 +36,8 @@ from minite.kernels.grouped_gemm import grouped_gemm
 from minite.kernels.swiglu import swiglu
 from minite.layers.mlp import SwiGLU
 
-__all__ = ["route", "load_balance_loss", "update_bias", "capacity", "permute", "unpermute", "moe_ref", "MoE",
-           "hold_bias", "BALANCE"]
+__all__ = ["route", "expert_counts", "load_balance_loss", "update_bias", "capacity", "permute", "unpermute",
+           "moe_ref", "MoE", "hold_bias", "BALANCE"]
 
 BALANCE = ("aux", "bias", "none")
 
@@ -52,6 +52,13 @@ def route(logits: torch.Tensor, top_k: int, bias: torch.Tensor | None = None):
     if top_k > 1:  # Mixtral: the k weights sum to 1 (with k = 1 that would leave the router no gradient)
         weights = weights / weights.sum(-1, keepdim=True)
     return weights, experts, probs
+
+
+def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """experts (N, k) -> (E,) int64 assignments per expert. A scatter-add rather than ``bincount``, whose output size
+    depends on the data (max id + 1) and which torch.compile marks a dynamic-shape op: this one's size is static."""
+    flat = experts.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def load_balance_loss(probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -81,7 +88,7 @@ def permute(x: torch.Tensor, experts: torch.Tensor, num_experts: int, cap: int =
     k = experts.shape[1]
     flat = experts.reshape(-1)  # (N*k,) assignment a = token * k + slot
     order = torch.argsort(flat, stable=True)  # stable: token order within each expert
-    counts = torch.bincount(flat, minlength=num_experts)  # (E,)
+    counts = expert_counts(flat, num_experts)  # (E,)
     if cap > 0:
         starts = torch.cumsum(counts, 0) - counts  # (E,) first sorted row of each expert
         pos = torch.arange(flat.numel(), device=x.device) - starts[flat[order]]  # rank within the expert
@@ -168,7 +175,7 @@ class MoE(nn.Module):
         x2 = x.reshape(-1, self.dim)  # (N, C)
         logits = F.linear(x2.float(), self.router.weight.float())  # (N, E), fp32 even under autocast
         weights, experts, probs = route(logits, self.top_k, self.expert_bias if self.balance == "bias" else None)
-        counts = torch.bincount(experts.reshape(-1), minlength=E)  # (E,) routed, before any dropping
+        counts = expert_counts(experts, E)  # (E,) routed, before any dropping
         if self.stats_group is not None:
             from minite.parallel import comm
             comm.all_reduce(counts, self.stats_group)  # the global load: every dp rank balances the same way

@@ -134,3 +134,38 @@ def test_op_fullgraph_matches_reference(ref_ops, dtype, device):
     f = torch.compile(lambda x, w: ref_ops.grouped_gemm_fwd(x, w, offsets), fullgraph=True, backend=cnt)
     assert check_op("grouped_gemm op, fullgraph", f, lambda x, w: grouped_gemm_ref(x, w, offsets), x, w)
     assert cnt.frame_count == 1
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.0], ids=["dropless", "capacity"])
+def test_moe_layer_compiles_as_one_graph(ref_ops, monkeypatch, capacity_factor, device):
+    # What torch.compile sees of a MoE layer on a GPU: routing, the load, capacity, permute, the grouped-GEMM ops,
+    # unpermute, in ONE graph (it broke at the grouped GEMM, and at the CPU check's host read of the offsets); the
+    # output and every gradient equal eager's. The grouped GEMM is the CPU op (conftest.py), SwiGLU the reference.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from minite.kernels.swiglu import swiglu_ref
+    from minite.layers import moe as M
+
+    monkeypatch.setattr(gg, "op", lambda name, fn: getattr(ref_ops, name) if torch.compiler.is_compiling() else fn)
+    monkeypatch.setattr(M, "swiglu", lambda g, u, backend=None: swiglu_ref(g, u))
+    torch.manual_seed(0)
+    layer = M.MoE(32, 48, 4, 2, capacity_factor=capacity_factor, backend="triton")  # (the shared expert: mlp.py)
+    with torch.no_grad():
+        layer.router.weight.mul_(40)  # a skewed load: the capacity case drops assignments
+    x = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(1)).to(device)
+    cnt = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend=cnt)
+    outs = []
+    for f in (layer, compiled):
+        xx = x.clone().requires_grad_()
+        y = f(xx)
+        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        outs.append([y.detach(), xx.grad, layer.aux_loss.detach(), layer.dropped] +
+                    [p.grad.clone() for p in layer.parameters()])
+        layer.zero_grad(set_to_none=True)
+    assert cnt.frame_count == 1
+    assert (int(outs[0][3]) > 0) == (capacity_factor > 0)
+    for a, b in zip(*outs):
+        torch.testing.assert_close(b, a, **(dict(rtol=1e-5, atol=1e-6)))
