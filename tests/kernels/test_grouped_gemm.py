@@ -169,3 +169,30 @@ def test_moe_layer_compiles_as_one_graph(ref_ops, monkeypatch, capacity_factor, 
     assert (int(outs[0][3]) > 0) == (capacity_factor > 0)
     for a, b in zip(*outs):
         torch.testing.assert_close(b, a, **(dict(rtol=1e-5, atol=1e-6)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_moe_layer_compiled_on_cuda_matches_eager():
+    # The same on a GPU with the real minite:: triton_ops and Inductor: one graph, bf16, output and every gradient
+    # as eager's within bf16's tolerance (Inductor fuses the routing's elementwise ops differently).
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from minite.layers.moe import MoE
+    from minite.testing import dtype_tols
+
+    torch.manual_seed(0)
+    layer = MoE(256, 512, 8, 2, capacity_factor=1.25, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(4, 100, 256, device="cuda", dtype=torch.bfloat16)
+    cnt = CompileCounterWithBackend("inductor")
+    torch._dynamo.reset()
+    outs = []
+    for f in (layer, torch.compile(layer, fullgraph=True, backend=cnt)):
+        xx = x.clone().requires_grad_()
+        y = f(xx)
+        y.float().square().sum().backward()
+        outs.append([y.detach(), xx.grad] + [p.grad.clone() for p in layer.parameters()])
+        layer.zero_grad(set_to_none=True)
+    assert cnt.frame_count == 1
+    for a, b in zip(*outs):
+        torch.testing.assert_close(b, a, **dtype_tols(torch.bfloat16))
