@@ -350,7 +350,7 @@ print("PASS: 2 simulated ranks, 2 experts each, give the single-process MoE outp
 #
 # `minite.parallel.expert` does this with `torch.distributed.all_to_all_single` (gloo on CPU, NCCL on GPUs; both
 # support uneven split sizes), wrapped in an autograd Function whose backward is the all-to-all with the splits
-# swapped. Gradients: the dense parameters are averaged over dp as in DDP; an expert's gradient on its owner already
+# swapped (`comm.AllToAll`, in `minite/parallel/comm.py` beside every other collective). Gradients: the dense parameters are averaged over dp as in DDP; an expert's gradient on its owner already
 # sums the contributions of every ep rank's tokens (the backward all-to-all brought them), so it is summed over the
 # ranks holding the same experts and divided by dp. The check below (the workers of `minite/parallel/workers/
 # moe.py`) runs at world 2 with ep = 2: loss, every gradient and the weights after 5 AdamW steps against one
