@@ -496,8 +496,12 @@ def _sample(run: Run) -> str:
     tok = run.plan.data.tokenizer
     g = torch.Generator(device=run.dev).manual_seed(t.seed)
     prompt = torch.tensor([tok.encode("\n") if tok.kind == "byte" or "\n" in tok.chars else [0]], device=run.dev)
-    with run.ctx(), eager_mode():  # one compiled graph per prompt length would be wasted on a one-off sample
-        ids = run.model.generate(prompt, t.sample_tokens, temperature=0.8, top_k=None, generator=g)
+    run.model.eval()  # no dropout, no capacity limit (layers/moe.py), as a user's sampling would run
+    try:
+        with run.ctx(), eager_mode():  # one compiled graph per prompt length would be wasted on a one-off sample
+            ids = run.model.generate(prompt, t.sample_tokens, temperature=0.8, top_k=None, generator=g)
+    finally:
+        run.model.train()
     return tok.decode(ids[0].tolist())
 
 

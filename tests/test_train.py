@@ -97,6 +97,15 @@ def test_train_writes_log_plot_checkpoint_and_samples(run_cfg, tmp_path, capsys)
     assert text.count("The king") == 2
 
 
+def test_end_of_run_sample_runs_in_eval_mode(run_cfg, monkeypatch):
+    # It ran in training mode: dropout on, and a MoE's capacity limit cut the sample's routing.
+    from minite.models.gpt import GPT
+    seen, generate = [], GPT.generate
+    monkeypatch.setattr(GPT, "generate", lambda self, *a, **k: seen.append(self.training) or generate(self, *a, **k))
+    train(run_cfg(**{"train.sample_tokens": 5, "train.max_iters": 2}))
+    assert seen == [False]
+
+
 class Interrupt(Exception):
     pass
 

@@ -18,7 +18,10 @@ Load balance, two ways:
   twice, and the recomputed routing must be the first one.) Under ``hold_bias`` (a pipeline's micro-batches) the
   counts of every forward add up and the bias moves once, at the end: every micro-batch routes with the same bias.
 Capacity: with capacity_factor c > 0 each expert takes at most ceil(c * N * k / E) assignments, in token order; the
-rest are dropped (their token skips the experts: the residual carries it). c = 0 is dropless.
+rest are dropped (their token skips the experts: the residual carries it). c = 0 is dropless. The limit is a training
+device (a static, balanced expert batch): in eval mode (validation, generation) every assignment is kept, as in
+Mixtral's or DeepSeek's inference. Otherwise a token's output would depend on the other tokens of the batch, and
+generation with the KV cache (N = B tokens a step) would not give the tokens of the uncached loop (N = B * T).
 
 The reference ``moe_ref`` is a plain loop over the experts. Under expert parallelism (minite/parallel/expert.py)
 this module holds only experts [expert_lo, expert_lo + E_local) and ``ep_group`` is set; the router is replicated.
@@ -188,7 +191,7 @@ class MoE(nn.Module):
                 if self._hooked != id(self.router.weight):
                     self.router.weight.register_post_accumulate_grad_hook(self._update_bias)
                     self._hooked = id(self.router.weight)
-        cap = capacity(self.capacity_factor, experts.numel(), E)
+        cap = capacity(self.capacity_factor, experts.numel(), E) if self.training else 0  # eval: dropless
         xs, order, offsets = permute(x2, experts, E, cap)
         if self.ep_group is not None:
             from minite.parallel.expert import expert_parallel_ffn
@@ -227,14 +230,15 @@ def hold_bias(moes):
 
 def moe_ref(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     """The spec: a loop over the experts in fp32, each taking its tokens in token order (the first `cap` of them
-    under a capacity limit); the same router math. Leaves the layer's state (bias, stats) alone."""
+    under a capacity limit, in training mode only); the same router math. Leaves the layer's state alone."""
     shape, E, k = x.shape, moe.num_experts, moe.top_k
     x2 = x.reshape(-1, moe.dim).float()  # (N, C)
     probs = torch.softmax(x2 @ moe.router.weight.float().t(), dim=-1)  # (N, E)
     chosen = (probs + moe.expert_bias if moe.balance == "bias" else probs).topk(k, dim=-1).indices  # (N, k)
     w = probs.gather(1, chosen)
     w = w / w.sum(-1, keepdim=True) if k > 1 else w
-    cap = math.ceil(moe.capacity_factor * chosen.numel() / E) if moe.capacity_factor > 0 else chosen.numel()
+    cap = math.ceil(moe.capacity_factor * chosen.numel() / E) if moe.capacity_factor > 0 and moe.training \
+        else chosen.numel()
     out = torch.zeros_like(x2)
     for e in range(E):
         tok, slot = (chosen == e).nonzero(as_tuple=True)  # row-major: in token order

@@ -52,7 +52,8 @@ class GPTConfig:
     backend: str = _doc("op implementation: auto | torch | triton (auto: Triton on CUDA, else PyTorch)", "auto")
     moe_num_experts: int = _doc("mixture of experts (chapter 16): experts per block instead of the MLP; 0 = dense", 0)
     moe_top_k: int = _doc("experts each token visits (1 <= top_k <= num_experts)", 2)
-    moe_capacity_factor: float = _doc("assignments an expert may take, as a multiple of N*k/E; 0 = dropless", 0.0)
+    moe_capacity_factor: float = _doc("assignments an expert may take in training, as a multiple of N*k/E; 0 = "
+                                      "dropless (evaluation and generation always are)", 0.0)
     moe_balance: str = _doc("load balancing: aux (Switch loss) | bias (DeepSeek-V3, loss-free) | none", "aux")
     moe_aux_weight: float = _doc("weight of the Switch balance loss in the training loss (balance=aux)", 0.01)
     moe_shared_expert: bool = _doc("add a dense SwiGLU expert every token goes through (DeepSeek)", False)

@@ -158,6 +158,38 @@ def test_capacity_drops_in_token_order():
     assert int(m.dropped) == 0  # dropless
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.triton)])
+def test_capacity_applies_in_training_only(backend, device):
+    # Eval (validation, generation) is dropless: the layer and the loop both keep every assignment there.
+    m = _layer(1, 0.5, "none", False, E=4, backend=backend, device=device)
+    x = torch.randn(40, 16, generator=torch.Generator().manual_seed(6)).to(device)
+    m(x)
+    assert int(m.dropped) > 0
+    m.eval()
+    _compare(m, x, torch.float32)
+    assert int(m.dropped) == 0
+    m.capacity_factor = 0.0
+    torch.testing.assert_close(m(x), moe_ref(m, x))
+
+
+def test_generation_with_the_cache_matches_without_it_under_a_capacity():
+    # generate()'s contract, with experts: the KV cache routes B tokens a step, the uncached loop B * T, so a
+    # capacity limit at generation time dropped different assignments and gave other tokens (48 of 60 differed).
+    from minite.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=50, block_size=64, n_layer=2, n_head=4, n_embd=64, moe_num_experts=8, moe_top_k=2,
+                    moe_capacity_factor=1.0, backend="torch")
+    m = GPT(cfg).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(3)  # sharp routing: a skewed load that a capacity limit would cut
+        idx = torch.randint(0, 50, (2, 10), generator=torch.Generator().manual_seed(1))
+        cached = m.generate(idx, 30, temperature=0, use_cache=True)
+        uncached = m.generate(idx, 30, temperature=0, use_cache=False)
+    assert torch.equal(cached, uncached), int((cached != uncached).sum())
+
+
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_permute_unpermute_round_trip(k):
     g = torch.Generator().manual_seed(7)
