@@ -189,7 +189,10 @@ for name, (loads, losses) in runs.items():
 # **Capacity.** With a capacity factor $c$ an expert takes at most $\lceil c\,Nk/E\rceil$ assignments, the first
 # ones in token order; the rest are **dropped** (the token's residual carries it through). Dropping keeps shapes
 # static (GShard, Switch); *dropless* routing ($c = 0$ here) computes every assignment, which needs kernels that
-# accept any number of rows per expert: the grouped GEMM of section 4.
+# accept any number of rows per expert: the grouped GEMM of section 4. minite applies the limit in training only:
+# in eval mode every assignment is kept. Otherwise a token's output would depend on the rest of the batch, and
+# decoding with a KV cache ($N = B$ tokens a step) would drop other assignments than a forward over the whole
+# context ($N = BT$), so the two would generate different text.
 
 # %%
 def naive_permute(x, experts, E):
