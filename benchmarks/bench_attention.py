@@ -118,10 +118,18 @@ def run_decode(lengths, device, n_layer, n_embd, n_head, n_kv_head, steps=8) -> 
             _refill(m, idx, cache)
             m(tok, kv_cache=cache)  # warm-up step
             cached = _best(lambda: m(tok, kv_cache=cache), steps, sync, before=lambda: _refill(m, idx, cache))
-        for impl, s in (("no cache", no_cache), ("kv cache", cached)):
+            times = [("no cache", no_cache), ("kv cache", cached)]
+            if device == "cuda":  # the same step captured once and replayed: one CUDA graph a token
+                from minite.decoding import Decoder
+                dec = Decoder(m, compile="reduce-overhead")
+                _refill(m, idx, cache)
+                for _ in range(3):  # compile, record, replay
+                    dec(tok, cache)
+                times.append(("kv cache + CUDA graph", _best(lambda: dec(tok, cache), steps, sync,
+                                                             before=lambda: _refill(m, idx, cache))))
+        for impl, s in times:
             out.append({"impl": impl, "L": L, "ms_per_token": 1e3 * s, "tokens_per_s": 1 / s})
-        print(f"L={L:6d}  no cache {1 / no_cache:9.1f} tok/s   kv cache {1 / cached:9.1f} tok/s   "
-              f"x{no_cache / cached:.1f}")
+        print(f"L={L:6d}  " + "   ".join(f"{impl} {1 / s:9.1f} tok/s" for impl, s in times))
     return out
 
 
@@ -151,8 +159,10 @@ def plot_decode(results, device, model, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
-    for impl in ("no cache", "kv cache"):
+    for impl in ("no cache", "kv cache", "kv cache + CUDA graph"):
         rs = [r for r in results if r["impl"] == impl]
+        if not rs:
+            continue
         ax.plot([r["L"] for r in rs], [r["tokens_per_s"] for r in rs], "o-", label=impl)
     ax.set(xscale="log", yscale="log", xlabel="context length L", ylabel="tokens/s (batch 1)",
            title=f"decode, {model}\n{device}")

@@ -85,7 +85,7 @@ def lengths(where: str, lens, B: int, T_max: int, max_len=None) -> int | None:
         raise ValueError(f"{where}: lengths must have shape ({B},), got {tuple(lens.shape)}")
     if max_len is not None:
         max_len = integer(where, "max_len", max_len, lo=0, hi=T_max)
-    if lens.device.type == "cpu" and B:
+    if lens.device.type == "cpu" and B and not torch.compiler.is_compiling():  # (a traced step reads no value)
         lo, hi = int(lens.min()), int(lens.max())
         if lo < 0 or hi > T_max:
             i = int(((lens < 0) | (lens > T_max)).nonzero()[0, 0])

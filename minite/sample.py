@@ -1,6 +1,7 @@
 """Sample text from a minite.train checkpoint.
 
     python -m minite.sample --ckpt out/ckpt.pt --prompt "ROMEO." --max_new_tokens 500 --temperature 0.8 --top_k 40
+    python -m minite.sample --compile reduce-overhead ...     # CUDA: each decode step replayed as one CUDA graph
 
 The checkpoint carries the model configuration and the tokenizer, so no data directory is needed. Any checkpoint
 of minite.train: ``ckpt.pt`` (the last), ``ckpt_best.pt`` (the best val loss), or a LoRA run's (its base with the
@@ -34,14 +35,25 @@ def load_model(path: str, device: str = "cpu") -> tuple[GPT, Tokenizer]:
 
 
 def sample(model: GPT, tok: Tokenizer, prompt: str = "\n", *, max_new_tokens: int = 200, temperature: float = 0.8,
-           top_k: int | None = None, num_samples: int = 1, seed: int = 0, use_cache: bool = True) -> list[str]:
+           top_k: int | None = None, num_samples: int = 1, seed: int = 0, use_cache: bool = True,
+           compile: str | None = None) -> list[str]:
     """Generate `num_samples` continuations of `prompt` (returned with the prompt in front). use_cache: decode
-    with a KVCache (chapter 08), one token per step instead of the whole context again."""
+    with a KVCache (chapter 08), one token per step instead of the whole context again. compile: a torch.compile
+    mode for the decode step (minite/decoding.py; "reduce-overhead" = a CUDA graph a step), None = eager."""
     dev = next(model.parameters()).device
     ids = tok.encode(prompt or "\n")  # raises a clear error for characters the tokenizer does not know
     idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=dev)  # (num_samples, T)
     g = torch.Generator(device=dev).manual_seed(seed)
-    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=g, use_cache=use_cache)
+    decoder = None
+    if compile is not None:
+        from minite.decoding import Decoder
+        if not use_cache:
+            raise ValueError("compile: the compiled decode step works on the KV cache; drop --no_cache")
+        if compile == "reduce-overhead" and dev.type != "cuda":
+            raise ValueError(f"compile=reduce-overhead captures CUDA graphs: the model is on {dev}")
+        decoder = Decoder(model, compile=compile)
+    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=g, use_cache=use_cache,
+                         decoder=decoder)
     return [tok.decode(row.tolist()) for row in out]
 
 
@@ -66,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument("--no_cache", action="store_true", help="recompute the whole context every token (no KV cache)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--compile", default=None, choices=["default", "reduce-overhead"],
+                   help="torch.compile the decode step: reduce-overhead replays it as one CUDA graph (CUDA only)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: 0 = as minite.train picks them: "
                    "the faster of all cores and 1, timed on a few tokens; one token at a time is small ops, where "
                    "threads on busy cores mostly wait for each other)")
@@ -77,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         _set_threads(model, tok, args)
         texts = sample(model, tok, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        top_k=args.top_k, num_samples=args.num_samples, seed=args.seed,
-                       use_cache=not args.no_cache)
+                       use_cache=not args.no_cache, compile=args.compile)
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

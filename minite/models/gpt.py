@@ -278,13 +278,15 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None,
-                 use_cache: bool = True) -> torch.Tensor:
+                 use_cache: bool = True, decoder=None) -> torch.Tensor:
         """Append `max_new_tokens` sampled tokens to idx (B, T); the context is cropped to the last block_size.
         use_cache: keep a KVCache (chapter 08): prefill once, then one token per step; when the context is
         full it is cropped and prefilled again, so the tokens are those of the uncached loop.
 
         temperature < 1 sharpens the distribution, > 1 flattens it; 0 means greedy (argmax).
         top_k keeps only the k most likely tokens before sampling.
+        decoder: with the cache, what runs the one-token steps, e.g. ``minite.decoding.Decoder(model,
+        compile="reduce-overhead")`` (one CUDA graph a step); None: this forward with the cache.
         """
         max_new_tokens = _v.integer("generate", "max_new_tokens", max_new_tokens, lo=0)
         temperature = _v.real("generate", "temperature", temperature, ge=0)  # NaN sampled from NaN probabilities
@@ -301,7 +303,8 @@ class GPT(nn.Module):
                 cache.reset()
                 logits, _ = self(idx[:, -bs:], kv_cache=cache)  # (B, 1, V_pad)
             else:
-                logits, _ = self(idx[:, -1:], kv_cache=cache)  # only the newest token: O(1) projections
+                # only the newest token: O(1) projections
+                logits = self(idx[:, -1:], kv_cache=cache)[0] if decoder is None else decoder(idx[:, -1:], cache)
             logits = logits[:, -1, :V].float()  # (B, V): the padded ids are never sampled
             if temperature == 0:
                 idx_next = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
