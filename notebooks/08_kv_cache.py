@@ -249,7 +249,7 @@ print("PASS: 4 chunks merged with their LSEs equal attention over the whole cach
 fig, ax = plt.subplots(figsize=(6, 3.6))
 for path in sorted(glob.glob("../benchmarks/results/decode_*.json")):
     res = json.load(open(path))
-    for impl, style in (("no cache", "o--"), ("kv cache", "o-")):
+    for impl, style in (("no cache", "o--"), ("kv cache", "o-"), ("kv cache + CUDA graph", "s-")):
         rs = [r for r in res["results"] if r["impl"] == impl]
         ax.plot([r["L"] for r in rs], [r["tokens_per_s"] for r in rs], style, label=f"{impl} — {res['device']}")
 ax.set(xscale="log", yscale="log", xlabel="context length L", ylabel="tokens/s", title="decode, batch 1")
@@ -271,3 +271,48 @@ plt.show()
 out = model.generate(idx[:1, :4], 4, temperature=0)
 same = model.generate(idx[:1, :4], 4, temperature=0, use_cache=False)
 print(out.tolist()[0], "cached == uncached:", torch.equal(out, same))
+
+# %% [markdown]
+# ## 7. One graph a step
+#
+# At batch 1 a small GPT's step is not bound by memory either, but by the host: each of the ~20 kernels of a
+# block sits behind Python (argument checks, an autograd Function, Triton's launcher), which costs more than the
+# kernel itself (on an H100: 2.1 ms of GPU work for 4 tokens, 47 ms of host time). A **CUDA graph** records the
+# step's kernels once and replays them with one launch, so the host cost disappears. A replay runs the same
+# kernels on the same addresses, so the step must not depend on any value the host reads:
+#
+# - the cache is preallocated and written in place (`KVCache` already is);
+# - positions come from the device tensor `cache.lengths`: RoPE gathers its cos/sin rows by position, k/v are
+#   stored at `[b, :, lengths[b]]` by an index, the decode kernel reads each length itself;
+# - the step moves `lengths` on by one in place; the host's copy (overflow checks, when to crop) moves outside.
+#
+# `minite.decoding.decode_step` is that step. Below it matches the ordinary cached forward, and
+# `torch.compile(fullgraph=True)` traces it as **one** graph for every position: no recompilation as the positions
+# move, no host read (either would break capture). `Decoder(model, compile="reduce-overhead")` adds the CUDA graph
+# on a GPU (`python -m minite.sample --compile reduce-overhead`, and a third series in the benchmark above).
+
+# %% tags=["nbval-check-output"]
+# CHECK: the graph-capturable step
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import minite
+from minite.decoding import Decoder, decode_step
+
+prompt = idx[:, :6]
+cache, ref_cache = KVCache.for_model(model, batch_size=2), KVCache.for_model(model, batch_size=2)
+with torch.no_grad():
+    model(prompt, kv_cache=cache)
+    model(prompt, kv_cache=ref_cache)
+    tok = prompt[:, -1:]
+    for step in range(3):
+        assert_close(decode_step(model, tok, cache), model(tok, kv_cache=ref_cache)[0], name=f"step {step}")
+        cache.host_lengths = list(ref_cache.host_lengths)  # what Decoder does on the host
+# torch.compile traces real Triton only: on the CPU (the interpreter) the trace runs on the PyTorch reference ops
+counter = CompileCounterWithBackend("aot_eager")
+torch._dynamo.reset()
+with minite.use_backend("triton" if DEVICE == "cuda" else "torch"):
+    fast = model.generate(prompt, 10, temperature=0, decoder=Decoder(model, compile="default", backend=counter))
+    assert torch.equal(fast, model.generate(prompt, 10, temperature=0)) and counter.frame_count == 1
+print(f"compiled graphs for 10 decode steps: {counter.frame_count}")
+print("PASS: the device-position step equals the cached forward, as one graph for every step")
+
