@@ -49,7 +49,7 @@ def sample(model: GPT, tok: Tokenizer, prompt: str = "\n", *, max_new_tokens: in
         from minite.decoding import Decoder
         if not use_cache:
             raise ValueError("compile: the compiled decode step works on the KV cache; drop --no_cache")
-        if dev.type != "cuda":  # the step is traced whole (fullgraph): the CPU's reference MoE reads offsets on the host
+        if dev.type != "cuda":  # traced whole (fullgraph): the CPU reference MoE reads its offsets on the host
             raise ValueError(f"compile={compile}: the compiled decode step (CUDA graphs) is for a GPU; the model is "
                              f"on {dev}")
         decoder = Decoder(model, compile=compile)
