@@ -17,8 +17,9 @@ fp8 casts are wrong, and on the GPU) and computes scales with ``tl.div_rn`` (IEE
 approximate division on the GPU), so it matches ``formats/mx.py`` bit for bit everywhere.
 
 Sections: 1. references (formats/mx.py's quantize references; ``block_scaled_gemm_ref``); 2. kernels;
-3. launchers; 4. ``BlockFP8LinearFunction``: the linear layer's three GEMMs under the block recipes (used by
-kernels/fp8_linear.py); 5. functional API. The module is ``minite.nn.Linear`` (layers/linear.py).
+3. launchers, each also the custom op ``torch.ops.minite.block_quantize`` / ``block_scaled_mm`` on CUDA, so that
+torch.compile keeps the kernels in its graph; 4. ``BlockFP8LinearFunction``: the linear layer's three GEMMs under
+the block recipes (used by kernels/fp8_linear.py); 5. functional API. The module is ``minite.nn.Linear``.
 """
 from __future__ import annotations
 
@@ -36,10 +37,10 @@ from minite.formats.mx import (
     quantize_mx_ref,
 )
 from minite.formats.specs import encode_bits_tl
-from minite.kernels._common import launchable
+from minite.kernels._common import launchable, op, register_op
 
 __all__ = ["block_scaled_gemm_ref", "quantize_blockwise", "quantize_mx", "block_scaled_gemm", "quantize_block_fwd",
-           "block_scaled_gemm_fwd", "BlockFP8LinearFunction", "GPU_TILES"]
+           "block_scaled_gemm_fwd", "block_quantize", "block_scaled_mm", "BlockFP8LinearFunction", "GPU_TILES"]
 
 
 # ----------------------------------------------------------------------------------------------- 1. reference
@@ -148,14 +149,16 @@ def _block_scaled_gemm_kernel(A_ptr, B_ptr, C_ptr, SA_ptr, SB_ptr, M, N, K,
 
 
 # ----------------------------------------------------------------------------------------------- 3. launchers
-def quantize_block_fwd(x: torch.Tensor, block, kind: str, fp8_dtype=torch.float8_e4m3fn,
-                       pow2: bool = False) -> BlockScaledTensor:
-    """Launch the quantize kernel. block (1, SK) or (SK, SK) for "blockwise", (1, 32) for "mx"."""
-    (R, C), (br, bc) = x.shape, block
-    xc = x.detach().contiguous()
+@register_op("block_quantize")  # torch.ops.minite.block_quantize, for torch.compile (section 4)
+def block_quantize(x: torch.Tensor, br: int, bc: int, mx: bool, fp8_dtype: torch.dtype,
+                   pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the quantize kernel: x (R, C) -> (the fp8 bits as uint8 (R, C), scales (cdiv(R, br), cdiv(C, bc)):
+    fp32 scale_inv, or E8M0 bits (uint8) with mx). Blocks (1, SK) or (SK, SK) blockwise, (1, 32) MX."""
+    R, C = x.shape
+    xc = x.contiguous()
     exp_bits, man_bits, fn = FP8_DTYPES[fp8_dtype]
     data = torch.empty((R, C), dtype=torch.uint8, device=x.device)
-    sdt = torch.uint8 if kind == "mx" else torch.float32
+    sdt = torch.uint8 if mx else torch.float32
     scale = torch.empty((triton.cdiv(R, br), triton.cdiv(C, bc)), dtype=sdt, device=x.device)
     tile = br > 1
     # Rows per program: the tile's rows (TILE), else 16 rows of one block each (GPU: 16 x 128 = 2048 values).
@@ -166,8 +169,15 @@ def quantize_block_fwd(x: torch.Tensor, block, kind: str, fp8_dtype=torch.float8
         grid = (triton.cdiv(R, block_r), triton.cdiv(C, bc))
         launchable(_quantize_block_kernel)[grid](
             xc, data, scale, R, C, xc.stride(0), scale.stride(0), BLOCK_R=block_r, BLOCK_C=bc, TILE=tile,
-            MX=kind == "mx", POW2=pow2, EXP_BITS=exp_bits, MAN_BITS=man_bits, FN=fn,
+            MX=mx, POW2=pow2, EXP_BITS=exp_bits, MAN_BITS=man_bits, FN=fn,
             FP8_MAX=float(torch.finfo(fp8_dtype).max), EMAX_ELEM=elem_emax(fp8_dtype), num_warps=warps)
+    return data, scale
+
+
+def quantize_block_fwd(x: torch.Tensor, block, kind: str, fp8_dtype=torch.float8_e4m3fn,
+                       pow2: bool = False) -> BlockScaledTensor:
+    """The quantize kernel (the custom op under torch.compile) -> a BlockScaledTensor of `x`."""
+    data, scale = op("block_quantize", block_quantize)(x.detach(), block[0], block[1], kind == "mx", fp8_dtype, pow2)
     return BlockScaledTensor(data.view(fp8_dtype), scale, block, kind, x.dtype)
 
 
@@ -190,23 +200,29 @@ def _tiles(M: int, N: int, on_gpu: bool, sk: int) -> tuple[int, int, int, int]:
     return fit(M), fit(N), 4, 1
 
 
-def block_scaled_gemm_fwd(a: BlockScaledTensor, b: BlockScaledTensor, out_dtype=torch.bfloat16,
-                          tiles: tuple | None = None) -> torch.Tensor:
-    """Launch the GEMM: (M, K) @ (K, N) -> (M, N) of `out_dtype`. `tiles` = (BLOCK_M, BLOCK_N, warps, stages)."""
+@register_op("block_scaled_mm", eager_only=("tiles",))
+def block_scaled_mm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, sk: int, sn: int, mx: bool,
+                    out_dtype: torch.dtype, tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """Launch the GEMM: fp8 a (M, K) @ b (K, N), scales sa per (1, sk), sb per (sk, sn) -> (M, N) of `out_dtype`.
+    `tiles` = (BLOCK_M, BLOCK_N, warps, stages), a test's; strided views of a and b are fine."""
     (M, K), N = a.shape, b.shape[1]
-    sk = a.block[1]
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return out
-    bm, bn, warps, stages = tiles or _tiles(M, N, a.data.is_cuda, sk)
+    bm, bn, warps, stages = tiles or _tiles(M, N, a.is_cuda, sk)
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-    A, B = a.data, b.data                                              # strided views are fine
     launchable(_block_scaled_gemm_kernel)[grid](
-        A, B, out, a.scale, b.scale, M, N, K, A.stride(0), A.stride(1), B.stride(0), B.stride(1),
-        out.stride(0), out.stride(1), a.scale.stride(0), a.scale.stride(1), b.scale.stride(0), b.scale.stride(1),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=sk, SCALE_N=b.block[1], E8M0=a.kind == "mx", GROUP_M=8,
-        num_warps=warps, num_stages=stages)
+        a, b, out, sa, sb, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        out.stride(0), out.stride(1), sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=sk, SCALE_N=sn, E8M0=mx, GROUP_M=8, num_warps=warps, num_stages=stages)
     return out
+
+
+def block_scaled_gemm_fwd(a: BlockScaledTensor, b: BlockScaledTensor, out_dtype=torch.bfloat16,
+                          tiles: tuple | None = None) -> torch.Tensor:
+    """The GEMM of two BlockScaledTensors (the custom op under torch.compile): (M, K) @ (K, N) -> (M, N)."""
+    args = (a.data, b.data, a.scale, b.scale, a.block[1], b.block[1], a.kind == "mx", out_dtype)
+    return block_scaled_mm(*args, tiles=tiles) if tiles else op("block_scaled_mm", block_scaled_mm)(*args)
 
 
 # ------------------------------------------------------------------------------------------ 4. autograd

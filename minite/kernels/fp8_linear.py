@@ -180,13 +180,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     """x @ weight^T + bias with FP8 GEMMs. x: (..., K), weight: (O, K), bias: (O,) -> (..., O).
 
     recipe: default the active ``fp8_autocast`` recipe, else ``CurrentScaling()``. ``BlockwiseScaling`` and
-    ``MXFP8Scaling`` (per-block scales, kernels/fp8_block.py) need no states and run eagerly (no compiled op yet).
+    ``MXFP8Scaling`` (per-block scales, kernels/fp8_block.py) need no states; under torch.compile their kernels
+    are the custom ops ``block_quantize`` and ``block_scaled_mm``.
     states: {"input", "weight", "grad_output"} ``ScalingState``s, updated in place (a module keeps them
     between steps); default fresh ones, which only make sense with current scaling.
     """
     _check(x, weight, bias)
     recipe = recipe or get_fp8_recipe() or CurrentScaling()
-    if getattr(recipe, "block_scaled", False):  # BlockwiseScaling / MXFP8Scaling (chapter 15): stateless, eager
+    if getattr(recipe, "block_scaled", False):  # BlockwiseScaling / MXFP8Scaling (chapter 15): stateless
         return BlockFP8LinearFunction.apply(x, weight, bias, recipe, resolve_backend(x, backend))
     if states is not None:
         _check_states(states)

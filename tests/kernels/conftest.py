@@ -39,6 +39,9 @@ FAKES = {
     "lora_bwd": lambda dy, x2, w, a, b, g, s: (torch.empty_like(x2), torch.empty_like(a), torch.empty_like(b)),
     "grouped_gemm_fwd": lambda x, w, o: x.new_empty((x.shape[0], w.shape[2])),
     "grouped_gemm_dw": lambda x, dy, o, dt: x.new_empty((o.shape[0] - 1, x.shape[1], dy.shape[1]), dtype=dt),
+    "block_quantize": lambda x, br, bc, mx, dt, p2: (x.new_empty(x.shape, dtype=torch.uint8), x.new_empty(
+        ((x.shape[0] + br - 1) // br, (x.shape[1] + bc - 1) // bc), dtype=torch.uint8 if mx else torch.float32)),
+    "block_scaled_mm": lambda a, b, sa, sb, sk, sn, mx, dt: a.new_empty((a.shape[0], b.shape[1]), dtype=dt),
 }
 
 

@@ -19,7 +19,8 @@ OPS = ["softmax_fwd", "softmax_bwd", "rmsnorm_fwd", "rmsnorm_bwd", "layernorm_fw
        "swiglu_fwd", "swiglu_bwd", "cross_entropy_fwd", "cross_entropy_bwd", "fp8_gemm"]
 OTHER_OPS = ["linear_cross_entropy", "fp8_quantize_update", "fp8_linear_mm", "attention_fwd", "attention_bwd",
              "decode_attention", "lora_fwd", "lora_bwd",  # test_compile_fused.py, test_compile_attention.py
-             "grouped_gemm_fwd", "grouped_gemm_dw"]  # test_grouped_gemm.py
+             "grouped_gemm_fwd", "grouped_gemm_dw",  # test_grouped_gemm.py
+             "block_quantize", "block_scaled_mm"]  # test_fp8_block.py
 WITH_GRAD = {"softmax_fwd", "rmsnorm_fwd", "layernorm_fwd", "rope", "swiglu_fwd", "cross_entropy_fwd",
              "linear_cross_entropy", "fp8_linear_mm", "attention_fwd", "lora_fwd", "grouped_gemm_fwd"}
 
