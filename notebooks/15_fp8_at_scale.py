@@ -460,7 +460,7 @@ print(f"PASS: every FP8 recipe's val loss within 0.05 of the fp32-bf16 band [{lo
 #   `quantize_mx_ref`, `mx_scale_bits_ref`, and the recipes `BlockwiseScaling`, `MXFP8Scaling` (with `min_dim`, as
 #   `DelayedScaling` and `CurrentScaling` now have).
 # * `minite/kernels/fp8_block.py`: the quantize kernel (1 × 128, 128 × 128, MX-32), `block_scaled_gemm`, and the
-#   linear layer's three block-scaled GEMMs.
+#   linear layer's three block-scaled GEMMs, which saves x for the weight gradient as its fp8 copy; under
+#   `torch.compile` the kernels are the custom ops `block_quantize` and `block_scaled_mm`, in the graph.
 # * Not yet done: a GPU measurement (`benchmarks/bench_fp8_block.py`: the targets are ≥ 1.3× bf16 at 8192³ and at
-#   least cuBLAS's row-wise FP8); `torch.compile` ops for the block recipes (they run eagerly); saving the fp8
-#   copy of x instead of x for the backward.
+#   least cuBLAS's row-wise FP8).
