@@ -83,6 +83,7 @@ class CourseFiles:
         self.trees = [t for t in trees if t.is_dir()]
         self.files = files
         self.root = root
+        self.kept: Path | None = None  # the put-back folder of the last restore(), if it moved anything there
         self.saved = self._now()
 
     def _now(self) -> dict[str, tuple]:
