@@ -127,8 +127,13 @@ def run_decode(lengths, device, n_layer, n_embd, n_head, n_kv_head, steps=8) -> 
                     dec(tok, cache)
                 times.append(("kv cache + CUDA graph", _best(lambda: dec(tok, cache), steps, sync,
                                                              before=lambda: _refill(m, idx, cache))))
+        # what one cached step must read at least: every weight once, and the L cached keys and values of every
+        # layer (issue 20 reports tokens/s as a share of the HBM roofline: bytes / bandwidth / seconds)
+        weights = sum(p.numel() * p.element_size() for p in m.parameters())
+        kv = sum(t[:, :, :L].numel() * t.element_size() for t in cache.k + cache.v)
         for impl, s in times:
-            out.append({"impl": impl, "L": L, "ms_per_token": 1e3 * s, "tokens_per_s": 1 / s})
+            out.append({"impl": impl, "L": L, "ms_per_token": 1e3 * s, "tokens_per_s": 1 / s,
+                        "bytes_per_token": weights + kv if impl != "no cache" else None})
         print(f"L={L:6d}  " + "   ".join(f"{impl} {1 / s:9.1f} tok/s" for impl, s in times))
     return out
 
