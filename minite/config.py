@@ -300,7 +300,12 @@ def apply_overrides(base: RunConfig | dict, overrides: dict[str, object]) -> Run
             hint = f" Did you mean {', '.join(close)}?" if close else ""
             raise ConfigError(f"unknown config key {given!r}.{hint}\nValid keys: {', '.join(valid_keys())}")
         values[section][name] = _convert(key, raw, typing.get_type_hints(cls)[name])
-    return config_from_dict(values)
+    cfg = config_from_dict(values)
+    moe = sorted(k for k in overrides if canonical_key(k).startswith("model.moe_") and "num_experts" not in k)
+    if moe and not cfg.model.moe_num_experts:  # a dense model would ignore them without a word
+        raise ConfigError(f"{', '.join(moe)} given, but the model has no experts (model.moe.num_experts=0): add "
+                          "--model.moe.num_experts=E, or drop them")
+    return cfg
 
 
 def config_from_dict(d: dict) -> RunConfig:

@@ -33,6 +33,12 @@ def test_default_preset_follows_the_ranks_device(monkeypatch, gpus, local_world,
     assert default_preset({} if device == "auto" else {"train.device": device}) == want
 
 
+def test_expert_options_on_a_dense_model_are_refused():
+    with pytest.raises(ConfigError, match=r"model.moe.top_k given, but the model has no experts"):
+        make_config("cpu", {"model.moe.top_k": "4"})
+    assert make_config("cpu", {"model.moe.top_k": "4", "model.moe.num_experts": "8"}).model.moe_top_k == 4
+
+
 def test_bad_type_and_preset():
     with pytest.raises(ConfigError, match=r"--train.lr: expected float, got 'fast'"):
         make_config("cpu", {"train.lr": "fast"})
