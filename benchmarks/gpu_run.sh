@@ -27,7 +27,7 @@ for s in $STAGES; do case $s in
   lora) run lora 60 python benchmarks/bench_lora.py;;
   fp8block) run fp8block 120 python benchmarks/bench_fp8_block.py --sizes 4096 8192 --out "$OUTDIR/res/fp8_block.json";;
   grouped) run grouped 90 python benchmarks/bench_grouped_gemm.py;;
-  moe) run moe 240 python -m pytest -p no:cacheprovider -q tests/kernels/test_grouped_gemm.py tests/layers/test_moe.py tests/models/test_decoding.py;;
+  moe) run moe 300 python -m pytest -p no:cacheprovider -q tests/kernels/test_grouped_gemm.py tests/layers/test_moe.py tests/models/test_decoding.py tests/kernels/test_fp8_block.py;;  # the ops, compiled MoE and CUDA-graph decoding of 2026-11-28
   suite) run suite 560 python -m pytest -p no:cacheprovider -q -m "not distributed" tests/kernels tests/formats tests/layers tests/models tests/test_train.py tests/test_fp8_recipes.py tests/test_hardening.py;;
   nbs) run nbs 300 python tools/nbtool.py execute notebooks/07_flash_attention.py notebooks/08_kv_cache.py notebooks/09_lora.py notebooks/15_fp8_at_scale.py notebooks/16_moe.py;;
   rope) run rope 60 python benchmarks/bench_rope.py --head-dims 64 128 --out "$OUTDIR/res/rope.json";;
