@@ -43,3 +43,14 @@ def test_nothing_changed_keeps_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("MINITE_PUT_BACK_DIR", str(tmp_path / "kept"))
     files = CourseFiles([tmp_path / "pkg"], [], tmp_path)
     assert files.restore() == [] and files.kept is None and not os.path.exists(tmp_path / "kept")
+
+
+def test_an_unwritable_put_back_folder_falls_back_to_a_temporary_one(tmp_path, monkeypatch):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("A = 1\n")
+    (tmp_path / "not_a_folder").write_text("")
+    monkeypatch.setenv("MINITE_PUT_BACK_DIR", str(tmp_path / "not_a_folder" / "kept"))  # mkdir fails there
+    files = CourseFiles([tmp_path / "pkg"], [], tmp_path)
+    (tmp_path / "pkg" / "a.py").write_text("A = 2\n")
+    assert files.restore() == ["pkg/a.py"] and (tmp_path / "pkg" / "a.py").read_text() == "A = 1\n"
+    assert files.kept.name.startswith("minite-put-back-") and (files.kept / "pkg" / "a.py").read_text() == "A = 2\n"

@@ -16,6 +16,7 @@ import contextlib
 import os
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -109,6 +110,10 @@ class CourseFiles:
         if self.kept is None:
             base = Path(os.environ.get("MINITE_PUT_BACK_DIR") or self.root / ".grading-put-back")
             self.kept = base / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+            try:
+                self.kept.mkdir(parents=True, exist_ok=True)
+            except OSError:  # a read-only course: the system's temporary folder, still named in the report
+                self.kept = Path(tempfile.mkdtemp(prefix="minite-put-back-"))
         dest = self.kept / self._name(path).lstrip(os.sep)
         if os.path.lexists(dest):  # already moved with its folder
             return
