@@ -300,12 +300,7 @@ def apply_overrides(base: RunConfig | dict, overrides: dict[str, object]) -> Run
             hint = f" Did you mean {', '.join(close)}?" if close else ""
             raise ConfigError(f"unknown config key {given!r}.{hint}\nValid keys: {', '.join(valid_keys())}")
         values[section][name] = _convert(key, raw, typing.get_type_hints(cls)[name])
-    cfg = config_from_dict(values)
-    moe = sorted(k for k in overrides if canonical_key(k).startswith("model.moe_") and "num_experts" not in k)
-    if moe and not cfg.model.moe_num_experts:  # a dense model would ignore them without a word
-        raise ConfigError(f"{', '.join(moe)} given, but the model has no experts (model.moe.num_experts=0): add "
-                          "--model.moe.num_experts=E, or drop them")
-    return cfg
+    return config_from_dict(values)
 
 
 def config_from_dict(d: dict) -> RunConfig:
@@ -318,14 +313,20 @@ def config_from_dict(d: dict) -> RunConfig:
         raise ConfigError(f"bad configuration: {e}") from e
 
 
-def make_config(preset: str, overrides: dict[str, object]) -> RunConfig:
-    """The defaults, then the preset, then the overrides."""
+def make_config(preset: str, overrides: dict[str, object], *, new_run: bool = True) -> RunConfig:
+    """The defaults, then the preset, then the overrides. new_run: expert options need experts (a resumed run's
+    model comes from its checkpoint)."""
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; valid: {', '.join(PRESETS)}")
     # Start from the raw field defaults (not a built GPTConfig): "0 = derived" fields such as model.mlp_hidden
     # must be derived after the preset and the overrides have set the fields they depend on.
     defaults = {s: {f.name: f.default for f in dataclasses.fields(cls)} for s, cls in _SECTIONS.items()}
-    return apply_overrides(defaults, {**PRESETS[preset], **overrides})
+    cfg = apply_overrides(defaults, {**PRESETS[preset], **overrides})
+    moe = sorted(k for k in overrides if canonical_key(k).startswith("model.moe_") and "num_experts" not in k)
+    if new_run and moe and not cfg.model.moe_num_experts:  # a dense model would ignore them without a word
+        raise ConfigError(f"{', '.join(moe)} given, but the model has no experts (model.moe.num_experts=0): add "
+                          "--model.moe.num_experts=E, or drop them")
+    return cfg
 
 
 def config_help() -> str:

@@ -600,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         preset, overrides, resume = parse_cli(argv)
         preset = preset or default_preset(overrides)
-        cfg = make_config(preset, overrides)  # validates every key and type, also when resuming
+        cfg = make_config(preset, overrides, new_run=not resume)  # validates every key and type, also resuming
         summary = train(cfg, resume=resume, resume_overrides=overrides)
     except (ConfigError, DataError, CheckpointError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

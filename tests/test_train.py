@@ -37,6 +37,7 @@ def test_expert_options_on_a_dense_model_are_refused():
     with pytest.raises(ConfigError, match=r"model.moe.top_k given, but the model has no experts"):
         make_config("cpu", {"model.moe.top_k": "4"})
     assert make_config("cpu", {"model.moe.top_k": "4", "model.moe.num_experts": "8"}).model.moe_top_k == 4
+    assert make_config("cpu", {"model.moe.top_k": "4"}, new_run=False)  # resuming: the checkpoint has the model
 
 
 def test_bad_type_and_preset():
