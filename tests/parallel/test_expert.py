@@ -103,7 +103,8 @@ def test_cli_ep_matches_single_process(corpus, cli, flags, curve):
     ({"parallel.dp": 2, "parallel.ep": 2, "model.moe_num_experts": 0}, 2, "got moe_num_experts=0"),
 ])
 def test_layouts_refused(flags, over, world, match):
-    cfg = make_config("cpu", {**flags, **MOE, **over})
+    # new_run=False: the layout check alone (a new run's CLI would already refuse moe_top_k on a dense model)
+    cfg = make_config("cpu", {**flags, **MOE, **over}, new_run=False)
     with pytest.raises(ParallelError, match=match):
         check_layout(cfg.parallel, cfg.model, world=world, seq_len=16, batch_size=8)
 
