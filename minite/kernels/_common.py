@@ -7,6 +7,9 @@ One helper per question, so the kernels cannot drift apart:
   Triton dtypes; ``_acc`` is the same rule inside a kernel.
 * ``row_launch(n_cols, max_block)``: (BLOCK_SIZE, num_warps) for one row per program (norms, softmax, CE, SwiGLU).
 * ``sm_count(device)``: multiprocessors, read once per device and cached (a driver query per call costs ~10 us).
+* ``gpu_tiles(t)``: pick the GPU's tiles for a launch on `t`? True on CUDA, and while the compile gate captures
+  the GPU's launches on a CPU (``minite.gpu_compile``): every launcher asks this, never ``t.is_cuda``, so the gate
+  compiles the tiles a GPU really runs.
 * ``launchable(kernel)`` (from minite/compile.py, where formats/fp8.py takes it too): the kernel wrapped by
   ``torch.library.wrap_triton`` inside a registered op, so ``torch.compile`` can trace the launch; the plain kernel
   otherwise (eager calls, and under ``TRITON_INTERPRET=1``: wrap_triton refuses interpreted kernels, pytorch#152868).
@@ -30,7 +33,8 @@ import torch
 from minite._triton import HAS_TRITON, interpreting, tl, triton
 from minite.compile import launchable, traceable
 
-__all__ = ["compute_dtype", "tl_compute_dtype", "row_launch", "sm_count", "launchable", "traceable", "register_op",
+__all__ = ["compute_dtype", "tl_compute_dtype", "row_launch", "sm_count", "gpu_tiles", "CAPTURE_GPU", "launchable",
+           "traceable", "register_op",
            "register_autograd", "calling_ops", "op", "use_op", "ENABLED", "REGISTERED", "OPS", "FORMULAS", "_acc"]
 
 # Register the minite:: ops? Only where real (not interpreted) Triton kernels run: wrap_triton refuses interpreted
@@ -65,6 +69,15 @@ def row_launch(n_cols: int, max_block: int | None = None) -> tuple[int, int]:
     return block, num_warps
 
 
+# Set by minite.gpu_compile while it captures the launches a GPU would make (tiles, sm count), never otherwise.
+CAPTURE_GPU = threading.local()
+
+
+def gpu_tiles(t: torch.Tensor) -> bool:
+    """Choose the GPU's tiles for a launch on `t`: on CUDA, or while the compile gate captures GPU launches."""
+    return t.is_cuda or getattr(CAPTURE_GPU, "on", False)
+
+
 @functools.lru_cache(maxsize=None)
 def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -75,7 +88,7 @@ def sm_count(device: torch.device | str) -> int:
     each one ~0.5 ms there)."""
     device = torch.device(device)
     if device.type != "cuda":
-        return 4
+        return 132 if getattr(CAPTURE_GPU, "on", False) else 4  # the gate captures an H100's grid
     return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
