@@ -14,6 +14,22 @@ target=GPUTarget("cuda", 90, 32))`` goes TTIR -> TTGIR -> LLVM -> PTX -> cubin h
    kernel's entry when no input is fp64 (a float scalar leaking into fp32 state), on shared memory over the
    architecture's per-block limit, and on register spills in the kernels the benchmarks time.
 
+**FP8 promotion interval (the convention a kernel follows).** A kernel with an FP8 ``tl.dot`` states, in its own
+module, how many products one output element may sum in the tensor core's reduced-precision FP8 accumulator
+before that partial sum is added into an fp32 register (DeepSeek-V3 and chapter 02: 128)::
+
+    PROMOTION_INTERVAL = {"_fp8_gemm_kernel": "BLOCK_K",       # the value of that constexpr
+                          "_block_scaled_kernel": 128,          # a number
+                          "_other_kernel": lambda c: c["BLOCK_K"] if c["SPLIT_ACC"] else None}  # per launch
+
+A value is an int, the name of a constexpr, or a function of the launch's constexprs (a dict); ``None`` states
+"no promotion, on purpose" (a fast-accumulation mode, as ``torch._scaled_mm(use_fast_accum=True)``). The gate
+reads each FP8 dot's interval from its sm_90 TTGIR: ``maxNumImpreciseAcc`` when it is at most the dot's K (Triton
+then promotes every ``maxNumImpreciseAcc`` products); else the dot's K when the dot starts from zero (no ``acc``
+argument: the kernel adds the result in fp32 itself, as a block-scaled GEMM does); else unbounded (the
+accumulator is carried through the K loop in reduced precision: Triton's default, 2**30). It fails when that
+exceeds the stated interval, and when a kernel with an FP8 dot states none: unstated is a failure, never a default.
+
 What it cannot show: speed, numerics (TF32 in ``tl.dot``), launch-time limits (grid size). Those need a GPU.
 """
 from __future__ import annotations
