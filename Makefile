@@ -20,7 +20,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.minite-setup
 UNAME := $(shell uname -s)
-# Pinned: a looser torch pulls the multi-GB CUDA build onto CPU machines. Triton ships Linux wheels only.
+# Pinned (the course's tested versions). tools/install_torch.py gets torch's CPU build from PyTorch's CPU index on a
+# machine without an NVIDIA driver (PyPI's Linux torch is the multi-GB CUDA build). Triton ships Linux wheels only.
 TORCH_PIN := torch==2.13.0
 TRITON_PIN := $(if $(filter Linux,$(UNAME)),triton==3.7.1,)
 NPROC := $(shell nproc 2>/dev/null || echo 2)
@@ -33,7 +34,7 @@ $(STAMP): pyproject.toml Makefile
 	@echo "== setting up $(VENV) (once; re-run when pyproject.toml or the Makefile change) =="
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(TORCH_PIN) $(TRITON_PIN)
+	$(PY) tools/install_torch.py $(TORCH_PIN) $(TRITON_PIN)  # CPU build where there is no NVIDIA driver
 	$(PY) -m pip install --quiet -e ".[dev]"
 	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (minite)" >/dev/null
 	$(PY) -c "import matplotlib.pyplot"   # warm the font cache once, not inside a timed notebook

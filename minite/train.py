@@ -506,7 +506,11 @@ def _sample(run: Run) -> str:
 
 
 def _plot(log_path: Path, png_path: Path) -> None:
-    from matplotlib.figure import Figure  # no pyplot: never switches the backend of a notebook that calls train()
+    try:  # no pyplot: never switches the backend of a notebook that calls train()
+        from matplotlib.figure import Figure
+    except ImportError:  # matplotlib is the `plot` extra: a kernels-only install trains without the picture
+        print(f"no {png_path.name}: matplotlib is not installed (pip install 'minite[plot]')")
+        return
     rows = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
     tr = [(r["step"], r["loss"]) for r in rows if "loss" in r]
     va = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]

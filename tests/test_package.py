@@ -17,6 +17,8 @@ def test_wheel_installs_in_a_fresh_venv_and_runs_a_kernel():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "softmax kernel ok" in out.stdout and "/venv/" in out.stdout, out.stdout
     assert "(typed: py.typed)" in out.stdout, out.stdout  # type checkers read minite's hints from the wheel
+    # issue 37: a project that only wants the kernels gets no plotting stack (matplotlib is the `plot` extra)
+    assert "wheel requires: numpy, torch, tqdm, triton\n" in out.stdout, out.stdout
 
 
 def test_imports_stay_light_and_the_facades_are_whole():

@@ -78,6 +78,15 @@ def _link(dist: md.Distribution, site: Path) -> None:
             dst.symlink_to(src, target_is_directory=src.is_dir())
 
 
+def _requires(wheel: Path) -> list[str]:
+    """The wheel's unconditional requirements (Requires-Dist without an extra), names only."""
+    import zipfile
+    with zipfile.ZipFile(wheel) as z:
+        meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    reqs = [ln.split(":", 1)[1].strip() for ln in meta.splitlines() if ln.startswith("Requires-Dist:")]
+    return sorted(re.split(r"[ ;<>=!~\[]", r, maxsplit=1)[0].lower() for r in reqs if "extra ==" not in r)
+
+
 def run(keep: bool = False) -> float:
     t0 = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="minite-wheel-"))
@@ -100,6 +109,7 @@ def run(keep: bool = False) -> float:
         step("build the wheel", [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir",
                                  str(dist_dir), str(src)], cwd=tmp)
         wheel = next(dist_dir.glob("minite-*.whl"))
+        print(f"wheel requires: {', '.join(_requires(wheel))}")
         venv = tmp / "venv"
         step("create the venv", [sys.executable, "-m", "venv", "--without-pip", str(venv)])
         py = venv / "bin" / "python"
