@@ -175,9 +175,10 @@ class LoRASection:
 
 @dataclass
 class ParallelConfig:
-    """Parallel layout under torchrun (chapters 10-13); world size = dp * tp * pp * cp."""
+    """Parallel layout under torchrun (chapters 10-13); world size = dp * tp * pp * cp (dp=0: whatever fills it)."""
 
-    dp: int = _doc("data-parallel degree (train.batch_size stays the global batch)", 1)
+    dp: int = _doc("data-parallel degree (train.batch_size stays the global batch); 0 = fill the world: "
+                   "WORLD_SIZE / (tp*pp*cp), as torchtitan's dp_shard=-1", 0)
     tp: int = _doc("tensor-parallel degree (Megatron column/row split)", 1)
     pp: int = _doc("pipeline-parallel degree (chapter 12)", 1)
     cp: int = _doc("context-parallel degree (chapter 13)", 1)
@@ -190,7 +191,8 @@ class ParallelConfig:
 
     def __post_init__(self):
         _check("parallel", self, {
-            **{k: (lambda v: v >= 1, "an int >= 1") for k in ("dp", "tp", "pp", "cp", "ep")},
+            "dp": (lambda v: v >= 0, "an int >= 0 (0 = fill the world with data parallelism)"),
+            **{k: (lambda v: v >= 1, "an int >= 1") for k in ("tp", "pp", "cp", "ep")},
             "zero": (lambda v: v in (0, 1, 2, 3), "0, 1, 2 or 3"),
             "microbatches": (lambda v: v >= 0, "an int >= 0 (0 = pp)"),
             "pp_schedule": (lambda v: v in ("1f1b", "afab"), "1f1b or afab"),

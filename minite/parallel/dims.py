@@ -9,6 +9,7 @@ handed the group it reduces over, and a group of size 1 (or no process group at 
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import os
@@ -94,7 +95,7 @@ class ParallelDims:
     def from_config(cls, p, world: int) -> "ParallelDims":
         """The degrees of a ``ParallelConfig`` (not built: no group yet) for a run of `world` processes;
         a ParallelError naming the numbers when world != dp*tp*pp*cp."""
-        dims = cls(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=getattr(p, "ep", 1))
+        dims = cls(dp=fill_dp(p, world), tp=p.tp, pp=p.pp, cp=p.cp, ep=getattr(p, "ep", 1))
         if world != dims.size:
             raise ParallelError(dims._world_mismatch(world))
         return dims
@@ -201,6 +202,13 @@ class ParallelDims:
             raise ParallelError("cannot shard this GPT: " + "; ".join(errs))
 
 
+def fill_dp(p, world: int) -> int:
+    """The data-parallel degree of ParallelConfig `p` in a run of `world` processes: ``p.dp``, or when it is 0
+    (the default) whatever fills the world, world // (tp*pp*cp), as torchtitan's dp_shard=-1 and nanoGPT's DDP
+    do. A world the other degrees do not divide is then refused by the world-size check, which names the numbers."""
+    return p.dp or max(1, world // (p.tp * p.pp * p.cp))
+
+
 def check_layout(p, model, *, world: int, seq_len: int, batch_size: int, lora_r: int = 0) -> None:
     """Reject a parallel layout that cannot work, naming every number, before any process group exists.
 
@@ -208,6 +216,8 @@ def check_layout(p, model, *, world: int, seq_len: int, batch_size: int, lora_r:
     sequence length T; batch_size: the global batch; lora_r: the LoRA rank (0: no LoRA). Checked: the degrees
     against the world size, tp against heads / MLP / vocabulary, pp against layers, cp and sp against the
     sequence, dp and micro-batches against the global batch, and the combinations not built here."""
+    if not p.dp:  # 0: data parallelism fills the world
+        p = dataclasses.replace(p, dp=fill_dp(p, world))
     errs = []
     try:
         dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=getattr(p, "ep", 1))

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from minite.parallel import comm, reshard, watch
-from minite.parallel.dims import ParallelDims, ParallelError, check_layout, init_distributed, select_device
+from minite.parallel.dims import ParallelDims, ParallelError, check_layout, fill_dp, init_distributed, select_device
 
 __all__ = ["Parallel", "setup_parallel"]
 
@@ -94,9 +94,8 @@ class Parallel:
             from minite.parallel.pipeline import PipelineGPT
             model = self.pipe = PipelineGPT(model, d, self.microbatches, self.schedule)  # (its MoE copies, below)
         if getattr(model.config, "moe_num_experts", 0) and d.dp * d.cp > 1:  # chapter 16: the global load
-            from minite.parallel.expert import moe_layers, stats_group
-            for moe in moe_layers(model):  # the MoEs that run: CPGPT's are the wrapped model's, a stage's its own
-                moe.stats_group = stats_group(d)  # the counts summed over dp (x cp): the whole global batch
+            from minite.parallel.expert import install_batch_load  # into the MoEs that run (CPGPT's are the
+            install_batch_load(model, d)  # wrapped model's, a stage's its own): counts summed over dp (x cp)
         if d.ep > 1:  # chapter 16: my experts; dense grads averaged over dp, expert grads over the replicas (edp)
             from minite.parallel.expert import ExpertDataParallel, ExpertZero, shard_experts
             shard_experts(model, d)
@@ -200,6 +199,7 @@ def setup_parallel(cfg) -> Parallel:
     torch.distributed initialised from torchrun's environment and the groups built."""
     p = cfg.parallel
     world = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
+    p.dp = fill_dp(p, world)  # --parallel.dp=0 (the default): data parallelism fills the world
     check_layout(p, cfg.model, world=world, seq_len=cfg.data.block_size or cfg.model.block_size,
                  batch_size=cfg.train.batch_size, lora_r=cfg.lora.r)
     rank, world = init_distributed(p.timeout_s, device=cfg.train.device)  # too few GPUs for cuda: fails fast

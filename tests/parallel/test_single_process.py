@@ -175,3 +175,25 @@ def test_global_batch_is_cut_into_dp_slices():
     with pytest.raises(ParallelError, match="batch_size=6 .* not divisible by dp=4"):
         Parallel(ParallelDims(dp=4).build(rank=0, world=4)).shard_batch(x[:6], y[:6])
     assert make_config("cpu", {"parallel.zero": "3", "parallel.tp": "2", "parallel.sp": "true"}).parallel.zero == 3
+
+
+def test_data_parallelism_fills_the_world_by_default():
+    # issue 37: `torchrun --nproc-per-node 2 -m minite.train` was refused ("world size 2 != dp*tp*pp*cp = 1");
+    # an unspecified dp now fills the world (torchtitan's dp_shard=-1), and a layout that cannot is still refused
+    from minite.config import make_config
+    from minite.parallel.dims import check_layout, fill_dp
+    model = GPTConfig(**TINY)
+    for over, world, dp in (({}, 2, 2), ({}, 1, 1), ({"parallel.tp": 2}, 4, 2),
+                            ({"parallel.pp": 2, "parallel.cp": 2}, 8, 2), ({"parallel.dp": 1}, 1, 1)):
+        p = make_config("cpu", over).parallel
+        assert fill_dp(p, world) == dp, (over, world)
+        assert ParallelDims.from_config(p, world).dp == dp
+        check_layout(p, model, world=world, seq_len=16, batch_size=8)
+    p = make_config("cpu", {"parallel.ep": 2, "model.moe_num_experts": 4}).parallel  # ep=2 alone: dp=4 holds it
+    check_layout(p, GPTConfig(**TINY, moe_num_experts=4), world=4, seq_len=16, batch_size=8)
+    p = make_config("cpu", {"parallel.tp": 2}).parallel
+    with pytest.raises(ParallelError, match=r"world size 3 != dp\*tp\*pp\*cp = 1\*2\*1\*1 = 2"):
+        check_layout(p, model, world=3, seq_len=16, batch_size=8)
+    p = make_config("cpu", {"parallel.dp": 1}).parallel  # an explicit degree is kept: refused, not refilled
+    with pytest.raises(ParallelError, match=r"world size 2 != dp\*tp\*pp\*cp = 1\*1\*1\*1 = 1"):
+        ParallelDims.from_config(p, 2)
