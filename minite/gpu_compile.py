@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import contextlib
 import functools
 import inspect
 import json
@@ -46,7 +47,8 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["record_launches", "launch_record", "compile_record", "kernel_names", "main", "SHARED_LIMIT"]
+__all__ = ["record_launches", "launch_record", "capture_gpu_launches", "compile_record", "kernel_names", "main",
+           "SHARED_LIMIT"]
 
 # Shared memory one block may use (bytes): H100 227 KiB, A100 163 KiB (cudaDevAttrMaxSharedMemoryPerBlockOptin).
 SHARED_LIMIT = {90: 232448, 80: 166912}
@@ -83,7 +85,7 @@ def _type(v) -> str:
     if hasattr(v, "dtype") and hasattr(v, "data_ptr"):
         return "*" + _TORCH_TO_TL[str(v.dtype).replace("torch.", "")]
     if isinstance(v, bool):
-        return "i1"
+        return "u1"
     if isinstance(v, int):
         return "i32" if -2**31 <= v < 2**31 else "i64"
     if isinstance(v, float):
@@ -91,19 +93,70 @@ def _type(v) -> str:
     raise TypeError(f"cannot type kernel argument {v!r}")
 
 
-def launch_record(fn, args: tuple, kwargs: dict) -> dict:
-    """The record of one launch of the plain Python kernel function `fn` with `args`/`kwargs`."""
+_DIV16 = [["tt.divisibility", 16]]
+
+
+@functools.lru_cache(maxsize=None)
+def _jit_binder(fn, dns: tuple, dnsa: tuple):
+    """Triton's own binder for `fn` (what ``JITFunction.run`` calls on every launch), bound to an sm_90 backend:
+    (JITFunction, backend, binder). Needs no GPU."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    jf = JITFunction(fn, do_not_specialize=list(dns), do_not_specialize_on_alignment=list(dnsa))
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    return jf, backend, create_function_from_signature(jf.signature, jf.params, backend)
+
+
+def _jit_specialise(fn, args, kwargs, jit_kwargs) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) by name, as the JIT computes them: its binder types each argument and
+    specialises it (``specialize_impl``: a pointer whose data_ptr % 16 == 0 and an integer % 16 == 0 get "D", an
+    integer equal to 1 becomes a constexpr), and the backend turns "D" into ``tt.divisibility = 16``."""
+    jf, backend, binder = _jit_binder(fn, tuple(jit_kwargs.get("do_not_specialize") or ()),
+                                      tuple(jit_kwargs.get("do_not_specialize_on_alignment") or ()))
+    bound, spec, _ = binder(*args, **kwargs)
+    sig, consts, attrs = {}, {}, {}
+    for p, (ty, val) in zip(jf.params, spec):
+        v = bound[p.name]
+        if ty == "constexpr":
+            consts[p.name] = _const(v)
+            continue
+        sig[p.name] = "float" if isinstance(v, float) and not p.annotation_type else ty
+        a = backend.parse_attr(val) if isinstance(val, str) else []
+        if a:
+            attrs[p.name] = a
+    return sig, consts, attrs
+
+
+def _rule_specialise(fn, args, kwargs) -> tuple[dict, dict, dict]:
+    """The same by the rule the JIT follows (triton 3.x), for a Triton whose binder this module cannot call."""
     params = list(inspect.signature(fn).parameters.values())
     bound = dict(zip([p.name for p in params], args))
     bound.update({k: v for k, v in kwargs.items() if k in {p.name for p in params}})
-    sig, consts = {}, {}
+    sig, consts, attrs = {}, {}, {}
     for p in params:
         v = bound.get(p.name, p.default)
-        if _is_constexpr(p) or v is None:
+        if _is_constexpr(p) or v is None or (type(v) is int and v == 1):
             consts[p.name] = _const(v)
-        else:
-            sig[p.name] = _type(v)
+            continue
+        sig[p.name] = _type(v)
+        if (sig[p.name].startswith("*") and v.data_ptr() % 16 == 0) or (type(v) is int and v % 16 == 0):
+            attrs[p.name] = _DIV16
+    return sig, consts, attrs
+
+
+def launch_record(fn, args: tuple, kwargs: dict, jit_kwargs: dict | None = None) -> dict:
+    """The record of one launch of the plain Python kernel function `fn` with `args`/`kwargs` (`jit_kwargs`: the
+    ``@triton.jit(...)`` options, e.g. do_not_specialize): types, constexprs, and the JIT's specialisation."""
+    try:
+        sig, consts, attrs = _jit_specialise(fn, args, kwargs, jit_kwargs or {})
+        how = "jit"
+    except (ImportError, AttributeError, TypeError, ValueError):  # a Triton whose internals differ
+        sig, consts, attrs = _rule_specialise(fn, args, kwargs)
+        how = "rule"
     return {"module": fn.__module__, "kernel": fn.__name__, "signature": sig, "constexprs": consts,
+            "attrs": attrs, "spec": how,
             "num_warps": int(kwargs.get("num_warps", 4)), "num_stages": int(kwargs.get("num_stages", 3))}
 
 
@@ -121,7 +174,8 @@ def record_launches(path: str | os.PathLike) -> None:
     def run(self, *args, grid, warmup, **kwargs):
         if getattr(self.fn, "__module__", "").startswith("minite."):
             try:
-                line = json.dumps(launch_record(self.fn, args, kwargs), sort_keys=True)
+                line = json.dumps(launch_record(self.fn, args, kwargs, getattr(self, "kwargs", None)),
+                                  sort_keys=True)
             except TypeError as e:  # an argument the gate cannot type: record it as a failure to see
                 line = json.dumps({"module": self.fn.__module__, "kernel": self.fn.__name__, "error": str(e)})
             if line not in seen:
@@ -132,6 +186,37 @@ def record_launches(path: str | os.PathLike) -> None:
 
     run._minite_recorder, run._minite_orig = str(path), orig
     InterpretedFunction.run = run
+
+
+@contextlib.contextmanager
+def capture_gpu_launches():
+    """Inside: the launchers pick a GPU's tiles (``_common.CAPTURE_GPU.on``: ``gpu_tiles`` true, ``sm_count`` an
+    H100's 132) and the flags a GPU sets (``interpreting()`` false: no UPCAST), and every kernel launch is written
+    down, with the JIT's specialisation, and NOT run: CPU tensors from ``torch.empty`` at the benchmarks' shapes
+    cost nothing. Yields the list of records (``"tiles": "gpu"``). Needs ``TRITON_INTERPRET=1`` (the kernels must
+    be interpreted functions, whose launch is patched here); one thread at a time."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    import minite._triton as mt
+    from minite.kernels._common import CAPTURE_GPU
+
+    if not mt._INTERPRET_AT_IMPORT:
+        raise RuntimeError("capture_gpu_launches needs TRITON_INTERPRET=1 when minite is imported")
+    records: list[dict] = []
+    saved = InterpretedFunction.run, getattr(CAPTURE_GPU, "on", False)
+
+    def run(self, *args, grid, warmup, **kwargs):
+        try:
+            rec = launch_record(self.fn, args, kwargs, getattr(self, "kwargs", None))
+        except TypeError as e:
+            rec = {"module": self.fn.__module__, "kernel": self.fn.__name__, "error": str(e)}
+        records.append(dict(rec, tiles="gpu"))
+
+    InterpretedFunction.run, CAPTURE_GPU.on, mt._INTERPRET_AT_IMPORT = run, True, False
+    try:
+        yield records
+    finally:
+        InterpretedFunction.run, CAPTURE_GPU.on, mt._INTERPRET_AT_IMPORT = saved[0], saved[1], True
 
 
 # ------------------------------------------------------------------------------------------------ compiling
@@ -230,7 +315,8 @@ def compile_record(rec: dict, arch: int, float_type: str, check_spills: bool | i
         isinstance(v, dict) and v["dtype"] in _FP8_TYPES for v in rec["constexprs"].values())
     if arch < 89 and uses_fp8:
         return {"ok": True, "why": "skipped: fp8 needs sm_89+ (minite refuses fp8 below)", "skipped": True}
-    src, target = ASTSource(fn, sig, constexprs=consts), GPUTarget("cuda", arch, 32)
+    attrs = {(fn.arg_names.index(n),): [list(a) for a in v] for n, v in rec.get("attrs", {}).items()}
+    src, target = ASTSource(fn, sig, constexprs=consts, attrs=attrs), GPUTarget("cuda", arch, 32)
     options = {"num_warps": rec["num_warps"], "num_stages": rec["num_stages"]}
     floats = {n for n, t in rec["signature"].items() if t == "float"}
     any_fp64_input = any(t.lstrip("*") == "fp64" for n, t in sig.items() if n not in floats)
