@@ -126,7 +126,7 @@ def ce_targets(target, V, ignore_index, max_vocab):
     if V > max_vocab:
         raise ValueError(f"cross_entropy: vocabulary V={V} is too large (max {max_vocab}: int32 column offsets)")
     # Range check only where it is free, on the CPU (on CUDA: a host sync per call; the kernels mask instead).
-    if target.device.type == "cpu" and target.numel():
+    if target.device.type == "cpu" and target.numel() and not torch.compiler.is_compiling():  # traced: no value
         bad = (target != ignore_index) & ((target < 0) | (target >= V))
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])

@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+from minite import use_backend
 from minite.layers.attention import CausalSelfAttention
 from minite.models.gpt import GPT, GPTConfig
 from minite.testing import assert_close, dtype_tols
@@ -278,3 +279,18 @@ def test_gpt_runs_minite_nn_swiglu_and_rotary_embedding(monkeypatch):
         no_rope = m(idx)[0]
     assert not torch.equal(no_mlp, base) and not torch.equal(no_rope, base)
     assert torch.equal(m(idx)[0], base)
+
+
+def test_the_gpt_traces_as_one_graph_on_the_cpu():
+    # issue 37: `--train.compile=default` on a CPU broke the graph at the target range check (`bool(bad.any())` in
+    # minite/_validate.py: 16 "Graph break from Tensor.item()" lines); the check now runs in eager calls only
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)).eval()
+    x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    torch._dynamo.reset()
+    with use_backend("torch"):  # what a CPU run without the interpreter takes (the suite runs interpreted)
+        logits, loss = torch.compile(m, backend="eager", fullgraph=True)(x, y)
+        ref_logits, ref_loss = m(x, y)
+    assert torch.equal(logits, ref_logits) and torch.equal(loss, ref_loss)
+    with pytest.raises(ValueError, match=r"target\[3\] = 64 is out of range \[0, 64\)"):
+        m(x, torch.where(torch.arange(32).view(2, 16) == 3, 64, y))  # eager calls still check the range
