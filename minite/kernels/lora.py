@@ -1,12 +1,21 @@
-"""Fused LoRA linear (chapter 09): y = x W^T + s * (x A^T) B^T in one pass over x, forward and backward.
+"""Fused LoRA linear (chapter 09): y = x W^T + s (x A^T) B^T, forward and backward, as GEMMs that pay.
 
     x: (N, K)   W: (O, K) frozen   A: (r, K)   B: (O, r)   s = alpha / r          -> y: (N, O)
 
-Unfused, a LoRA layer is three GEMMs (x W^T, x A^T, (xA^T) B^T) plus an add: x is read twice from HBM and the
-(N, O) output is written, read and written again. The fused forward reads each x tile once and feeds it to two
-tl.dot's (the base tile and the thin x A^T tile), then adds s * (x A^T) B^T in the epilogue before the one store.
-The price: every column-tile program recomputes its rows' x A^T (r/BLOCK_N extra work relative to the base GEMM),
-which is why fusing pays for small r only (benchmarks/bench_lora.py measures where).
+Unfused, a LoRA layer is three GEMMs (x W^T, x A^T, (x A^T) B^T) plus an add: the (N, O) output is written, read
+and written again. Here the thin product is computed once and the adapter rides on the base GEMM:
+
+    g  = x A^T                (N, r) fp32   a skinny GEMM: one pass over x (8192 x 4096 bf16: 64 MiB, ~15 us)
+    y  = x W^T + (s g) B^T    (N, O)        ONE GEMM; the adapter is one more K-step (of r) after its main loop
+
+so y is written once and nothing is recomputed. (The first version computed x A^T inside every column tile of y:
++r/BLOCK_N of the base GEMM's work, on small 4-warp tiles: 0.57x the three GEMMs on an H200.) The backward is the
+same two kernels and one more:
+
+    dg = s dy B               (N, r)        the skinny kernel again, on dy and B
+    dx = dy W + dg A          (N, K)        the forward's GEMM kernel, with W and A read the other way round
+    dA = dg^T x,  dB = s dy^T g             reductions over the N rows: r is the narrow side of each tile and the
+                                            rows are split over enough programs to fill the GPU (partials summed)
 
 r is padded to BLOCK_R >= 16 inside the tiles (masked loads give zeros): every tl.dot dimension stays >= 16, as a
 GPU needs, for any r >= 1. The base layer, its adapter, dropout and merge live in minite/layers/lora.py
@@ -22,12 +31,12 @@ from torch import Tensor
 from minite import _validate as _v
 from minite._triton import interpreting, tl, triton
 from minite.backend import resolve_backend
-from minite.kernels._common import launchable, op, register_autograd, register_op
+from minite.kernels._common import gpu_tiles, launchable, op, register_autograd, register_op, sm_count
 
-__all__ = ["lora_linear_ref", "lora_linear", "LoRALinearFunction", "lora_fwd", "lora_bwd"]
+__all__ = ["lora_linear_ref", "lora_linear", "LoRALinearFunction", "lora_fwd", "lora_bwd", "lora_tiles"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_R = 128  # above this the (BLOCK_M, r) accumulators crowd the registers: the three-GEMM path runs instead
+MAX_R = 128  # above this the (BLOCK_M, r) tiles crowd the registers: the three-GEMM path runs instead
 
 
 # ----------------------------------------------------------------------------------------- 1. reference
@@ -52,174 +61,188 @@ def _dot(a, b, acc, F32: tl.constexpr):
 
 
 @triton.jit
-def _lora_fwd_kernel(X_ptr, W_ptr, A_ptr, B_ptr, Y_ptr, XA_ptr, N, K, O, R, scaling,
-                     X_row_stride, Y_row_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, F32: tl.constexpr):
-    scaling = tl.cast(scaling, tl.float32)  # alpha / r: a Python float, fp64 under Inductor
-    # Grid (cdiv(N, BLOCK_M), cdiv(O, BLOCK_N)): program (i, j) owns the (BLOCK_M, BLOCK_N) tile of y.
-    # W (O, K), A (R, K), B (O, R) are contiguous; XA (N, R) fp32 receives x A^T for the backward.
-    pid_m = tl.program_id(0).to(tl.int64)
-    pid_n = tl.program_id(1).to(tl.int64)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,) rows of x and y
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,) output features
+def _lora_down_kernel(X_ptr, A_ptr, G_ptr, N, K, R, scaling, X_row_stride, A_k_stride, A_r_stride,
+                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, F32: tl.constexpr):
+    # The skinny GEMM. G (N, R) fp32 = scaling * X (N, K) @ A_op (K, R), A_op[k, j] at A_ptr + k * A_k_stride +
+    # j * A_r_stride: A^T (forward, g = x A^T) or B (backward, dg = s dy B, with K = O). Grid (cdiv(N, BLOCK_M),):
+    # each program walks its rows of X once; the (BLOCK_K, BLOCK_R) slice of A_op is small and stays in L2.
+    scaling = tl.cast(scaling, tl.float32)  # a Python float, fp64 under Inductor
+    rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,) rows of X and G
     rk = tl.arange(0, BLOCK_K)
-    rr = tl.arange(0, BLOCK_R)  # rank, padded to >= 16: columns r..BLOCK_R-1 load as 0 and add nothing
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # x W^T
-    xa = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)   # x A^T
+    rr = tl.arange(0, BLOCK_R)  # the rank, padded: columns R..BLOCK_R-1 load as 0 and are not stored
+    x_ptrs = X_ptr + rm[:, None] * X_row_stride + rk[None, :]            # (BLOCK_M, BLOCK_K)
+    a_ptrs = A_ptr + rk[:, None] * A_k_stride + rr[None, :] * A_r_stride  # (BLOCK_K, BLOCK_R)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        x = tl.load(X_ptr + rm[:, None] * X_row_stride + kk[None, :],
-                    mask=(rm[:, None] < N) & (kk[None, :] < K), other=0.0)                  # (BLOCK_M, BLOCK_K)
-        wt = tl.load(W_ptr + rn[None, :] * K + kk[:, None],
-                     mask=(rn[None, :] < O) & (kk[:, None] < K), other=0.0)                 # W^T (BLOCK_K, BLOCK_N)
-        at = tl.load(A_ptr + rr[None, :] * K + kk[:, None],
-                     mask=(rr[None, :] < R) & (kk[:, None] < K), other=0.0)                 # A^T (BLOCK_K, BLOCK_R)
-        acc = _dot(x, wt, acc, F32)  # the same x tile, in registers, feeds both products: x is read once
-        xa = _dot(x, at, xa, F32)
-    bt = tl.load(B_ptr + rn[None, :] * R + rr[:, None], mask=(rr[:, None] < R) & (rn[None, :] < O), other=0.0)
-    xs = xa * scaling  # (BLOCK_M, BLOCK_R): s folded into the thin side, r multiplies instead of BLOCK_N
-    if not F32:
-        xs = xs.to(X_ptr.dtype.element_ty)  # a tensor-core dot needs both operands in the input dtype
-    acc = _dot(xs, bt, acc, F32)  # epilogue: + s (x A^T) B^T, (BLOCK_M, BLOCK_R) @ (BLOCK_R, BLOCK_N)
-    y_mask = (rm[:, None] < N) & (rn[None, :] < O)
-    tl.store(Y_ptr + rm[:, None] * Y_row_stride + rn[None, :], acc.to(Y_ptr.dtype.element_ty), mask=y_mask)
-    if pid_n == 0:  # one column of programs saves x A^T (N, R) for dB; the others computed it only for their tile
-        tl.store(XA_ptr + rm[:, None] * R + rr[None, :], xa, mask=(rm[:, None] < N) & (rr[None, :] < R))
-
-
-# Backward (the notebook derives it). With g = x A^T (N, r) and dy (N, O):
-#   dg = s * dy B                 (N, r)     one pass over dy, fused with dx's main product
-#   dx = dy W + dg A              (N, K)
-#   dA = dg^T x                   (r, K)     reductions over the N rows: a second kernel
-#   dB = s * dy^T g               (O, r)
-#   dW: none, W is frozen (a caller that wants it gets dy^T x from torch).
-@triton.jit
-def _lora_bwd_dx_kernel(DY_ptr, W_ptr, A_ptr, B_ptr, DX_ptr, DG_ptr, N, K, O, R, scaling, DY_row_stride,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        BLOCK_R: tl.constexpr, F32: tl.constexpr):
-    scaling = tl.cast(scaling, tl.float32)  # alpha / r: a Python float, fp64 under Inductor
-    # Grid (cdiv(N, BLOCK_M), cdiv(K, BLOCK_N)): program (i, j) owns a (BLOCK_M, BLOCK_N) tile of dx (N, K);
-    # the reduction runs over the O output features in steps of BLOCK_K.
-    pid_m = tl.program_id(0).to(tl.int64)
-    pid_n = tl.program_id(1).to(tl.int64)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # input features
-    ro = tl.arange(0, BLOCK_K)
-    rr = tl.arange(0, BLOCK_R)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # dy W
-    dg = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)   # dy B
-    for o0 in range(0, O, BLOCK_K):
-        oo = o0 + ro
-        dy = tl.load(DY_ptr + rm[:, None] * DY_row_stride + oo[None, :],
-                     mask=(rm[:, None] < N) & (oo[None, :] < O), other=0.0)                 # (BLOCK_M, BLOCK_K)
-        w = tl.load(W_ptr + oo[:, None] * K + rn[None, :], mask=(oo[:, None] < O) & (rn[None, :] < K), other=0.0)
-        b = tl.load(B_ptr + oo[:, None] * R + rr[None, :], mask=(oo[:, None] < O) & (rr[None, :] < R), other=0.0)
-        acc = _dot(dy, w, acc, F32)  # (BLOCK_M, BLOCK_K) @ (BLOCK_K, BLOCK_N)
-        dg = _dot(dy, b, dg, F32)    # (BLOCK_M, BLOCK_K) @ (BLOCK_K, BLOCK_R)
-    dg = dg * scaling
-    a = tl.load(A_ptr + rr[:, None] * K + rn[None, :], mask=(rr[:, None] < R) & (rn[None, :] < K), other=0.0)
-    dgl = dg
-    if not F32:
-        dgl = dg.to(DY_ptr.dtype.element_ty)
-    acc = _dot(dgl, a, acc, F32)  # + dg A, (BLOCK_M, BLOCK_R) @ (BLOCK_R, BLOCK_N)
-    tl.store(DX_ptr + rm[:, None] * K + rn[None, :], acc.to(DX_ptr.dtype.element_ty),
-             mask=(rm[:, None] < N) & (rn[None, :] < K))
-    if pid_n == 0:
-        tl.store(DG_ptr + rm[:, None] * R + rr[None, :], dg, mask=(rm[:, None] < N) & (rr[None, :] < R))
+        x = tl.load(x_ptrs, mask=(rm[:, None] < N) & (rk[None, :] < K - k0), other=0.0)
+        a = tl.load(a_ptrs, mask=(rk[:, None] < K - k0) & (rr[None, :] < R), other=0.0)
+        acc = _dot(x, a, acc, F32)
+        x_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K * A_k_stride
+    tl.store(G_ptr + rm[:, None] * R + rr[None, :], acc * scaling, mask=(rm[:, None] < N) & (rr[None, :] < R))
 
 
 @triton.jit
-def _lora_bwd_dadb_kernel(X_ptr, DY_ptr, G_ptr, DG_ptr, DA_ptr, DB_ptr, N, K, O, R, scaling,
-                          X_row_stride, DY_row_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_R: tl.constexpr, F32: tl.constexpr):
-    scaling = tl.cast(scaling, tl.float32)  # alpha / r: a Python float, fp64 under Inductor
-    # One launch, two jobs: programs 0..cdiv(K, BLOCK_N)-1 each own a (BLOCK_R, BLOCK_N) tile of dA (r, K);
-    # the rest each own a (BLOCK_N, BLOCK_R) tile of dB (O, r). Both loop over the N rows in steps of BLOCK_M.
-    pid = tl.program_id(0).to(tl.int64)
-    n_ka = tl.cdiv(K, BLOCK_N)
+def _lora_gemm_kernel(X_ptr, W_ptr, G_ptr, B_ptr, Y_ptr, N, K, O, R, scaling, X_row_stride, W_k_stride,
+                      W_n_stride, B_r_stride, B_n_stride, Y_row_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr, F32: tl.constexpr):
+    # Y (N, O) = X (N, K) @ W_op (K, O) + (scaling * G (N, R)) @ B_op (R, O), with W_op[k, n] at W_ptr +
+    # k * W_k_stride + n * W_n_stride (and B_op alike). Forward: X = x, W_op = W^T, G = g, B_op = B^T. Backward
+    # (dx): X = dy, W_op = W, G = dg (already scaled: scaling = 1), B_op = A.
+    scaling = tl.cast(scaling, tl.float32)  # a Python float, fp64 under Inductor
+    # One program per (BLOCK_M, BLOCK_N) tile of Y, in grouped order (the Triton matmul tutorial's): GROUP_M row
+    # tiles sweep the columns together, so their rows of X and the columns of W_op they read stay in L2.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(N, BLOCK_M)
+    num_n = tl.cdiv(O, BLOCK_N)
+    first_m = (pid // (GROUP_M * num_n)) * GROUP_M
+    group_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % group_m
+    pid_n = (pid % (GROUP_M * num_n)) // group_m
+    rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,) rows of X and Y
+    rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,) columns of W_op and Y
+    rk = tl.arange(0, BLOCK_K)
+    x_ptrs = X_ptr + rm[:, None] * X_row_stride + rk[None, :]                    # (BLOCK_M, BLOCK_K)
+    w_ptrs = W_ptr + rk[:, None] * W_k_stride + rn[None, :] * W_n_stride        # (BLOCK_K, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # the base GEMM
+        x = tl.load(x_ptrs, mask=(rm[:, None] < N) & (rk[None, :] < K - k0), other=0.0)
+        w = tl.load(w_ptrs, mask=(rk[:, None] < K - k0) & (rn[None, :] < O), other=0.0)
+        acc = _dot(x, w, acc, F32)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * W_k_stride
+    # The adapter: one more K-step over the rank (two when r > BLOCK_R), not pipelined (one step has nothing to
+    # overlap with). s is folded into the thin (BLOCK_M, BLOCK_R) side: r multiplies instead of BLOCK_N.
+    for r0 in tl.range(0, R, BLOCK_R, num_stages=1):
+        rr = r0 + tl.arange(0, BLOCK_R)
+        g = tl.load(G_ptr + rm[:, None] * R + rr[None, :], mask=(rm[:, None] < N) & (rr[None, :] < R), other=0.0)
+        b = tl.load(B_ptr + rr[:, None] * B_r_stride + rn[None, :] * B_n_stride,
+                    mask=(rr[:, None] < R) & (rn[None, :] < O), other=0.0)              # (BLOCK_R, BLOCK_N)
+        g = g * scaling
+        if not F32:
+            g = g.to(X_ptr.dtype.element_ty)  # a tensor-core dot takes both operands in the input dtype
+        acc = _dot(g, b, acc, F32)
+    tl.store(Y_ptr + rm[:, None] * Y_row_stride + rn[None, :], acc.to(Y_ptr.dtype.element_ty),
+             mask=(rm[:, None] < N) & (rn[None, :] < O))
+
+
+# dA (r, K) = dg^T x and dB (O, r) = s dy^T g are both OUT (M, R) = scaling * P^T Q over the N rows, with P = x
+# (M = K) or dy (M = O) and Q = dg or g, fp32 (N, R). r is the tile's narrow N side, M its wide side (>= 64 rows
+# per warpgroup: wgmma); the N rows are split into `splits` chunks, one program each, so that
+# cdiv(M, BLOCK_M) * splits fills the GPU; each writes its fp32 partial OUT[split] and torch sums them.
+@triton.jit
+def _lora_wgrad_kernel(P_ptr, Q_ptr, OUT_ptr, N, M, R, rows_per_split, scaling, P_row_stride, OUT_m_stride,
+                       OUT_r_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                       F32: tl.constexpr):
+    scaling = tl.cast(scaling, tl.float32)  # a Python float, fp64 under Inductor
+    split = tl.program_id(1).to(tl.int64)
+    rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,) columns of P
     rr = tl.arange(0, BLOCK_R)
-    rm0 = tl.arange(0, BLOCK_M)
-    if pid < n_ka:
-        rk = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        da = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
-        for m0 in range(0, N, BLOCK_M):
-            rm = m0 + rm0
-            dgt = tl.load(DG_ptr + rm[None, :] * R + rr[:, None], mask=(rr[:, None] < R) & (rm[None, :] < N),
-                          other=0.0)                                                        # dg^T (BLOCK_R, BLOCK_M)
-            x = tl.load(X_ptr + rm[:, None] * X_row_stride + rk[None, :],
-                        mask=(rm[:, None] < N) & (rk[None, :] < K), other=0.0)              # (BLOCK_M, BLOCK_N)
-            if not F32:
-                dgt = dgt.to(X_ptr.dtype.element_ty)
-            da = _dot(dgt, x, da, F32)
-        tl.store(DA_ptr + rr[:, None] * K + rk[None, :], da.to(DA_ptr.dtype.element_ty),
-                 mask=(rr[:, None] < R) & (rk[None, :] < K))
-    else:
-        ro = (pid - n_ka) * BLOCK_N + tl.arange(0, BLOCK_N)
-        db = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
-        for m0 in range(0, N, BLOCK_M):
-            rm = m0 + rm0
-            dyt = tl.load(DY_ptr + rm[None, :] * DY_row_stride + ro[:, None],
-                          mask=(ro[:, None] < O) & (rm[None, :] < N), other=0.0)            # dy^T (BLOCK_N, BLOCK_M)
-            g = tl.load(G_ptr + rm[:, None] * R + rr[None, :], mask=(rm[:, None] < N) & (rr[None, :] < R),
-                        other=0.0)                                                          # (BLOCK_M, BLOCK_R)
-            if not F32:
-                g = g.to(DY_ptr.dtype.element_ty)
-            db = _dot(dyt, g, db, F32)
-        tl.store(DB_ptr + ro[:, None] * R + rr[None, :], (db * scaling).to(DB_ptr.dtype.element_ty),
-                 mask=(ro[:, None] < O) & (rr[None, :] < R))
+    lo = split * rows_per_split
+    hi = tl.minimum(lo + rows_per_split, N)  # this program's rows: [lo, hi)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        rn = n0 + tl.arange(0, BLOCK_N)
+        pt = tl.load(P_ptr + rn[None, :] * P_row_stride + rm[:, None],
+                     mask=(rm[:, None] < M) & (rn[None, :] < hi), other=0.0)            # P^T (BLOCK_M, BLOCK_N)
+        q = tl.load(Q_ptr + rn[:, None] * R + rr[None, :], mask=(rn[:, None] < hi) & (rr[None, :] < R),
+                    other=0.0)                                                          # (BLOCK_N, BLOCK_R) fp32
+        if not F32:
+            q = q.to(P_ptr.dtype.element_ty)
+        acc = _dot(pt, q, acc, F32)
+    tl.store(OUT_ptr + split * M * R + rm[:, None] * OUT_m_stride + rr[None, :] * OUT_r_stride, acc * scaling,
+             mask=(rm[:, None] < M) & (rr[None, :] < R))
 
 
 # ------------------------------------------------------------------------------------------ 3. launchers
-def _blocks(M: int, N: int, K: int, r: int, on_gpu: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R). Every tl.dot dimension >= 16 on every device."""
-    br = max(16, triton.next_power_of_2(r))
-    if on_gpu:  # Triton matmul tutorial's fp16 tile, smaller K step: the two extra (., BLOCK_R) tiles need room
-        return 64, 128, 32, br
+# GPU tiles, per kernel. "gemm": (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages), the Triton matmul tutorial's
+# Hopper tile; "down": (BLOCK_M, BLOCK_K, warps, stages); "wgrad": (BLOCK_M, BLOCK_N, warps, stages). sm_90
+# (ptxas of triton 3.7.1, JIT specialisation, bf16, r = 64): see _GPU_NOTE. NOT timed on a GPU yet.
+GPU_TILES = {"gemm": (128, 256, 64, 8, 8, 3), "down": (64, 64, 4, 4), "wgrad": (128, 64, 8, 3)}
+# fp32 on a GPU: "ieee" products on the CUDA cores (the tests' precision path), on tiles that do not spill
+GPU_TILES_F32 = {"gemm": (64, 64, 32, 8, 4, 2), "down": (32, 32, 4, 2), "wgrad": (64, 32, 4, 2)}
+
+
+def lora_tiles(x: Tensor, N: int, K: int, O: int) -> dict:
+    """Tiles for the three kernels on x's device, plus "sms" (programs that fill it) for the row split."""
+    if gpu_tiles(x):
+        return dict(GPU_TILES_F32 if x.dtype == torch.float32 else GPU_TILES, sms=sm_count(x.device))
 
     def fit(n):  # interpreter: ~0.5 ms per program and loop step, so tiles as large as the problem (<= 64)
-        return max(16, min(64, triton.next_power_of_2(n)))
-    return fit(M), fit(N), fit(K), br
+        return max(16, min(64, triton.next_power_of_2(max(n, 1))))
+    return {"gemm": (fit(N), fit(max(O, K)), fit(max(K, O)), 8, 4, 1), "down": (fit(N), fit(max(K, O)), 4, 1),
+            "wgrad": (fit(max(K, O)), fit(N), 4, 1), "sms": sm_count(x.device)}
 
 
 def _f32(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 or (t.dtype == torch.bfloat16 and interpreting())
 
 
+def _br(r: int, cap: int = MAX_R) -> int:
+    return max(16, min(cap, triton.next_power_of_2(r)))
+
+
+def _down(x2: Tensor, a_op: Tensor, scaling: float, t: dict) -> Tensor:
+    """scaling * x2 (N, K) @ a_op (K, r) -> (N, r) fp32; a_op any strided view."""
+    (N, K), R = x2.shape, a_op.shape[1]
+    g = torch.empty((N, R), dtype=torch.float32, device=x2.device)
+    bm, bk, warps, stages = t["down"]
+    if N:
+        launchable(_lora_down_kernel)[(triton.cdiv(N, bm),)](
+            x2, a_op, g, N, K, R, scaling, x2.stride(0), a_op.stride(0), a_op.stride(1), BLOCK_M=bm, BLOCK_K=bk,
+            BLOCK_R=_br(R), F32=_f32(x2), num_warps=warps, num_stages=stages)
+    return g
+
+
+def _gemm(x2: Tensor, w_op: Tensor, g: Tensor, b_op: Tensor, scaling: float, t: dict) -> Tensor:
+    """x2 (N, K) @ w_op (K, O) + scaling * g (N, r) @ b_op (r, O) -> (N, O) in x2's dtype."""
+    (N, K), O, R = x2.shape, w_op.shape[1], g.shape[1]
+    y = torch.empty((N, O), dtype=x2.dtype, device=x2.device)
+    bm, bn, bk, group, warps, stages = t["gemm"]
+    if N and O:
+        launchable(_lora_gemm_kernel)[(triton.cdiv(N, bm) * triton.cdiv(O, bn),)](
+            x2, w_op, g, b_op, y, N, K, O, R, scaling, x2.stride(0), w_op.stride(0), w_op.stride(1), b_op.stride(0),
+            b_op.stride(1), y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_R=_br(R, bk), GROUP_M=group,
+            F32=_f32(x2), num_warps=warps, num_stages=stages)
+    return y
+
+
+def _wgrad(p: Tensor, q: Tensor, scaling: float, out_shape: tuple[int, int], transposed: bool, t: dict) -> Tensor:
+    """scaling * p^T q summed over the N rows: p (N, M), q (N, r) fp32 -> (M, r), or (r, M) when `transposed`."""
+    (N, M), R = p.shape, q.shape[1]
+    bm, bn, warps, stages = t["wgrad"]
+    m_tiles, steps = triton.cdiv(M, bm), triton.cdiv(N, bn)
+    splits = t.get("splits") or max(1, min(steps, triton.cdiv(t["sms"], max(m_tiles, 1))))
+    per = max(1, triton.cdiv(steps, splits)) * bn  # rows per split, whole steps
+    splits = max(1, triton.cdiv(N, per))
+    part = torch.empty((splits, *out_shape), dtype=torch.float32, device=p.device)  # (splits, M, r) or (splits, r, M)
+    if M:
+        launchable(_lora_wgrad_kernel)[(m_tiles, splits)](
+            p, q, part, N, M, R, per, scaling, p.stride(0), 1 if transposed else R, M if transposed else 1,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=_br(R), F32=_f32(p), num_warps=warps, num_stages=stages)
+    return part.sum(0) if splits > 1 else part[0]
+
+
 @register_op("lora_fwd", eager_only=("blocks",))  # torch.ops.minite.lora_fwd, for torch.compile (section 4)
 def lora_fwd(x2: Tensor, weight: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float,
-             blocks: tuple[int, int, int, int] | None = None) -> tuple[Tensor, Tensor]:
-    """x2 (N, K), unit column stride -> (y (N, O) in x's dtype, g = x A^T (N, r) fp32)."""
-    (N, K), (O, R) = x2.shape, lora_B.shape
-    y = torch.empty((N, O), dtype=x2.dtype, device=x2.device)
-    g = torch.empty((N, R), dtype=torch.float32, device=x2.device)
-    BM, BN, BK, BR = blocks or _blocks(N, O, K, R, x2.is_cuda)
-    if N and O:
-        grid = (triton.cdiv(N, BM), triton.cdiv(O, BN))
-        launchable(_lora_fwd_kernel)[grid](x2, weight, lora_A, lora_B, y, g, N, K, O, R, float(scaling), x2.stride(0),
-                               y.stride(0), BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=BR, F32=_f32(x2))
-    return y, g
+             blocks: dict | None = None) -> tuple[Tensor, Tensor]:
+    """x2 (N, K), unit column stride -> (y (N, O) in x's dtype, g = x A^T (N, r) fp32). `blocks`: lora_tiles()."""
+    t = blocks or lora_tiles(x2, x2.shape[0], x2.shape[1], weight.shape[0])
+    g = _down(x2, lora_A.t(), 1.0, t)                                 # g = x A^T, once
+    return _gemm(x2, weight.t(), g, lora_B.t(), float(scaling), t), g  # y = x W^T + (s g) B^T
 
 
 @register_op("lora_bwd", eager_only=("blocks",))
 def lora_bwd(dy: Tensor, x2: Tensor, weight: Tensor, lora_A: Tensor, lora_B: Tensor, g: Tensor, scaling: float,
-             blocks: tuple[int, int, int, int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+             blocks: dict | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """dy (N, O) -> (dx (N, K), dA (r, K), dB (O, r)); g = x A^T from the forward."""
     (N, K), (O, R) = x2.shape, lora_B.shape
-    dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
-    dA, dB = torch.empty_like(lora_A), torch.empty_like(lora_B)
-    dg = torch.empty((N, R), dtype=torch.float32, device=x2.device)
-    BM, BN, BK, BR = blocks or _blocks(N, K, O, R, x2.is_cuda)
-    if N and K:
-        launchable(_lora_bwd_dx_kernel)[(triton.cdiv(N, BM), triton.cdiv(K, BN))](
-            dy, weight, lora_A, lora_B, dx, dg, N, K, O, R, float(scaling), dy.stride(0),
-            BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=BR, F32=_f32(x2))
-    else:
-        dx.zero_()
-        dg.zero_()
-    launchable(_lora_bwd_dadb_kernel)[(triton.cdiv(K, BN) + triton.cdiv(O, BN),)](
-        x2, dy, g, dg, dA, dB, N, K, O, R, float(scaling), x2.stride(0), dy.stride(0),
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_R=BR, F32=_f32(x2))
-    return dx, dA, dB
+    t = blocks or lora_tiles(x2, N, K, O)
+    dg = _down(dy, lora_B, float(scaling), t)               # dg = s dy B (N, r)
+    dx = _gemm(dy, weight, dg, lora_A, 1.0, t)              # dx = dy W + dg A (N, K)
+    dA = _wgrad(x2, dg, 1.0, (R, K), True, t)               # dA = dg^T x (r, K)
+    dB = _wgrad(dy, g, float(scaling), (O, R), False, t)    # dB = s dy^T g (O, r)
+    return dx, dA.to(lora_A.dtype), dB.to(lora_B.dtype)
 
 
 # ------------------------------------------------------------------------------------ 4. autograd.Function
@@ -230,7 +253,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 class LoRALinearFunction(torch.autograd.Function):
     """Its setup_ctx and backward are also the gradient of torch.ops.minite.lora_fwd (x2 (N, K) -> y, g): one formula.
-    `blocks`: tile sizes (BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R) forced by a test, else the heuristic's."""
+    `blocks`: the kernels' tiles forced by a test (a dict like lora_tiles' return), else the heuristic's."""
 
     @staticmethod
     def forward(ctx, x, weight, lora_A, lora_B, scaling, blocks=None):

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from minite.formats import DelayedScaling, Format, fp8_autocast
-from minite.kernels.lora import LoRALinearFunction, lora_linear, lora_linear_ref
+from minite.kernels.lora import GPU_TILES, GPU_TILES_F32, LoRALinearFunction, lora_linear, lora_linear_ref, lora_tiles
 from minite.layers.linear import Linear, fp8_linear
 from minite.layers.lora import (
     LoRAConfig,
@@ -69,15 +69,33 @@ def test_fused_kernel_matches_reference(device, r, dtype):
     _compare(*_operands(37, 45, 51, r, dtype, device, seed=r), s=16 / r)
 
 
+def _small_tiles(splits=None):
+    # 16-wide tiles: several programs per axis, K/O/row loops with ragged last steps, the rank padded to >= 16 and
+    # (r > 16) looped over in the GEMM's adapter step; `splits` row chunks for dA / dB
+    return {"gemm": (16, 16, 16, 2, 4, 1), "down": (16, 16, 4, 1), "wgrad": (16, 16, 4, 1), "sms": 4,
+            "splits": splits}
+
+
 @pytest.mark.triton
-@pytest.mark.parametrize("r", [1, 16, 64])
-def test_fused_kernel_gpu_tiles_and_loops(device, r):
-    # 16x16x16 tiles: several programs per axis, K/O loops with ragged last steps, the rank padded to >= 16
+@pytest.mark.parametrize("r", [1, 5, 16, 37, 64])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_fused_kernel_small_tiles_and_loops(device, r, splits):
     x, W, A, B, dy = _operands(37, 45, 51, r, torch.float32, device, seed=7)
-    _compare(x, W, A, B, dy, s=2.0, blocks=(16, 16, 16, max(16, 1 << (r - 1).bit_length())))
-    # and the GPU launch configuration itself (64, 128, 32, BLOCK_R): loops over K on a wider problem
-    x, W, A, B, dy = _operands(20, 70, 130, r, torch.float32, device, seed=8)
-    _compare(x, W, A, B, dy, s=2.0, blocks=(64, 128, 32, max(16, 1 << (r - 1).bit_length())))
+    _compare(x, W, A, B, dy, s=2.0, blocks=_small_tiles(splits))
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("r", [3, 64, 100])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_fused_kernel_gpu_tiles(device, monkeypatch, r, dtype):
+    # The GPU's own launch configuration (what lora_tiles picks on CUDA, 132 SMs for the row split), run here:
+    # 128 x 256 x 64 GEMM tiles in grouped order (fp16), loops over K and O, the dA / dB rows split in chunks.
+    from minite.kernels import _common
+    monkeypatch.setattr(_common.CAPTURE_GPU, "on", True, raising=False)
+    x, W, A, B, dy = _operands(150, 70, 300, r, dtype, device, seed=8)
+    t = lora_tiles(x, 150, 70, 300)
+    assert t["gemm"] == (GPU_TILES if dtype == torch.float16 else GPU_TILES_F32)["gemm"] and t["sms"] == 132
+    _compare(x, W, A, B, dy, s=2.0)
 
 
 @pytest.mark.triton
