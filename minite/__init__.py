@@ -10,7 +10,7 @@ one part of the library (``minite.parallel.dims``, ``minite.errors``) loads only
 """
 from __future__ import annotations
 
-import importlib
+import importlib as _importlib
 
 from minite._triton import HAS_TRITON, interpreting  # noqa: F401
 from minite.backend import resolve_backend, use_backend  # noqa: F401
@@ -20,7 +20,14 @@ __all__ = ["ops", "nn", "formats", "lora", "use_backend", "resolve_backend", "HA
            "__version__"]
 
 
+_PARTS = ("ops", "nn", "formats", "lora", "errors", "models", "kernels", "layers", "parallel", "train", "data")
+
+
 def __getattr__(name: str):
-    if name in ("ops", "nn", "formats", "lora"):  # lazy: keeps `import minite` light
-        return importlib.import_module(f"minite.{name}")
+    if name in _PARTS:  # lazy: keeps `import minite` light
+        return _importlib.import_module(f"minite.{name}")
     raise AttributeError(f"module 'minite' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:  # dir(minite) and tab completion list the lazy parts, not the module's plumbing
+    return sorted(set(__all__) | set(_PARTS))

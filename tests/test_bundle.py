@@ -38,6 +38,11 @@ def test_the_bundle_has_a_learners_readme(course):
         assert word not in text, word  # nothing of the course's own upkeep or of grading others
     assert (course / "exercises" / "test_exercises.py").is_file()
     assert not (course / "tools" / "bundle_README.md").exists() and not (course / "docs").exists()
+    # issue 37: the generated README.md and .learner-bundle were stored 0600 (unreadable to a shared group)
+    with zipfile.ZipFile(course.parent / "c.zip") as z:
+        modes = {i.filename.removeprefix("minite-course/"): (i.external_attr >> 16) & 0o777 for i in z.infolist()}
+    assert modes["README.md"] == modes[".learner-bundle"] == 0o644, modes
+    assert all(m & 0o044 == 0o044 for m in modes.values()), modes  # every file readable by group and others
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")

@@ -33,3 +33,12 @@ def test_imports_stay_light_and_the_facades_are_whole():
     import minite.layers.lora as L
     assert set(minite.lora.__all__) == set(L.__all__)
     assert all(getattr(minite.lora, n) is getattr(L, n) for n in L.__all__)
+
+
+def test_dir_of_minite_lists_its_parts():
+    # issue 37: dir(minite) listed `annotations` and `importlib` (the module's plumbing) but not `ops` / `nn`
+    import minite
+    names = dir(minite)
+    assert {"ops", "nn", "formats", "lora", "use_backend", "parallel", "models"} <= set(names), names
+    assert "annotations" not in names and "importlib" not in names, names
+    assert all(hasattr(minite, n) for n in names), names

@@ -78,6 +78,14 @@ def readme(root: Path, names: list[str]) -> str:
     return (TOOLS / "bundle_README.md").read_text().replace("{{CHAPTERS}}", "\n".join(lines))
 
 
+def _writestr(z: zipfile.ZipFile, name: str, text: str) -> None:
+    """A generated file, stored rw-r--r-- like the copied ones (writestr with a bare name stores it 0600)."""
+    info = zipfile.ZipInfo(name, date_time=(2026, 1, 1, 0, 0, 0))
+    info.external_attr = 0o100644 << 16
+    info.compress_type = zipfile.ZIP_DEFLATED
+    z.writestr(info, text)
+
+
 def bundle(root: Path, out: Path) -> list[str]:
     names = files(root)
     leaks = [n for n in names if n.startswith(("notebooks/", "exercises/")) and n.endswith((".py", ".ipynb"))
@@ -89,9 +97,9 @@ def bundle(root: Path, out: Path) -> list[str]:
         for n in names:
             if n != "README.md":
                 z.write(root / n, f"minite-course/{n}")
-        z.writestr("minite-course/README.md", readme(root, names))
+        _writestr(z, "minite-course/README.md", readme(root, names))
         z.write(TOOLS / "bundle_test_exercises.py", f"minite-course/{EXERCISE_TEST}")
-        z.writestr(f"minite-course/{MARK}", "A learner's bundle: make test runs the lessons and the exercises; "
+        _writestr(z, f"minite-course/{MARK}", "A learner's bundle: make test runs the lessons and the exercises; "
                    "make check NB=... is a self-check of a notebook's own check cells.\n")
     return names
 
