@@ -298,8 +298,9 @@ def apply_overrides(base: RunConfig | dict, overrides: dict[str, object]) -> Run
         section, _, name = key.partition(".")
         cls = _SECTIONS.get(section)
         if cls is None or name not in {f.name for f in dataclasses.fields(cls)}:
-            close = difflib.get_close_matches(key, valid_keys(), n=3)
-            hint = f" Did you mean {', '.join(close)}?" if close else ""
+            same = [k for k in valid_keys() if k.split(".", 1)[1] == key]  # a field named without its section
+            close = same or difflib.get_close_matches(key, valid_keys(), n=3)
+            hint = f" Did you mean {', '.join(f'--{k}=...' for k in close)}?" if close else ""
             raise ConfigError(f"unknown config key {given!r}.{hint}\nValid keys: {', '.join(valid_keys())}")
         values[section][name] = _convert(key, raw, typing.get_type_hints(cls)[name])
     return config_from_dict(values)
@@ -331,14 +332,18 @@ def make_config(preset: str, overrides: dict[str, object], *, new_run: bool = Tr
     return cfg
 
 
-def config_help() -> str:
+def config_help(preset: str | None = None) -> str:
+    """Every field with its doc and its value: the preset's where `preset` sets it (the field's own default beside)."""
     lines = []
+    chosen = PRESETS.get(preset, {})
     for s, cls in _SECTIONS.items():
         lines.append(f"\n{s} ({cls.__name__}):")
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            key = f"--{s}.{f.name}={f.default!r}"
-            lines.append(f"  {key:<30} [{hints[f.name].__name__}] {f.metadata.get('doc', '')}")
+            v = chosen.get(f"{s}.{f.name}", f.default)
+            key = f"--{s}.{f.name}={v!r}"
+            note = f" (preset {preset}; field default {f.default!r})" if f"{s}.{f.name}" in chosen else ""
+            lines.append(f"  {key:<30} [{hints[f.name].__name__}] {f.metadata.get('doc', '')}{note}")
     for name, p in PRESETS.items():
         lines.append(f"\npreset {name}: " + " ".join(f"{k}={v}" for k, v in p.items()))
     return "\n".join(lines)
