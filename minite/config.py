@@ -298,9 +298,9 @@ def apply_overrides(base: RunConfig | dict, overrides: dict[str, object]) -> Run
         section, _, name = key.partition(".")
         cls = _SECTIONS.get(section)
         if cls is None or name not in {f.name for f in dataclasses.fields(cls)}:
-            same = [k for k in valid_keys() if k.split(".", 1)[1] == key]  # a field named without its section
+            same = [f"--{k}=..." for k in valid_keys() if k.split(".", 1)[1] == key]  # --compile: no section
             close = same or difflib.get_close_matches(key, valid_keys(), n=3)
-            hint = f" Did you mean {', '.join(f'--{k}=...' for k in close)}?" if close else ""
+            hint = f" Did you mean {', '.join(close)}?" if close else ""
             raise ConfigError(f"unknown config key {given!r}.{hint}\nValid keys: {', '.join(valid_keys())}")
         values[section][name] = _convert(key, raw, typing.get_type_hints(cls)[name])
     return config_from_dict(values)

@@ -20,6 +20,8 @@ def test_unknown_key_lists_valid_keys():
     assert all(k in str(e.value) for k in valid_keys())
     with pytest.raises(ConfigError, match="unknown config key 'nosection'"):
         make_config("cpu", {"nosection": "1"})
+    with pytest.raises(ConfigError, match=r"unknown config key 'compile'\. Did you mean --train\.compile=\.\.\.\?"):
+        make_config("cpu", {"compile": "default"})  # issue 37: a field without its section gets the full key
 
 
 @pytest.mark.parametrize("gpus, local_world, device, want", [
