@@ -23,7 +23,7 @@ import torch
 
 from minite._triton import interpreting, tl, triton
 from minite.backend import resolve_backend
-from minite.kernels._common import launchable, op, register_autograd, register_op
+from minite.kernels._common import gpu_tiles, launchable, op, register_autograd, register_op
 
 __all__ = ["grouped_gemm_ref", "grouped_gemm", "GroupedGemmFunction", "grouped_gemm_fwd", "grouped_gemm_dw",
            "tile_table"]
@@ -46,51 +46,74 @@ def grouped_gemm_ref(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) ->
 
 # ----------------------------------------------------------------------------------------------- 2. kernels
 @triton.jit
-def _grouped_gemm_fwd_kernel(X_ptr, W_ptr, Y_ptr, TileExpert_ptr, TileRow_ptr, Offsets_ptr, N, K,
+def _mm(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    if UPCAST:  # the CPU interpreter cannot multiply bf16: fp32 tiles (on a GPU, bf16 goes to the MMA as is)
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:  # fp32 inputs: true fp32 products (a GPU's default for fp32 tl.dot is TF32)
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _grouped_gemm_fwd_kernel(X_ptr, W_ptr, Y_ptr, TileExpert_ptr, TileRow_ptr, Offsets_ptr, M, N, K, E, SLOTS,
                              X_row_stride, X_col_stride, W_e_stride, W_k_stride, W_n_stride, Y_row_stride,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    # Grid (tiles, cdiv(N, BLOCK_N)): program (t, j) computes rows [row0, row0 + BLOCK_M) of expert e's block of
-    # y, columns j * BLOCK_N ...; (e, row0) come from the tile table. A spare tile has row0 = o[e + 1]: all masked.
-    t = tl.program_id(0).to(tl.int64)
-    e = tl.load(TileExpert_ptr + t).to(tl.int64)
+                             GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    # One program per (row-tile slot t, column tile j) of y (M, N). Grouped order (the Triton matmul tutorial's,
+    # over the slots): GROUP_M consecutive slots sweep the columns together. The slots are sorted by expert, so a
+    # group is (almost always) row tiles of one expert: they share w[e]'s column tiles in L2, and each x row tile
+    # is read once per group of columns, not once per column tile (the first version ran row tiles fastest:
+    # every column pass streamed all of x again).
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    first = (pid // (GROUP_M * num_n)) * GROUP_M
+    group = tl.minimum(SLOTS - first, GROUP_M)
+    t = first + (pid % (GROUP_M * num_n)) % group
+    offs_n = ((pid % (GROUP_M * num_n)) // group).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of y
+    e = tl.load(TileExpert_ptr + t).to(tl.int64)                       # expert of slot t; E: a zero tile
     row0 = tl.load(TileRow_ptr + t).to(tl.int64)
-    row_end = tl.load(Offsets_ptr + e + 1).to(tl.int64)                 # this expert's rows end here
     offs_m = row0 + tl.arange(0, BLOCK_M)                               # (BLOCK_M,) rows of x and y
-    offs_n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,) columns of w[e], y
-    offs_k = tl.arange(0, BLOCK_K)
-    m_ok = offs_m < row_end
-    x_ptrs = X_ptr + offs_m[:, None] * X_row_stride + offs_k[None, :] * X_col_stride       # (BLOCK_M, BLOCK_K)
-    w_ptrs = W_ptr + e * W_e_stride + offs_k[:, None] * W_k_stride + offs_n[None, :] * W_n_stride  # (BK, BN)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        a = tl.load(x_ptrs, mask=m_ok[:, None] & ((k0 + offs_k)[None, :] < K), other=0.0)
-        b = tl.load(w_ptrs, mask=((k0 + offs_k)[:, None] < K) & (offs_n[None, :] < N), other=0.0)
-        if UPCAST:  # the CPU interpreter cannot multiply bf16: fp32 tiles (on a GPU, bf16 goes to the MMA as is)
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        if IEEE:  # fp32 inputs: true fp32 products (a GPU's default for fp32 tl.dot is TF32)
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-        x_ptrs += BLOCK_K * X_col_stride
-        w_ptrs += BLOCK_K * W_k_stride
-    y_ptrs = Y_ptr + offs_m[:, None] * Y_row_stride + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(Y_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_n[None, :] < N))
+    if e < E:
+        row_end = tl.load(Offsets_ptr + e + 1).to(tl.int64)             # this expert's rows end here
+        m_ok = offs_m < row_end
+        offs_k = tl.arange(0, BLOCK_K)
+        x_ptrs = X_ptr + offs_m[:, None] * X_row_stride + offs_k[None, :] * X_col_stride       # (BLOCK_M, BLOCK_K)
+        w_ptrs = W_ptr + e * W_e_stride + offs_k[:, None] * W_k_stride + offs_n[None, :] * W_n_stride  # (BK, BN)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = tl.load(x_ptrs, mask=m_ok[:, None] & (offs_k[None, :] < K - k0), other=0.0)
+            b = tl.load(w_ptrs, mask=(offs_k[:, None] < K - k0) & (offs_n[None, :] < N), other=0.0)
+            acc = _mm(a, b, acc, UPCAST, IEEE)
+            x_ptrs += BLOCK_K * X_col_stride
+            w_ptrs += BLOCK_K * W_k_stride
+        tl.store(Y_ptr + offs_m[:, None] * Y_row_stride + offs_n[None, :], acc.to(Y_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & (offs_n[None, :] < N))
+    else:  # rows past o[E] (dropped tokens) belong to no expert: y is not zero-filled, so write their zeros here
+        zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=Y_ptr.dtype.element_ty)
+        tl.store(Y_ptr + offs_m[:, None] * Y_row_stride + offs_n[None, :], zero,
+                 mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
 # dw[e] (K, N) = x_e^T (K, m_e) @ dy_e (m_e, N): a reduction over the expert's rows, so one program owns a
 # (BLOCK_K, BLOCK_N) tile of dw[e] and walks down rows o[e] ... o[e + 1] in steps of BLOCK_M (runtime bounds).
-# An empty expert runs no step and stores zeros: its weight gets a zero gradient, as in the loop.
+# An empty expert runs no step and stores zeros: its weight gets a zero gradient, as in the loop (dw is not
+# zero-filled: every element is stored). Programs run expert by expert; within an expert, grouped order over its
+# (k, n) tiles, so a wave's programs share x_e's and dy_e's column tiles in L2.
 @triton.jit
 def _grouped_gemm_dw_kernel(X_ptr, DY_ptr, DW_ptr, Offsets_ptr, K, N, X_row_stride, DY_row_stride,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    e = tl.program_id(0).to(tl.int64)
-    pid = tl.program_id(1).to(tl.int64)
+                            GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    num_k = tl.cdiv(K, BLOCK_K)
     num_n = tl.cdiv(N, BLOCK_N)
-    offs_k = (pid // num_n) * BLOCK_K + tl.arange(0, BLOCK_K)          # (BLOCK_K,) rows of dw[e]
-    offs_n = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)           # (BLOCK_N,) columns of dw[e]
+    e = (pid // (num_k * num_n)).to(tl.int64)
+    pid = pid % (num_k * num_n)
+    first = (pid // (GROUP_M * num_n)) * GROUP_M
+    group = tl.minimum(num_k - first, GROUP_M)
+    offs_k = (first + (pid % (GROUP_M * num_n)) % group).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)  # of dw[e]
+    offs_n = ((pid % (GROUP_M * num_n)) // group).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     start = tl.load(Offsets_ptr + e).to(tl.int64)
     end = tl.load(Offsets_ptr + e + 1).to(tl.int64)
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
@@ -102,45 +125,44 @@ def _grouped_gemm_dw_kernel(X_ptr, DY_ptr, DW_ptr, Offsets_ptr, K, N, X_row_stri
                      mask=m_ok[None, :] & (offs_k[:, None] < K), other=0.0)
         dy = tl.load(DY_ptr + offs_m[:, None] * DY_row_stride + offs_n[None, :],
                      mask=m_ok[:, None] & (offs_n[None, :] < N), other=0.0)  # (BLOCK_M, BLOCK_N)
-        if UPCAST:
-            xt = xt.to(tl.float32)
-            dy = dy.to(tl.float32)
-        if IEEE:
-            acc = tl.dot(xt, dy, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(xt, dy, acc)
+        acc = _mm(xt, dy, acc, UPCAST, IEEE)
     dw_ptrs = DW_ptr + e * K * N + offs_k[:, None] * N + offs_n[None, :]  # dw (E, K, N) contiguous
     tl.store(dw_ptrs, acc.to(DW_ptr.dtype.element_ty), mask=(offs_k[:, None] < K) & (offs_n[None, :] < N))
 
 
 # ----------------------------------------------------------------------------------------------- 3. launchers
-# GPU tiles (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the usual Hopper bf16 GEMM tile (128 x 128 x 64,
-# 8 warps, 3 stages), NOT tuned: no GPU has run benchmarks/bench_grouped_gemm.py yet. Every dot dim is >= 16.
-GPU_TILES = (128, 128, 64, 8, 3)
+# GPU tiles (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages): the Triton matmul tutorial's Hopper tile
+# (128 x 256 x 64, 8 warps, 3 stages). sm_90 with the JIT's specialisation (bf16, ptxas of triton 3.7.1): all
+# wgmma m64n256k16, 0 spills (see the report of issue 33). NOT timed: no GPU has run bench_grouped_gemm.py since.
+# dw turns the tile around: a (BLOCK_M, BLOCK_N) tile of dw[e], BLOCK_K rows of x_e / dy_e per step.
+GPU_TILES = (128, 256, 64, 8, 8, 3)
+GPU_TILES_F32 = (64, 64, 32, 8, 4, 2)  # fp32 on a GPU: "ieee" products on the CUDA cores, a tile that fits
 
 
-def _tiles(M: int, N: int, K: int, on_gpu: bool) -> tuple[int, int, int, int, int]:
-    if on_gpu:
-        return GPU_TILES
+def _tiles(M: int, N: int, K: int, x: torch.Tensor) -> tuple[int, int, int, int, int, int]:
+    if gpu_tiles(x):
+        return GPU_TILES_F32 if x.dtype == torch.float32 else GPU_TILES
     # Interpreter: ~0.5 ms per program, so few large programs; still >= 16 (GPU-legal, tested here).
     def fit(n):
         return max(16, min(64, triton.next_power_of_2(max(n, 1))))
-    return fit(M), fit(N), fit(K), 4, 1
+    return fit(M), fit(N), fit(K), 4, 4, 1
 
 
 def tile_table(offsets: torch.Tensor, M: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(expert, first row) of each BLOCK_M tile of rows, computed on the device (no host sync).
 
     Expert e needs cdiv(m_e, block_m) tiles; all of them fit in cdiv(M, block_m) + E slots (each expert wastes
-    at most one partial tile). The spare slots get expert E - 1 and first row o[E]: every row masked off."""
+    at most one partial tile). The i-th spare slot gets expert E (no expert: a tile of zeros) and first row
+    o[E] + i * block_m: together they cover the rows past o[E] (there are always enough: the slots the experts
+    leave, cdiv(M, bm) + E - sum_e cdiv(m_e, bm), are at least cdiv(M - o[E], bm)), and the rest lie past M."""
     E = offsets.numel() - 1
     counts = offsets[1:] - offsets[:-1]                                 # (E,) rows per expert
     tiles = (counts + block_m - 1) // block_m                           # (E,)
     cum = torch.cumsum(tiles, 0)                                        # (E,) tiles before expert e + 1
     slots = torch.arange(triton.cdiv(M, block_m) + E, device=offsets.device)
-    expert = torch.searchsorted(cum, slots, right=True).clamp_(max=E - 1)  # (G,)
-    first = offsets[expert] + (slots - (cum - tiles)[expert]) * block_m
-    first = torch.where(slots < cum[-1], first, offsets[E])              # spare slots: past every row
+    expert = torch.searchsorted(cum, slots, right=True)                 # (G,) E for the spare slots
+    first = offsets[expert.clamp(max=E - 1)] + (slots - (cum - tiles)[expert.clamp(max=E - 1)]) * block_m
+    first = torch.where(slots < cum[-1], first, offsets[E] + (slots - cum[-1]) * block_m)
     return expert.to(torch.int32).contiguous(), first.to(torch.int64).contiguous()
 
 
@@ -155,15 +177,16 @@ def _flags(x: torch.Tensor) -> dict:
 def grouped_gemm_fwd(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """x (M, K) @ w[e] (K, N) per expert -> (M, N) in x's dtype; w may be a strided view (the backward's w^T)."""
     M, K = x.shape
-    N = w.shape[2]
-    y = torch.zeros((M, N), dtype=x.dtype, device=x.device)  # rows past o[E] stay 0
+    E, N = w.shape[0], w.shape[2]
     if M == 0 or N == 0 or K == 0:
-        return y
-    BM, BN, BK, warps, stages = _tiles(M, N, K, x.is_cuda)
+        return torch.zeros((M, N), dtype=x.dtype, device=x.device)
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)  # every element is stored: rows past o[E] as zeros
+    BM, BN, BK, group, warps, stages = _tiles(M, N, K, x)
     expert, first = tile_table(offsets, M, BM)
-    launchable(_grouped_gemm_fwd_kernel)[(expert.numel(), triton.cdiv(N, BN))](
-        x, w, y, expert, first, offsets, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
-        y.stride(0), BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, **_flags(x), num_warps=warps, num_stages=stages)
+    launchable(_grouped_gemm_fwd_kernel)[(expert.numel() * triton.cdiv(N, BN),)](
+        x, w, y, expert, first, offsets, M, N, K, E, expert.numel(), x.stride(0), x.stride(1), w.stride(0),
+        w.stride(1), w.stride(2), y.stride(0), BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=group, **_flags(x),
+        num_warps=warps, num_stages=stages)
     return y
 
 
@@ -173,14 +196,14 @@ def grouped_gemm_dw(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, w_
     M, K = x.shape
     N = dy.shape[1]
     E = offsets.numel() - 1
-    dw = torch.zeros((E, K, N), dtype=w_dtype, device=x.device)
     if M == 0 or K == 0 or N == 0:
-        return dw
+        return torch.zeros((E, K, N), dtype=w_dtype, device=x.device)
+    dw = torch.empty((E, K, N), dtype=w_dtype, device=x.device)  # every element is stored (empty experts: zeros)
     x, dy = x.contiguous(), dy.contiguous()
-    BM, BN, BK, warps, stages = _tiles(M, N, K, x.is_cuda)
-    # the same tile shapes turned around: a (BM, BN) tile of dw[e] (128 x 128 on the GPU), BK rows per step
-    launchable(_grouped_gemm_dw_kernel)[(E, triton.cdiv(K, BM) * triton.cdiv(N, BN))](
-        x, dy, dw, offsets, K, N, x.stride(0), dy.stride(0), BLOCK_M=BK, BLOCK_N=BN, BLOCK_K=BM,
+    BM, BN, BK, group, warps, stages = _tiles(M, N, K, x)
+    # the same tile shapes turned around: a (BM, BN) tile of dw[e] (128 x 256 on the GPU), BK rows per step
+    launchable(_grouped_gemm_dw_kernel)[(E * triton.cdiv(K, BM) * triton.cdiv(N, BN),)](
+        x, dy, dw, offsets, K, N, x.stride(0), dy.stride(0), BLOCK_M=BK, BLOCK_N=BN, BLOCK_K=BM, GROUP_M=group,
         **_flags(x), num_warps=warps, num_stages=stages)
     return dw
 

@@ -27,16 +27,28 @@ def _triton(x, w, offsets):
     return grouped_gemm(x, w, offsets, backend="triton")
 
 
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """torch.empty filled with NaN: the kernels store every element of y, dx and dw (no zero-fill); one they miss
+    (a dropped row, an empty expert's dw) would show as NaN instead of an accidental 0."""
+    empty = torch.empty
+
+    def poisoned(*a, **k):
+        t = empty(*a, **k)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("groups", GROUPS)
-def test_kernel_matches_reference(groups, dtype, device):
+def test_kernel_matches_reference(groups, dtype, device, nan_empty):
     x, w, offsets = _problem(*groups, K=19, N=37, dtype=dtype, device=device)
     assert check_op("grouped_gemm", _triton, grouped_gemm_ref, x, w, offsets)  # y, dx, dw
 
 
 @pytest.mark.triton
-def test_rows_past_the_last_expert_are_zero_with_zero_grad(device):
+def test_rows_past_the_last_expert_are_zero_with_zero_grad(device, nan_empty):
     x, w, offsets = _problem([4, 6], 5, K=16, N=16, dtype=torch.float32, device=device)
     x.requires_grad_()
     y = _triton(x, w, offsets)
@@ -46,23 +58,42 @@ def test_rows_past_the_last_expert_are_zero_with_zero_grad(device):
 
 
 @pytest.mark.triton
-def test_gpu_tiles_under_the_interpreter(device, monkeypatch):
-    # The H100 tile configuration (128 x 128 x 64) must be correct too, not only the small CPU tiles.
-    monkeypatch.setattr(gg, "_tiles", lambda *a: gg.GPU_TILES)
-    x, w, offsets = _problem([130, 0, 7], 1, K=70, N=20, dtype=torch.float16, device=device)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gpu_tiles_under_the_interpreter(device, monkeypatch, nan_empty, dtype):
+    # The GPU's own tiles (what _tiles picks on CUDA: 128 x 256 x 64 in grouped order for fp16) must be correct
+    # too, not only the small CPU tiles: an expert over two row tiles, an empty one, dropped rows, a K loop.
+    from minite.kernels import _common
+    monkeypatch.setattr(_common.CAPTURE_GPU, "on", True, raising=False)
+    x, w, offsets = _problem([130, 0, 7, 1], 3, K=70, N=20, dtype=dtype, device=device)
+    assert gg._tiles(141, 20, 70, x) == (gg.GPU_TILES if dtype == torch.float16 else gg.GPU_TILES_F32)
     assert check_op("grouped_gemm GPU tiles", _triton, grouped_gemm_ref, x, w, offsets)
 
 
-def test_tile_table_covers_every_row_once():
-    offsets = torch.tensor([0, 5, 5, 22, 25])  # experts of 5, 0, 17, 3 rows; M = 27 (2 dropped rows)
-    expert, first = tile_table(offsets, 27, 4)
-    assert expert.numel() == 27 // 4 + 1 + 4  # cdiv(M, BLOCK_M) + E slots
+@pytest.mark.triton
+def test_grouped_order_with_several_groups(device, monkeypatch, nan_empty):
+    # 16-row tiles in groups of 2 over 3 column tiles, dw in groups over 3 k-tiles: the swizzle's partial last
+    # group, spare slots between real ones in program order, and an expert whose tiles straddle two groups.
+    monkeypatch.setattr(gg, "_tiles", lambda *a: (16, 16, 16, 2, 4, 1))
+    x, w, offsets = _problem([5, 0, 40, 3, 0, 18], 21, K=40, N=37, dtype=torch.float32, device=device)
+    assert check_op("grouped_gemm grouped order", _triton, grouped_gemm_ref, x, w, offsets)
+
+
+@pytest.mark.parametrize("counts, M, bm", [([5, 0, 17, 3], 27, 4), ([0, 0], 9, 4), ([4, 4], 8, 4),
+                                           ([1, 1, 1], 40, 16), ([16, 1], 17, 16)])
+def test_tile_table_covers_every_row_once(counts, M, bm):
+    # Every row of expert e in exactly one tile of e; every row past o[E] (dropped) in exactly one zero tile
+    # (expert E), which the spare slots always suffice for.
+    offsets = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist())
+    E = len(counts)
+    expert, first = tile_table(offsets, M, bm)
+    assert expert.numel() == -(-M // bm) + E  # cdiv(M, BLOCK_M) + E slots
     seen = []
     for e, r in zip(expert.tolist(), first.tolist()):
-        end = int(offsets[e + 1])
-        seen += [(row, e) for row in range(r, min(r + 4, end))]
-    want = [(row, e) for e in range(4) for row in range(int(offsets[e]), int(offsets[e + 1]))]
-    assert sorted(seen) == want
+        end = int(offsets[e + 1]) if e < E else M
+        seen += [(row, e) for row in range(r, min(r + bm, end))]
+    want = [(row, e) for e in range(E) for row in range(int(offsets[e]), int(offsets[e + 1]))]
+    want += [(row, E) for row in range(int(offsets[E]), M)]
+    assert sorted(seen) == sorted(want)
 
 
 def test_reference_matches_per_row_matmul():
