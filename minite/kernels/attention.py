@@ -12,9 +12,11 @@ keys j <= i + T_k - T_q, so the last query sees every key, which is what a KV-ca
 this is the usual mask. A query row that sees no key gets LSE = -inf and output 0 (never NaN).
 Non-finite keys/values under the causal mask never change a row that cannot see them (a row that sees one is NaN):
 P V gives a masked key weight 0, and 0 * NaN = NaN. The reference cleans k, v (``_finite_kv``); the kernels clean
-the tiles of the diagonal key blocks only, the one place a key is masked for some rows (``_fwd_block``).
-Layouts: "bhsd" (B, H, T, D) for ``attention``; "thd" (total_tokens, H, D) with ``cu_seqlens`` for
-``attention_varlen`` (Transformer Engine's packed format: no padding, nothing computed across sequences).
+the tiles of the diagonal key blocks only, the one place a key is masked for some rows (``_fwd_loop``).
+Layouts: "bhsd" (B, H, T, D) for ``attention``, any strides (a (B, H, T, D) view of (B, T, H, D) memory too);
+"thd" (total_tokens, H, D) with ``cu_seqlens`` for ``attention_varlen`` (Transformer Engine's packed format: no
+padding, nothing computed across sequences); the fused qkv projection (B, T, (H + 2 KVH) D) for ``attention_qkv``,
+which the GPT uses: RoPE and attention with no layout copy, and one d(qkv) buffer in the backward.
 """
 from __future__ import annotations
 
@@ -28,9 +30,11 @@ from minite import _validate as _v
 from minite._triton import interpreting, tl, triton
 from minite.backend import resolve_backend
 from minite.kernels import _common as C  # launchable: wrap_triton while torch.compile traces; op: torch.ops
+from minite.kernels import rope as _rope
 
-__all__ = ["attention_ref", "attention", "attention_varlen", "attention_fwd", "attention_bwd",
-           "AttentionFunction", "Attention", "MAX_HEAD_DIM"]
+__all__ = ["attention_ref", "attention", "attention_varlen", "attention_qkv", "attention_fwd", "attention_bwd",
+           "attention_qkv_fwd", "attention_qkv_bwd", "AttentionFunction", "QKVAttentionFunction",
+           "Attention", "MAX_HEAD_DIM"]
 
 MAX_HEAD_DIM = 128  # D is padded up to a power of two >= 16 inside the kernel; larger D would not fit on-chip
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -94,8 +98,13 @@ def _finite_kv(k, v, Tq):
     seen = upto[..., last.clamp(min=0)] & (last >= 0)  # (B, H, T_q)
     return torch.nan_to_num(k, 0.0, 0.0, 0.0), torch.nan_to_num(v, 0.0, 0.0, 0.0), seen
 
-
 # -------------------------------------------------------------------------------------------- 2. kernels
+# Every tensor is read through its own (batch, head, token) strides, D with stride 1: (B, H, T, D) contiguous,
+# a (B, T, H, D) view of the GPT's fused qkv projection, and the packed thd layout (batch stride 0, token stride
+# H * D, tokens counted from the sequence's first) are all one code path, and no launcher copies.
+# Each key loop is split as in Triton's fused-attention tutorial: a main loop over blocks every row of the tile
+# sees in full (no mask, no NaN scrub: k and v go from shared memory straight into the MMA), then a masked loop
+# over the diagonal blocks (causal) and the ragged tail (T not a multiple of the block).
 @triton.jit
 def _seq(CU, b, T_Q, T_K, VARLEN: tl.constexpr):
     # (first token, query length, key length) of sequence b: from cu_seqlens when packed, else (0, T_q, T_k)
@@ -108,17 +117,6 @@ def _seq(CU, b, T_Q, T_K, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _rows(b, h, start, NH, T, VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr):
-    # Element offset of token `start` of head h of sequence b, and the stride between tokens.
-    #   bhsd (B, NH, T, D):      ((b * NH + h) * T + t) * D,   token stride D
-    #   thd  (total, NH, D):     ((start + t) * NH + h) * D,   token stride NH * D
-    if VARLEN:
-        return (start * NH + h) * HEAD_DIM, NH * HEAD_DIM
-    else:
-        return (b * NH + h) * T * HEAD_DIM, HEAD_DIM
-
-
-@triton.jit
 def _lse_row(b, h, start, H, T_Q, VARLEN: tl.constexpr):
     # LSE and Delta: (B, H, T_q) for bhsd, (H, total) for thd (T_Q is then the total token count)
     if VARLEN:
@@ -128,45 +126,80 @@ def _lse_row(b, h, start, H, T_Q, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _fwd_block(q, K, V, kv_base, kv_st, n0, offs_m, offs_n, offs_d, d_ok, Tk, off, qk_scale, m_i, l_i, acc,
-               diag, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
-    # One key block of the online softmax. `diag`: the block holds keys that some rows of the tile must not see.
-    cols = n0 + offs_n
-    kv_mask = (cols[:, None] < Tk) & d_ok[None, :]
-    k = tl.load(K + kv_base + cols[:, None] * kv_st + offs_d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BD)
-    v = tl.load(V + kv_base + cols[:, None] * kv_st + offs_d[None, :], mask=kv_mask, other=0.0)
-    if UPCAST:
-        k, v = k.to(tl.float32), v.to(tl.float32)
-    # A masked key has p = 0, and P V would form 0 * NaN from a non-finite v_j: on the diagonal, v_j is zeroed and
-    # s_ij made NaN for every i (kept where row i sees key j, -inf from the mask below where it does not). Finite
-    # inputs: bad = 0, nothing changes. Two spellings, the one with fewer sm_90 spills per dot kind (tests/kernels/
-    # test_attention_sm90.py): tensor cores (tf32/fp16/bf16) through k, fp32's FMA dot through s.
-    if CAUSAL and PREC != "ieee":
-        if diag:
-            bad = v - v  # 0 where v is finite, NaN where it is NaN or inf
-            k = k + bad
-            v = tl.where(bad == 0.0, v, tl.zeros_like(v))
-    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (BLOCK_M, BLOCK_N) scores, log2 units
-    if CAUSAL and PREC == "ieee":
-        if diag:
-            bad = v - v
-            v = tl.where(bad == 0.0, v, tl.zeros_like(v))
-            s = s + tl.sum(bad, 1)[None, :]
-    keep = cols[None, :] < Tk
-    if CAUSAL:
-        keep = keep & (cols[None, :] <= offs_m[:, None] + off)
-    s = tl.where(keep, s, float("-inf"))  # where, not a product: a masked NaN score becomes -inf too
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: avoid -inf - -inf = NaN
-    alpha = tl.exp2(m_i - m_safe)  # rescale what was summed under the old max (0 when m_i = -inf)
-    p = tl.exp2(s - m_safe[:, None])  # (BLOCK_M, BLOCK_N), masked entries exp2(-inf) = 0
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-    return m_new, l_i, acc
+def _tile(P, rows, st, offs_d, n, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    # The (rows, BLOCK_D) tile at P + row * st + d. Masked on rows < n only in a masked loop (the main loops read
+    # whole blocks), on d < HEAD_DIM only when D is padded to BLOCK_D.
+    ptr = P + rows[:, None] * st + offs_d[None, :]
+    if MASKED:
+        return tl.load(ptr, mask=(rows[:, None] < n) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    elif HEAD_DIM == BLOCK_D:
+        return tl.load(ptr)
+    else:
+        return tl.load(ptr, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
 
 
 @triton.jit
-def _attn_fwd_kernel(Q, K, V, O, LSE, CU, T_Q, T_K, H, KVH, D, qk_scale,
+def _put(P, rows, st, offs_d, n, x, HEAD_DIM: tl.constexpr):
+    tl.store(P + rows[:, None] * st + offs_d[None, :], x.to(P.dtype.element_ty),
+             mask=(rows[:, None] < n) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _fwd_loop(q, K, V, k_st, v_st, lo, hi, offs_m, offs_n, offs_d, Tk, off, qk_scale, m_i, l_i, acc,
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Key blocks lo .. hi of the online softmax. K, V: key 0 of this sequence and kv head.
+    for n0 in range(lo, hi, BLOCK_N):
+        cols = n0 + offs_n
+        k = _tile(K, cols, k_st, offs_d, Tk, MASKED, HEAD_DIM, BLOCK_D)  # (BLOCK_N, BLOCK_D)
+        v = _tile(V, cols, v_st, offs_d, Tk, MASKED, HEAD_DIM, BLOCK_D)
+        if UPCAST:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        # A masked key has p = 0, and P V would form 0 * NaN from a non-finite v_j: on the diagonal, v_j is zeroed
+        # and s_ij made NaN for every i (kept where row i sees key j, -inf from the mask below where it does not).
+        # Finite inputs: bad = 0, nothing changes. Tensor cores take it through k, fp32's FMA dot through s.
+        if MASKED and CAUSAL and PREC != "ieee":
+            bad = v - v  # 0 where v is finite, NaN where it is NaN or inf
+            k = k + bad
+            v = tl.where(bad == 0.0, v, tl.zeros_like(v))
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (BLOCK_M, BLOCK_N) scores, log2 units
+        if MASKED:
+            if CAUSAL and PREC == "ieee":
+                bad = v - v
+                v = tl.where(bad == 0.0, v, tl.zeros_like(v))
+                s = s + tl.sum(bad, 1)[None, :]
+            keep = cols[None, :] < Tk
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None] + off)
+            s = tl.where(keep, s, float("-inf"))  # where, not a product: a masked NaN score becomes -inf too
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: avoid -inf - -inf = NaN
+        alpha = tl.exp2(m_i - m_safe)  # rescale what was summed under the old max (0 when m_i = -inf)
+        p = tl.exp2(s - m_safe[:, None])  # (BLOCK_M, BLOCK_N), masked entries exp2(-inf) = 0
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _key_ranges(m0, Tq, Tk, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # For the query tile m0 .. m0 + BLOCK_M: (full, hi). Key blocks 0 .. full are seen in full by every row (the
+    # main loop); full .. hi hold the diagonal (causal) and the ragged tail (the masked loop); keys past hi are
+    # in the future of every row of the tile (causal block skipping) and are never loaded.
+    off = Tk - Tq  # bottom-right causal: row i sees keys j <= i + off
+    hi = Tk
+    full = Tk // BLOCK_N * BLOCK_N
+    if CAUSAL:
+        hi = tl.minimum(Tk, tl.maximum(m0 + BLOCK_M + off, 0))
+        full = tl.minimum(full, tl.maximum(m0 + off + 1, 0) // BLOCK_N * BLOCK_N)
+    hi = tl.where(m0 < Tq, hi, 0)  # packed batch: this sequence may be shorter than the grid
+    return tl.minimum(full, hi), hi
+
+
+@triton.jit
+def _attn_fwd_kernel(Q, K, V, O, LSE, CU, T_Q, T_K, H, KVH, qk_scale,
+                     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
                      GROUP: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr, UPCAST: tl.constexpr,
                      PREC: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -174,54 +207,49 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, CU, T_Q, T_K, H, KVH, D, qk_scale,
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes a Python float as fp64: keep the state fp32
     pid_m = tl.program_id(0).to(tl.int64)
     b, h = tl.program_id(1).to(tl.int64) // H, tl.program_id(1).to(tl.int64) % H
+    g = h // GROUP  # GQA: GROUP query heads per kv head
     start, Tq, Tk = _seq(CU, b, T_Q, T_K, VARLEN)
-    q_base, q_st = _rows(b, h, start, H, T_Q, VARLEN, HEAD_DIM)
-    kv_base, kv_st = _rows(b, h // GROUP, start, KVH, T_K, VARLEN, HEAD_DIM)  # GQA: GROUP q heads per kv head
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,) query rows
+    Q += b * sqb + h * sqh + start * sqt  # token 0 of (sequence b, head h); thd: batch stride 0
+    O += b * sob + h * soh + start * sot
+    K += b * skb + g * skh + start * skt
+    V += b * svb + g * svh + start * svt
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)  # (BLOCK_M,) query rows
     offs_n = tl.arange(0, BLOCK_N)  # (BLOCK_N,) key columns within a block
     offs_d = tl.arange(0, BLOCK_D)  # D padded to a power of two >= 16 (tl.dot's minimum on the GPU)
-    m_ok, d_ok = offs_m < Tq, offs_d < D
-    q = tl.load(Q + q_base + offs_m[:, None] * q_st + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    q = _tile(Q, offs_m, sqt, offs_d, Tq, True, HEAD_DIM, BLOCK_D)
     if UPCAST:  # bf16 under the interpreter: its arithmetic is wrong there, so compute in fp32
         q = q.to(tl.float32)
     # Online softmax state, in log2 units (qk_scale = scale * log2(e), so exp2 replaces exp):
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running row max of the scores
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running row sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # running sum of exp2(s - m_i) @ V, normalised at the end
-    off = Tk - Tq  # bottom-right causal: row i sees keys j <= i + off
-    hi = Tk
-    if CAUSAL:  # causal block skipping: key blocks right of the diagonal hold no visible key, never load them
-        hi = tl.minimum(Tk, tl.maximum(pid_m * BLOCK_M + BLOCK_M + off, 0))
-    hi = tl.where(pid_m * BLOCK_M < Tq, hi, 0)  # packed batch: this sequence may be shorter than the grid
-    diag0 = hi  # key blocks from diag0 on hold keys in the future of some rows of the tile (none if not causal)
-    if CAUSAL:
-        diag0 = tl.maximum(pid_m * BLOCK_M + off + 1, 0) // BLOCK_N * BLOCK_N
-    for n0 in range(0, hi, BLOCK_N):
-        m_i, l_i, acc = _fwd_block(q, K, V, kv_base, kv_st, n0, offs_m, offs_n, offs_d, d_ok, Tk, off, qk_scale,
-                                   m_i, l_i, acc, n0 >= diag0, CAUSAL, UPCAST, PREC)
+    full, hi = _key_ranges(m0, Tq, Tk, CAUSAL, BLOCK_M, BLOCK_N)
+    off = Tk - Tq
+    m_i, l_i, acc = _fwd_loop(q, K, V, skt, svt, 0, full, offs_m, offs_n, offs_d, Tk, off, qk_scale, m_i, l_i, acc,
+                              False, CAUSAL, UPCAST, PREC, HEAD_DIM, BLOCK_D, BLOCK_N)
+    m_i, l_i, acc = _fwd_loop(q, K, V, skt, svt, full, hi, offs_m, offs_n, offs_d, Tk, off, qk_scale, m_i, l_i, acc,
+                              True, CAUSAL, UPCAST, PREC, HEAD_DIM, BLOCK_D, BLOCK_N)
     empty = l_i == 0.0  # rows that saw no key
     o = acc / tl.where(empty, 1.0, l_i)[:, None]  # 0 for empty rows
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)  # ln
-    tl.store(O + q_base + offs_m[:, None] * q_st + offs_d[None, :], o.to(O.dtype.element_ty),
-             mask=m_ok[:, None] & d_ok[None, :])
-    tl.store(LSE + _lse_row(b, h, start, H, T_Q, VARLEN) + offs_m, lse, mask=m_ok)
+    _put(O, offs_m, sot, offs_d, Tq, o, HEAD_DIM)
+    tl.store(LSE + _lse_row(b, h, start, H, T_Q, VARLEN) + offs_m, lse, mask=offs_m < Tq)
 
 
 @triton.jit
-def _attn_bwd_pre_kernel(O, DO, DELTA, CU, T_Q, H, D, VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+def _attn_bwd_pre_kernel(O, DO, DELTA, CU, T_Q, H, sob, soh, sot, sdb, sdh, sdt, VARLEN: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     # Delta_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij: the term the softmax backward subtracts. Grid as forward.
     pid_m = tl.program_id(0).to(tl.int64)
     b, h = tl.program_id(1).to(tl.int64) // H, tl.program_id(1).to(tl.int64) % H
     start, Tq, _ = _seq(CU, b, T_Q, T_Q, VARLEN)
-    base, st = _rows(b, h, start, H, T_Q, VARLEN, HEAD_DIM)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_m[:, None] < Tq) & (offs_d[None, :] < D)
-    ptr = base + offs_m[:, None] * st + offs_d[None, :]
-    o = tl.load(O + ptr, mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DO + ptr, mask=mask, other=0.0).to(tl.float32)
-    tl.store(DELTA + _lse_row(b, h, start, H, T_Q, VARLEN) + offs_m, tl.sum(o * do, 1), mask=offs_m < Tq)
+    o = _tile(O + b * sob + h * soh + start * sot, offs_m, sot, offs_d, Tq, True, HEAD_DIM, BLOCK_D)
+    do = _tile(DO + b * sdb + h * sdh + start * sdt, offs_m, sdt, offs_d, Tq, True, HEAD_DIM, BLOCK_D)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + _lse_row(b, h, start, H, T_Q, VARLEN) + offs_m, delta, mask=offs_m < Tq)
 
 
 # Backward (derived in the notebook). With P recomputed from the LSE, P = exp(S*scale - LSE):
@@ -229,8 +257,43 @@ def _attn_bwd_pre_kernel(O, DO, DELTA, CU, T_Q, H, D, VARLEN: tl.constexpr, HEAD
 #   dQ = dS K * scale                 dK = dS^T Q * scale
 # dK/dV sum over query rows, dQ over key columns: two kernels, each owning the rows it writes, so no atomics.
 # GQA: the dK/dV program of kv head g also loops over the GROUP query heads that read g and sums their terms.
+# dK/dV rows are per key: whatever a non-finite k_j or v_j does stays in row j (which some row sees, so it is NaN
+# in the reference too), and this kernel needs no scrub; its masked loops mask P only.
 @triton.jit
-def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, T_Q, T_K, H, KVH, D, qk_scale, scale,
+def _dkdv_loop(k, v, dk, dv, Q, DO, LSE, DELTA, q_st, do_st, lo, hi, offs_n, offs_d, Tq, off, qk_scale,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    # Query blocks lo .. hi of one query head against this program's keys. Q, DO, LSE, DELTA: at query 0.
+    for m0 in range(lo, hi, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        q = _tile(Q, offs_m, q_st, offs_d, Tq, MASKED, HEAD_DIM, BLOCK_D)
+        do = _tile(DO, offs_m, do_st, offs_d, Tq, MASKED, HEAD_DIM, BLOCK_D)
+        if UPCAST:
+            q, do = q.to(tl.float32), do.to(tl.float32)
+        if MASKED:
+            lse2 = tl.load(LSE + offs_m, mask=offs_m < Tq, other=0.0) * 1.4426950408889634
+            delta = tl.load(DELTA + offs_m, mask=offs_m < Tq, other=0.0)
+        else:
+            lse2 = tl.load(LSE + offs_m) * 1.4426950408889634
+            delta = tl.load(DELTA + offs_m)
+        s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale  # (BLOCK_N, BLOCK_M) = (S^T), log2
+        p_t = tl.exp2(s_t - lse2[None, :])  # P^T, recomputed
+        if MASKED:
+            keep = offs_m[None, :] < Tq
+            if CAUSAL:
+                keep = keep & (offs_n[:, None] <= offs_m[None, :] + off)
+            p_t = tl.where(keep, p_t, 0.0)  # where, not *: no inf * 0
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=PREC)  # dV += P^T dO
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)  # (dO V^T)^T
+        ds_t = p_t * (dp_t - delta[None, :])  # dS^T
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PREC)  # dK += dS^T Q (times scale below)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, T_Q, T_K, H, KVH, qk_scale, scale,
+                          sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdob, sdoh, sdot,
+                          sdkb, sdkh, sdkt, sdvb, sdvh, sdvt,
                           GROUP: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr, UPCAST: tl.constexpr,
                           PREC: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -240,80 +303,75 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, T_Q, T_K, H, KVH,
     bg = tl.program_id(1).to(tl.int64)
     b, g = bg // KVH, bg % KVH
     start, Tq, Tk = _seq(CU, b, T_Q, T_K, VARLEN)
-    kv_base, kv_st = _rows(b, g, start, KVH, T_K, VARLEN, HEAD_DIM)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    kv_mask = (offs_n[:, None] < Tk) & (offs_d[None, :] < D)
-    k = tl.load(K + kv_base + offs_n[:, None] * kv_st + offs_d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BD)
-    v = tl.load(V + kv_base + offs_n[:, None] * kv_st + offs_d[None, :], mask=kv_mask, other=0.0)
+    k = _tile(K + b * skb + g * skh + start * skt, offs_n, skt, offs_d, Tk, True, HEAD_DIM, BLOCK_D)
+    v = _tile(V + b * svb + g * svh + start * svt, offs_n, svt, offs_d, Tk, True, HEAD_DIM, BLOCK_D)
     if UPCAST:
         k, v = k.to(tl.float32), v.to(tl.float32)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    # Query blocks: lo .. dhi partly see these keys (causal diagonal), dhi .. full see all of them, full .. end is
+    # the ragged tail. Queries above lo see none of these keys (causal block skipping).
     off = Tk - Tq
-    lo = 0
-    if CAUSAL:  # queries above the first one that sees key pid_n*BLOCK_N see none of this block: skip them
-        lo = tl.maximum(pid_n * BLOCK_N - off, 0) // BLOCK_M * BLOCK_M
-    hi = tl.where(pid_n * BLOCK_N < Tk, Tq, 0)
+    end = tl.where(n0 < Tk, (Tq + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    lo = n0 * 0
+    dhi = n0 * 0
+    if CAUSAL:
+        lo = tl.minimum(tl.maximum(n0 - off, 0) // BLOCK_M * BLOCK_M, end)
+        dhi = tl.minimum((tl.maximum(n0 + BLOCK_N - 1 - off, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M, end)
+    full = tl.maximum(tl.minimum(Tq // BLOCK_M * BLOCK_M, end), dhi)
     for j in range(0, GROUP):
         h = g * GROUP + j
-        q_base, q_st = _rows(b, h, start, H, T_Q, VARLEN, HEAD_DIM)
-        l_base = _lse_row(b, h, start, H, T_Q, VARLEN)
-        for m0 in range(lo, hi, BLOCK_M):
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            q_mask = (offs_m[:, None] < Tq) & (offs_d[None, :] < D)
-            q = tl.load(Q + q_base + offs_m[:, None] * q_st + offs_d[None, :], mask=q_mask, other=0.0)
-            do = tl.load(DO + q_base + offs_m[:, None] * q_st + offs_d[None, :], mask=q_mask, other=0.0)
-            if UPCAST:
-                q, do = q.to(tl.float32), do.to(tl.float32)
-            lse2 = tl.load(LSE + l_base + offs_m, mask=offs_m < Tq, other=0.0) * 1.4426950408889634
-            delta = tl.load(DELTA + l_base + offs_m, mask=offs_m < Tq, other=0.0)
-            s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale  # (BLOCK_N, BLOCK_M) = (S^T), log2
-            keep = (offs_n[:, None] < Tk) & (offs_m[None, :] < Tq)
-            if CAUSAL:
-                keep = keep & (offs_n[:, None] <= offs_m[None, :] + off)
-            p_t = tl.where(keep, tl.exp2(s_t - lse2[None, :]), 0.0)  # P^T, recomputed; where, not *: no inf*0
-            dv += tl.dot(p_t.to(do.dtype), do, input_precision=PREC)  # dV += P^T dO
-            dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)  # (dO V^T)^T
-            ds_t = p_t * (dp_t - delta[None, :])  # dS^T
-            dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PREC)  # dK += dS^T Q (times scale below)
-    tl.store(DK + kv_base + offs_n[:, None] * kv_st + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
-             mask=kv_mask)
-    tl.store(DV + kv_base + offs_n[:, None] * kv_st + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
+        Qh = Q + b * sqb + h * sqh + start * sqt
+        DOh = DO + b * sdob + h * sdoh + start * sdot
+        row = _lse_row(b, h, start, H, T_Q, VARLEN)
+        dk, dv = _dkdv_loop(k, v, dk, dv, Qh, DOh, LSE + row, DELTA + row, sqt, sdot, lo, dhi, offs_n, offs_d, Tq,
+                            off, qk_scale, True, CAUSAL, UPCAST, PREC, HEAD_DIM, BLOCK_D, BLOCK_M)
+        dk, dv = _dkdv_loop(k, v, dk, dv, Qh, DOh, LSE + row, DELTA + row, sqt, sdot, dhi, full, offs_n, offs_d, Tq,
+                            off, qk_scale, False, CAUSAL, UPCAST, PREC, HEAD_DIM, BLOCK_D, BLOCK_M)
+        dk, dv = _dkdv_loop(k, v, dk, dv, Qh, DOh, LSE + row, DELTA + row, sqt, sdot, full, end, offs_n, offs_d, Tq,
+                            off, qk_scale, True, CAUSAL, UPCAST, PREC, HEAD_DIM, BLOCK_D, BLOCK_M)
+    _put(DK + b * sdkb + g * sdkh + start * sdkt, offs_n, sdkt, offs_d, Tk, dk * scale, HEAD_DIM)
+    _put(DV + b * sdvb + g * sdvh + start * sdvt, offs_n, sdvt, offs_d, Tk, dv, HEAD_DIM)
 
 
 @triton.jit
-def _dq_block(q, do, K, V, kv_base, kv_st, n0, offs_m, offs_n, offs_d, Tq, Tk, D, off, qk_scale, lse2, delta, dq,
-              diag, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
-    # One key block of dQ; `diag` as in _fwd_block. A masked entry has P = 0, and dS = P (dP - Delta) is NaN when
-    # v_j is not finite (dP = dO V^T), dS K forms 0 * NaN when k_j is not: dS is masked with where, k_j zeroed on
-    # the diagonal, and a row that sees a bad k_j still gets NaN: through dP (tensor cores) or S (fp32), as above.
-    cols = n0 + offs_n
-    kv_mask = (cols[:, None] < Tk) & (offs_d[None, :] < D)
-    k = tl.load(K + kv_base + cols[:, None] * kv_st + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + kv_base + cols[:, None] * kv_st + offs_d[None, :], mask=kv_mask, other=0.0)
-    if UPCAST:
-        k, v = k.to(tl.float32), v.to(tl.float32)
-    if CAUSAL and PREC != "ieee":
-        if diag:
+def _dq_loop(q, do, K, V, k_st, v_st, lo, hi, offs_m, offs_n, offs_d, Tq, Tk, off, qk_scale, lse2, delta, dq,
+             MASKED: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Key blocks lo .. hi of dQ. A masked entry has P = 0, and dS = P (dP - Delta) is NaN when v_j is not finite
+    # (dP = dO V^T), dS K forms 0 * NaN when k_j is not: dS is masked with where, k_j zeroed in the masked loop,
+    # and a row that sees a bad k_j still gets NaN: through dP (tensor cores) or S (fp32), as in the forward.
+    for n0 in range(lo, hi, BLOCK_N):
+        cols = n0 + offs_n
+        k = _tile(K, cols, k_st, offs_d, Tk, MASKED, HEAD_DIM, BLOCK_D)
+        v = _tile(V, cols, v_st, offs_d, Tk, MASKED, HEAD_DIM, BLOCK_D)
+        if UPCAST:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        if MASKED and CAUSAL and PREC != "ieee":
             bad = k - k  # 0 where k is finite, NaN where not
             v = v + bad  # dP_ij NaN for every i: kept by the rows that see key j (dS NaN), masked in the others
             k = tl.where(bad == 0.0, k, tl.zeros_like(k))
-    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
-    keep = (cols[None, :] < Tk) & (offs_m[:, None] < Tq)
-    if CAUSAL:
-        keep = keep & (cols[None, :] <= offs_m[:, None] + off)
-    p = tl.exp2(s - lse2[:, None])
-    dp = tl.dot(do, tl.trans(v), input_precision=PREC)  # dP = dO V^T
-    ds = tl.where(keep, p * (dp - delta[:, None]), 0.0)  # where, not P = 0: 0 * NaN would be NaN
-    if CAUSAL and PREC == "ieee":
-        if diag:
-            k = tl.where(k - k == 0.0, k, tl.zeros_like(k))
-    return dq + tl.dot(ds.to(k.dtype), k, input_precision=PREC)  # dQ += dS K (times scale below)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        p = tl.exp2(s - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)  # dP = dO V^T
+        ds = p * (dp - delta[:, None])
+        if MASKED:
+            keep = (cols[None, :] < Tk) & (offs_m[:, None] < Tq)
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None] + off)
+            ds = tl.where(keep, ds, 0.0)  # where, not P = 0: 0 * NaN would be NaN
+            if CAUSAL and PREC == "ieee":
+                k = tl.where(k - k == 0.0, k, tl.zeros_like(k))
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)  # dQ += dS K (times scale below)
+    return dq
 
 
 @triton.jit
-def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, T_Q, T_K, H, KVH, D, qk_scale, scale,
+def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, T_Q, T_K, H, KVH, qk_scale, scale,
+                        sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdob, sdoh, sdot, sdqb, sdqh, sdqt,
                         GROUP: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr, UPCAST: tl.constexpr,
                         PREC: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -321,50 +379,64 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, T_Q, T_K, H, KVH, D, qk
     qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)  # fp64 under Inductor
     pid_m = tl.program_id(0).to(tl.int64)
     b, h = tl.program_id(1).to(tl.int64) // H, tl.program_id(1).to(tl.int64) % H
+    g = h // GROUP
     start, Tq, Tk = _seq(CU, b, T_Q, T_K, VARLEN)
-    q_base, q_st = _rows(b, h, start, H, T_Q, VARLEN, HEAD_DIM)
-    kv_base, kv_st = _rows(b, h // GROUP, start, KVH, T_K, VARLEN, HEAD_DIM)
+    K += b * skb + g * skh + start * skt
+    V += b * svb + g * svh + start * svt
     l_base = _lse_row(b, h, start, H, T_Q, VARLEN)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q_mask = (offs_m[:, None] < Tq) & (offs_d[None, :] < D)
-    q = tl.load(Q + q_base + offs_m[:, None] * q_st + offs_d[None, :], mask=q_mask, other=0.0)
-    do = tl.load(DO + q_base + offs_m[:, None] * q_st + offs_d[None, :], mask=q_mask, other=0.0)
+    q = _tile(Q + b * sqb + h * sqh + start * sqt, offs_m, sqt, offs_d, Tq, True, HEAD_DIM, BLOCK_D)
+    do = _tile(DO + b * sdob + h * sdoh + start * sdot, offs_m, sdot, offs_d, Tq, True, HEAD_DIM, BLOCK_D)
     if UPCAST:
         q, do = q.to(tl.float32), do.to(tl.float32)
     lse2 = tl.load(LSE + l_base + offs_m, mask=offs_m < Tq, other=0.0) * 1.4426950408889634
     delta = tl.load(DELTA + l_base + offs_m, mask=offs_m < Tq, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    full, hi = _key_ranges(m0, Tq, Tk, CAUSAL, BLOCK_M, BLOCK_N)
     off = Tk - Tq
-    hi = Tk
-    if CAUSAL:
-        hi = tl.minimum(Tk, tl.maximum(pid_m * BLOCK_M + BLOCK_M + off, 0))
-    hi = tl.where(pid_m * BLOCK_M < Tq, hi, 0)
-    diag0 = hi
-    if CAUSAL:
-        diag0 = tl.maximum(pid_m * BLOCK_M + off + 1, 0) // BLOCK_N * BLOCK_N
-    for n0 in range(0, hi, BLOCK_N):
-        dq = _dq_block(q, do, K, V, kv_base, kv_st, n0, offs_m, offs_n, offs_d, Tq, Tk, D, off, qk_scale, lse2,
-                       delta, dq, n0 >= diag0, CAUSAL, UPCAST, PREC)
-    tl.store(DQ + q_base + offs_m[:, None] * q_st + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
-             mask=q_mask)
+    dq = _dq_loop(q, do, K, V, skt, svt, 0, full, offs_m, offs_n, offs_d, Tq, Tk, off, qk_scale, lse2, delta, dq,
+                  False, CAUSAL, UPCAST, PREC, HEAD_DIM, BLOCK_D, BLOCK_N)
+    dq = _dq_loop(q, do, K, V, skt, svt, full, hi, offs_m, offs_n, offs_d, Tq, Tk, off, qk_scale, lse2, delta, dq,
+                  True, CAUSAL, UPCAST, PREC, HEAD_DIM, BLOCK_D, BLOCK_N)
+    _put(DQ + b * sdqb + h * sdqh + start * sdqt, offs_m, sdqt, offs_d, Tq, dq * scale, HEAD_DIM)
 
 
 # ------------------------------------------------------------------------------------------ 3. launchers
-def _blocks(T_q: int, T_k: int, D: int, bwd: bool = False, fp32: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): GPU-legal tiles (every tl.dot dim >= 16) used on the CPU too, so the
-    interpreter tests run the configuration an H100 compiles. 128x64 forward tiles as in the Triton tutorial;
-    the backward holds two (BLOCK, D) fp32 accumulators, so it takes 64x64 (32 rows at D = 128). fp32 at D > 64
-    halves them (the sm_80 gate: 128x64 took 225 KiB of shared memory, 64x64 176 KiB, over an A100's 163 KiB)."""
-    wide32 = fp32 and D > 64
-    bm, bn = (32 if bwd and D > 64 else 64 if bwd or wide32 else 128), (32 if wide32 else 64)
+# GPU tiles (fp16/bf16), each chosen by compiling for sm_90 as the JIT does (``gpu_tiles``; sizes, registers and
+# spills in the module's test, tests/kernels/test_attention.py): every tl.dot has M >= 64 rows per warpgroup, so
+# it lowers to wgmma with no warpgroup computing another's rows. (BLOCK_M queries, BLOCK_N keys, warps, stages).
+_GPU_TILES = {  # kind -> {BLOCK_D: tile}
+    "fwd": {64: (128, 128, 8, 3), 128: (128, 64, 8, 3)},
+    "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3)},  # dots: S, dP (128 x 64), dQ (128 x D)
+    "dkdv": {64: (64, 128, 8, 3), 128: (32, 128, 8, 3)},  # dots: S^T, dP^T (128 keys x BLOCK_M), dK, dV (128 x D)
+}
+
+
+def _tiles(kind: str, T_q: int, T_k: int, D: int, dtype: torch.dtype, gpu: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of kernel `kind` ("fwd", "dq", "dkdv"). Every tl.dot dim >= 16.
+    GPU: the tiles above; fp32 (tf32 / ieee dots) keeps small ones (the sm_80 gate: fp32's 128x64 forward tile
+    took 225 KiB of shared memory at D = 128, over an A100's 163 KiB). The interpreter (CPU) runs small tiles, so
+    that its tests cross every loop: main blocks, diagonal blocks and ragged tails."""
+    bd = max(16, triton.next_power_of_2(D))
+    if gpu and dtype != torch.float32:
+        bm, bn, nw, ns = _GPU_TILES[kind][64 if bd <= 64 else 128]
+    elif gpu:
+        wide = bd > 64
+        bm, bn, nw, ns = (64 if wide else 128, 32 if wide else 64, 8 if wide else 4, 3) if kind == "fwd" else \
+            (32 if wide else 64, 32 if wide else 64, 8 if wide else 4, 3)
+    else:
+        bm, bn, nw, ns = (32, 64, 4, 1) if kind == "dkdv" else (64, 32, 4, 1)
     bm = min(bm, max(16, triton.next_power_of_2(T_q)))  # short sequences (decode, T = 1): one small tile
     bn = min(bn, max(16, triton.next_power_of_2(T_k)))
-    return bm, bn, 8 if D > 64 else 4  # D = 128: two (BLOCK, 128) fp32 accumulators need 8 warps of registers
+    if gpu and (bn if kind == "dkdv" else bm) < 128:
+        nw = min(nw, 4)  # the dots' M (keys for dK/dV, queries otherwise) has 16 rows per warp: no replication
+    return bm, bn, nw, ns
 
 
-def _meta(q: torch.Tensor, k: torch.Tensor, causal: bool, varlen: bool) -> dict:
+def _meta(q: Tensor, k: Tensor, causal: bool, varlen: bool) -> dict:
     D, upcast = q.shape[-1], q.dtype == torch.bfloat16 and interpreting()  # bf16 math is wrong when interpreted
     return dict(GROUP=q.shape[-3 if not varlen else 1] // k.shape[-3 if not varlen else 1], CAUSAL=causal,
                 VARLEN=varlen, UPCAST=upcast, PREC="ieee" if q.dtype == torch.float32 else "tf32",
@@ -379,48 +451,141 @@ def _dims(q, k, cu_seqlens, max_seqlen):
     return cu_seqlens.numel() - 1, q.shape[1], k.shape[1], q.shape[0], k.shape[0], max_seqlen, max_seqlen
 
 
+def _unit(t: Tensor) -> Tensor:
+    """t itself when D has stride 1 (any other strides are passed to the kernels), else a dense copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _strides(t: Tensor) -> tuple[int, int, int]:
+    """(batch, head, token) strides: (B, H, T, D) in any memory order, or thd (total, H, D) with batch stride 0."""
+    return (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (0, t.stride(1), t.stride(0))
+
+
+def _like(x: Tensor) -> Tensor:
+    """A new tensor shaped like x, (B, H, T, D) or thd, stored in x's order: a (B, H, T, D) view of (B, T, H, D)
+    memory (heads inside tokens, as a qkv projection writes them) gives a (B, H, T, D) view of new (B, T, H, D)
+    memory, whose (B, T, H * D) view is then free. Dense either way."""
+    if x.dim() == 4 and x.stride(1) < x.stride(2):
+        B, H, T, D = x.shape
+        return x.new_empty((B, T, H, D)).transpose(1, 2)
+    return x.new_empty(x.shape)
+
+
+def _forward(q, k, v, o, causal, scale, cu_seqlens, max_seqlen) -> Tensor:
+    """Launch the forward into o (any strides with D's = 1) -> lse."""
+    q, k, v = _unit(q), _unit(k), _unit(v)
+    B, H, KVH, Tq, Tk, Mq, Mk = _dims(q, k, cu_seqlens, max_seqlen)
+    lse = torch.empty((H, Tq) if cu_seqlens is not None else (B, H, Tq), dtype=torch.float32, device=q.device)
+    if o.numel():
+        D = q.shape[-1]
+        scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+        bm, bn, nw, ns = _tiles("fwd", Mq, Mk, D, q.dtype, C.gpu_tiles(q))
+        C.launchable(_attn_fwd_kernel)[(triton.cdiv(Mq, bm), B * H)](
+            q, k, v, o, lse, cu_seqlens if cu_seqlens is not None else q, Tq, Tk, H, KVH, scale * LOG2E,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(o), **_meta(q, k, causal, cu_seqlens is not None),
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=ns)
+    return lse
+
+
 @C.register_op("attention_fwd")  # torch.ops.minite.attention_fwd, for torch.compile (section 4)
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: float | None = None,
                   cu_seqlens: Tensor | None = None, max_seqlen: int = 0) -> tuple[Tensor, Tensor]:
     """Launch the forward. bhsd: q (B, H, T_q, D), k/v (B, KVH, T_k, D) -> o like q, lse (B, H, T_q) fp32.
-    thd (cu_seqlens given): q (total, H, D), k/v (total, KVH, D) -> o like q, lse (H, total) fp32."""
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    B, H, KVH, Tq, Tk, Mq, Mk = _dims(q, k, cu_seqlens, max_seqlen)
-    D, o = q.shape[-1], torch.empty_like(q)
+    thd (cu_seqlens given): q (total, H, D), k/v (total, KVH, D) -> o like q, lse (H, total) fp32.
+    Any strides with D's = 1 (else that tensor is copied); o is stored in q's order (``_like``)."""
+    o = _like(q)
+    return o, _forward(q, k, v, o, causal, scale, cu_seqlens, max_seqlen)
+
+
+def _backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, cu_seqlens, max_seqlen) -> None:
+    """Delta, then dK/dV (one program per key block and kv head), then dQ, written into dq, dk, dv (any strides
+    with D's = 1: slices of one d(qkv) buffer, for ``attention_qkv_bwd``)."""
+    do, q, k, v, o = (_unit(t) for t in (do, q, k, v, o))
+    lse = lse.contiguous()  # (B, H, T_q) / (H, total), indexed densely; context parallelism passes a slice
+    (B, H, KVH, Tq, Tk, Mq, Mk), D = _dims(q, k, cu_seqlens, max_seqlen), q.shape[-1]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    lse = torch.empty((H, Tq) if cu_seqlens is not None else (B, H, Tq), dtype=torch.float32, device=q.device)
-    bm, bn, nw = _blocks(Mq, Mk, D, fp32=q.dtype == torch.float32)
-    if o.numel():
-        C.launchable(_attn_fwd_kernel)[(triton.cdiv(Mq, bm), B * H)](
-            q, k, v, o, lse, cu_seqlens if cu_seqlens is not None else q, Tq, Tk, H, KVH, D, scale * LOG2E,
-            **_meta(q, k, causal, cu_seqlens is not None), BLOCK_M=bm, BLOCK_N=bn, num_warps=nw)
-    return o, lse
+    cu = cu_seqlens if cu_seqlens is not None else q
+    meta = _meta(q, k, causal, cu_seqlens is not None)
+    delta = torch.empty_like(lse)
+    gpu = C.gpu_tiles(q)
+    C.launchable(_attn_bwd_pre_kernel)[(triton.cdiv(Mq, 64), B * H)](
+        o, do, delta, cu, Tq, H, *_strides(o), *_strides(do), VARLEN=meta["VARLEN"], HEAD_DIM=D,
+        BLOCK_D=meta["BLOCK_D"], BLOCK_M=64)
+    args = (cu, Tq, Tk, H, KVH, scale * LOG2E, scale)
+    bm, bn, nw, ns = _tiles("dkdv", Mq, Mk, D, q.dtype, gpu)
+    C.launchable(_attn_bwd_dkdv_kernel)[(triton.cdiv(Mk, bn), B * KVH)](
+        q, k, v, do, lse, delta, dk, dv, *args, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
+        *_strides(dk), *_strides(dv), **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=ns)
+    bm, bn, nw, ns = _tiles("dq", Mq, Mk, D, q.dtype, gpu)
+    C.launchable(_attn_bwd_dq_kernel)[(triton.cdiv(Mq, bm), B * H)](
+        q, k, v, do, lse, delta, dq, *args, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
+        *_strides(dq), **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=ns)
 
 
 @C.register_op("attention_bwd")
 def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool = True,
                   scale: float | None = None, cu_seqlens: Tensor | None = None,
                   max_seqlen: int = 0) -> tuple[Tensor, Tensor, Tensor]:
-    """Launch the backward: Delta, then dK/dV (one program per key block and kv head), then dQ. -> dq, dk, dv."""
-    do, q, k, v, o, lse = (t.contiguous() for t in (do, q, k, v, o, lse))  # kernels assume dense strides
-    (B, H, KVH, Tq, Tk, Mq, Mk), D = _dims(q, k, cu_seqlens, max_seqlen), q.shape[-1]
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    """Launch the backward -> dq, dk, dv, each stored in its input's order (``_like``)."""
+    dq, dk, dv = _like(q), _like(k), _like(v)
     if not (q.numel() and k.numel()):
         return dq.zero_(), dk.zero_(), dv.zero_()
-    cu = cu_seqlens if cu_seqlens is not None else q
-    meta = _meta(q, k, causal, cu_seqlens is not None)
-    delta = torch.empty_like(lse)
-    bm, bn, nw = _blocks(Mq, Mk, D, bwd=True, fp32=q.dtype == torch.float32)
-    grid_q, grid_k = (triton.cdiv(Mq, bm), B * H), (triton.cdiv(Mk, bn), B * KVH)
-    C.launchable(_attn_bwd_pre_kernel)[grid_q](o, do, delta, cu, Tq, H, D, VARLEN=meta["VARLEN"], HEAD_DIM=D,
-                                               BLOCK_D=meta["BLOCK_D"], BLOCK_M=bm)
-    args = (cu, Tq, Tk, H, KVH, D, scale * LOG2E, scale)
-    C.launchable(_attn_bwd_dkdv_kernel)[grid_k](q, k, v, do, lse, delta, dk, dv, *args, **meta, BLOCK_M=bm,
-                                                BLOCK_N=bn, num_warps=nw)
-    C.launchable(_attn_bwd_dq_kernel)[grid_q](q, k, v, do, lse, delta, dq, *args, **meta, BLOCK_M=bm, BLOCK_N=bn,
-                                              num_warps=nw)
+    _backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, cu_seqlens, max_seqlen)
     return dq, dk, dv
+
+
+# The GPT's layout: q, k, v straight out of the fused projection. qkv (B, T, (H + 2 KVH) D) is a (B, T, H + 2 KVH, D)
+# tensor: heads 0 .. H are q, then KVH of k, then KVH of v. RoPE rotates q and k together (one (B, T, H + KVH, D)
+# slice, one launch), v is read where it lies, o is written (B, T, H, D) so that its (B, T, H * D) view feeds the out
+# projection. The backward writes dq, dk, dv into one d(qkv) buffer and un-rotates dq, dk there, in place: no
+# transpose, no contiguous() and no concatenation of the three gradients (the GPT-2 step paid 2.85 ms for those
+# on an H200).
+def _rope_bthd(x: Tensor, cos: Tensor, sin: Tensor, sign: int, out: Tensor) -> None:
+    """out = x (B, T, NH, D) rotated by sign * t theta (RoPE, chapter 04's kernel). out may be x: each program reads
+    its token's heads before it writes them, element by element in the same thread."""
+    B, T, NH, D = x.shape
+    if B * T * NH == 0:
+        return
+    C.launchable(_rope._rope_kernel)[(B * T,)](
+        x, out, cos, sin, T, NH, x.stride(0), x.stride(2), x.stride(1), out.stride(0), out.stride(2), out.stride(1),
+        cos.stride(0), HALF=D // 2, SIGN=sign, ACC=C.tl_compute_dtype(x.dtype), BLOCK_H=triton.next_power_of_2(NH),
+        BLOCK_HALF=triton.next_power_of_2(D // 2), num_warps=4 if NH * D <= 4096 else 8)
+
+
+def _split(qkv: Tensor, n_head: int, n_kv_head: int) -> tuple[Tensor, int, int]:
+    B, T, N = qkv.shape
+    D = N // (n_head + 2 * n_kv_head)
+    return qkv.view(B, T, n_head + 2 * n_kv_head, D), n_head, n_kv_head
+
+
+@C.register_op("attention_qkv_fwd")
+def attention_qkv_fwd(qkv: Tensor, cos: Tensor, sin: Tensor, n_head: int, n_kv_head: int, causal: bool = True,
+                      scale: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """qkv (B, T, (H + 2 KVH) D), cos/sin (T, D/2) -> o (B, T, H, D), lse (B, H, T) fp32, and q, k rotated
+    (B, T, H + KVH, D) (saved for the backward)."""
+    x, H, KVH = _split(qkv, n_head, n_kv_head)
+    B, T, _, D = x.shape
+    qk, o = x.new_empty((B, T, H + KVH, D)), x.new_empty((B, T, H, D))
+    _rope_bthd(x[:, :, :H + KVH], cos, sin, 1, qk)
+    lse = _forward(qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), x[:, :, H + KVH:].transpose(1, 2),
+                   o.transpose(1, 2), causal, scale, None, 0)  # (B, heads, T, D) views
+    return o, lse, qk
+
+
+@C.register_op("attention_qkv_bwd")
+def attention_qkv_bwd(do: Tensor, qkv: Tensor, qk: Tensor, o: Tensor, lse: Tensor, cos: Tensor, sin: Tensor,
+                      n_head: int, n_kv_head: int, causal: bool = True, scale: float | None = None) -> Tensor:
+    """do, o (B, T, H, D) -> d(qkv) (B, T, (H + 2 KVH) D): one buffer, no concatenation."""
+    x, H, KVH = _split(qkv, n_head, n_kv_head)
+    dqkv = torch.empty_like(qkv, memory_format=torch.contiguous_format)
+    dx = dqkv.view(x.shape)
+    if qkv.numel():
+        def t(a):
+            return a.transpose(1, 2)  # (B, T, heads, D) -> (B, heads, T, D) view
+        _backward(t(do), t(qk[:, :, :H]), t(qk[:, :, H:]), t(x[:, :, H + KVH:]), t(o), lse, t(dx[:, :, :H]),
+                  t(dx[:, :, H:H + KVH]), t(dx[:, :, H + KVH:]), causal, scale, None, 0)
+        _rope_bthd(dx[:, :, :H + KVH], cos, sin, -1, dx[:, :, :H + KVH])  # d(rotate)/dx = rotate back, in place
+    return dqkv
 
 
 # ------------------------------------------------------------------------------------ 4. autograd.Function
@@ -446,12 +611,38 @@ class AttentionFunction(torch.autograd.Function):
         q, k, v, o, lse, *cu = ctx.saved_tensors
         causal, scale, max_seqlen = ctx.args
         cu_seqlens = cu[0] if cu else None
-        dq, dk, dv = C.op("attention_bwd", attention_bwd)(do.contiguous(), q, k, v, o, lse, causal, scale, cu_seqlens,
-                                                          max_seqlen)
+        dq, dk, dv = C.op("attention_bwd", attention_bwd)(do, q, k, v, o, lse, causal, scale, cu_seqlens, max_seqlen)
         return dq, dk, dv, None, None, None, None
 
 
 C.register_autograd("attention_fwd", AttentionFunction.backward, setup_context=AttentionFunction.setup_ctx)
+
+
+class QKVAttentionFunction(torch.autograd.Function):
+    """RoPE + attention on the fused qkv projection; also the gradient of torch.ops.minite.attention_qkv_fwd."""
+
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, n_head, n_kv_head, causal, scale):
+        out = C.op("attention_qkv_fwd", attention_qkv_fwd)(qkv, cos, sin, n_head, n_kv_head, causal, scale)
+        QKVAttentionFunction.setup_ctx(ctx, (qkv, cos, sin, n_head, n_kv_head, causal, scale), out)
+        ctx.mark_non_differentiable(out[1], out[2])
+        return out
+
+    @staticmethod
+    def setup_ctx(ctx, inputs, output):
+        qkv, cos, sin, n_head, n_kv_head, causal, scale = inputs
+        o, lse, qk = output
+        ctx.save_for_backward(qkv, qk, o, lse, cos, sin)  # v is read from qkv, q and k rotated from qk
+        ctx.args = (n_head, n_kv_head, causal, scale)
+
+    @staticmethod
+    def backward(ctx, do, _dlse, _dqk):
+        qkv, qk, o, lse, cos, sin = ctx.saved_tensors
+        dqkv = C.op("attention_qkv_bwd", attention_qkv_bwd)(do, qkv, qk, o, lse, cos, sin, *ctx.args)
+        return dqkv, None, None, None, None, None, None
+
+
+C.register_autograd("attention_qkv_fwd", QKVAttentionFunction.backward, setup_context=QKVAttentionFunction.setup_ctx)
 
 
 # -------------------------------------------------------------------------------------------- 5. functional
@@ -531,6 +722,36 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_se
                           causal, scale, return_lse) for a, b in zip(cu[:-1], cu[1:])]  # (1, H, T_b, D) each
     o = torch.cat([(x[0] if return_lse else x)[0].transpose(0, 1) for x in outs])  # (total, H, D)
     return (o, torch.cat([x[1][0] for x in outs], dim=-1)) if return_lse else o
+
+def attention_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, n_head: int, n_kv_head: int, *, causal: bool = True,
+                  scale: float | None = None, backend: str | None = None) -> Tensor:
+    """RoPE and attention on the output of a fused qkv projection, the GPT's layout, with no copy in or out.
+
+    qkv (B, T, (H + 2 KVH) D): per token, H query heads, then KVH key heads, then KVH value heads. cos/sin (T, D/2):
+    the RoPE angles of positions 0 .. T-1 (``RotaryEmbedding.cos[:T]``). Returns o (B, T, H, D), stored densely, so
+    ``o.view(B, T, H * D)`` feeds the output projection. The Triton path's backward returns d(qkv) as one buffer."""
+    _v.tensor("attention_qkv", "qkv", qkv, floating=True)
+    H, KVH = n_head, n_kv_head
+    if qkv.dim() != 3 or KVH <= 0 or H % KVH or qkv.shape[-1] % (H + 2 * KVH):
+        raise ValueError(f"attention_qkv: qkv must be (B, T, (H + 2 KVH) D) with H % KVH == 0, got shape "
+                         f"{tuple(qkv.shape)}, H={H}, KVH={KVH}")
+    B, T, N = qkv.shape
+    D = N // (H + 2 * KVH)
+    if D % 2 or tuple(cos.shape) != (T, D // 2) or cos.shape != sin.shape:
+        raise ValueError(f"attention_qkv: cos/sin must be (T, D/2) = ({T}, {D // 2}) with D even, got "
+                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    scale = _v.scale("attention_qkv", scale)
+    if qkv.stride(-1) != 1 or qkv.stride(0) != T * N and B > 1 or qkv.stride(1) != N and T > 1:
+        qkv = qkv.contiguous()  # views of it must address (B, T, heads, D)
+    if resolve_backend(qkv, backend) == "triton":
+        _check_triton(qkv.view(B, T, H + 2 * KVH, D))
+        cos, sin = cos.contiguous(), sin.contiguous()  # one row stride for both
+        return QKVAttentionFunction.apply(qkv, cos, sin, H, KVH, causal, scale)[0]
+    x = qkv.view(B, T, H + 2 * KVH, D)
+    q, k = (_rope.rope_ref(t, cos, sin, layout="bthd") for t in (x[:, :, :H], x[:, :, H:H + KVH]))
+    o = attention_ref(q.transpose(1, 2), k.transpose(1, 2), x[:, :, H + KVH:].transpose(1, 2), causal, scale)
+    return o.transpose(1, 2)  # (B, T, H, D)
+
 
 
 # ----------------------------------------------------------------------------------------------- 6. Module

@@ -1,6 +1,10 @@
 """CausalSelfAttention: the attention block of the GPT, built from minite parts only.
 
-    x (B, T, C) -> qkv projection -> RoPE on q and k -> minite.ops.attention (causal, GQA) -> out projection
+    x (B, T, C) -> qkv projection -> RoPE on q and k -> attention (causal, GQA) -> out projection
+
+q, k and v stay views of the projection's output, (B, T, H + 2 KVH, D), and the attention output is written
+(B, T, H, D), whose (B, T, C) view feeds the out projection: no transpose is copied either way, and the backward
+writes dq, dk and dv into one d(qkv) buffer (``minite.kernels.attention.attention_qkv``).
 
 Grouped-query attention (GQA): ``n_head`` query heads share ``n_kv_head`` key/value heads (each K/V head serves
 ``n_head // n_kv_head`` query heads). ``n_kv_head == n_head`` is ordinary multi-head attention, ``n_kv_head == 1``
@@ -21,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from minite.kernels.attention import attention_qkv
 from minite.kernels.decode import decode_attention
 from minite.kernels.rope import RotaryEmbedding
 from minite.layers.linear import Linear
@@ -75,17 +80,18 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(f"sequence length {max(pos) + T} is longer than max_seq_len={self.max_seq_len} of the "
                              "RoPE tables")
         H, KVH, D = self.n_head, self.n_kv_head, self.head_dim
-        qkv = self.qkv(x)  # (B, T, (H + 2 KVH) * D)
+        qkv = self.qkv(x)  # (B, T, (H + 2 KVH) * D): per token, H query heads, then KVH key and KVH value heads
+        if kv_cache is None:  # training / a full forward: RoPE and attention on views of qkv, no layout copy
+            cos, sin = self.rotary.cos[:T], self.rotary.sin[:T]  # (T, D/2) views
+            y = attention_qkv(qkv, cos, sin, H, KVH, causal=True, backend=self.backend)  # (B, T, H, D), dense
+            return self.resid_dropout(self.proj(y.reshape(B, T, H * D)))  # a view: heads side by side already
         q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
         q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, T, KVH, D).transpose(1, 2)  # (B, KVH, T, D)
         v = v.view(B, T, KVH, D).transpose(1, 2)  # (B, KVH, T, D)
         q, k = self._rope(q, pos), self._rope(k, pos)  # (B, H, T, D), (B, KVH, T, D)
-        if kv_cache is None:
-            y = attention(q, k, v, causal=True, backend=self.backend)  # (B, H, T, D)
-        else:
-            kv_cache.write(layer, k, v)
-            y = self._cached_attention(q, kv_cache.k[layer], kv_cache.v[layer], pos)  # (B, H, T, D)
+        kv_cache.write(layer, k, v)
+        y = self._cached_attention(q, kv_cache, layer, pos)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, H * D)  # (B, T, C): heads side by side again
         return self.resid_dropout(self.proj(y))  # (B, T, C)
 
@@ -95,13 +101,14 @@ class CausalSelfAttention(nn.Module):
             return self.rotary(x, offset=pos[0])
         return torch.cat([self.rotary(x[b:b + 1], offset=p) for b, p in enumerate(pos)])  # (B, H, T, D)
 
-    def _cached_attention(self, q, kc, vc, pos: list[int]) -> torch.Tensor:
-        # q (B, H, T, D) of the new tokens; kc/vc (B, KVH, T_max, D) already hold them at pos[b] ... pos[b] + T - 1.
+    def _cached_attention(self, q, cache: KVCache, layer: int, pos: list[int]) -> torch.Tensor:
+        # q (B, H, T, D) of the new tokens; the cache's k/v (B, KVH, T_max, D) already hold them at pos[b] ...
+        kc, vc = cache.k[layer], cache.v[layer]
         T = q.shape[2]
         if T == 1:  # decode: one query per sequence, its own length: the split-KV kernel
-            # Built on the CPU from the host lengths: decode_attention checks them there for free, then copies the
-            # B ints to q's device (the same copy a CUDA tensor built from a list costs), with no device sync.
-            lengths = torch.tensor([p + 1 for p in pos])
+            # The cache's own device lengths (not yet advanced) + 1, the new token: a host list turned into a
+            # tensor would be a host-to-device copy, and a stream sync, in every layer on CUDA.
+            lengths = cache.lengths + 1
             return decode_attention(q[:, :, 0], kc, vc, lengths, max_len=max(pos) + 1,
                                     backend=self.backend)[:, :, None]  # (B, H, 1, D)
         if all(p == pos[0] for p in pos):  # prefill / chunk: T queries against pos + T keys, bottom-right causal

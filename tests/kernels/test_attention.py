@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from minite.kernels.attention import _blocks, attention, attention_ref, attention_varlen
+from minite.kernels import _common as C
+from minite.kernels.attention import _tiles, attention, attention_ref, attention_varlen
 from minite.testing import assert_close, dtype_tols
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -201,24 +202,36 @@ def test_masked_nonfinite_kv_reach_only_the_rows_that_see_them(device, case):
     assert torch.isnan(o_bad).any(-1)[sees.expand_as(o_ok)[..., 0]].all(), case  # every row that sees one: NaN
 
 
-def test_gpu_tiles_are_legal():
-    # Every tl.dot dimension >= 16 for every shape the launchers can see: the tiles the CPU tests run are the
-    # tiles an H100 compiles (BLOCK_D = next power of two >= 16 of D).
+def test_tiles_are_legal():
+    # Every tl.dot dimension >= 16 for every shape the launchers can see, on the GPU and on the interpreter, and on
+    # the GPU no dot with fewer than 16 rows per warp along its M (keys for dK/dV, queries otherwise).
     for Tq in (1, 2, 7, 16, 33, 200, 4096):
         for Tk in (1, 5, 64, 1000):
             for D in (8, 16, 24, 64, 128):
-                for bwd in (False, True):
-                    bm, bn, nw = _blocks(Tq, Tk, D, bwd)
-                    assert bm >= 16 and bn >= 16 and bm & (bm - 1) == 0 and bn & (bn - 1) == 0, (Tq, Tk, D, bm, bn)
-    assert _blocks(4096, 4096, 64) == (128, 64, 4) and _blocks(4096, 4096, 128, True)[:2] == (32, 64)
+                for kind in ("fwd", "dq", "dkdv"):
+                    for dtype in (torch.float16, torch.float32):
+                        for gpu in (False, True):
+                            bm, bn, nw, ns = _tiles(kind, Tq, Tk, D, dtype, gpu)
+                            what = (kind, Tq, Tk, D, dtype, gpu, bm, bn, nw)
+                            assert bm >= 16 and bn >= 16 and bm & (bm - 1) == 0 and bn & (bn - 1) == 0, what
+                            assert not gpu or nw * 16 <= max(64, bn if kind == "dkdv" else bm), what
+    # The sm_90 tiles at long sequences (bf16/fp16), checked against the faithful compile in
+    # tests/kernels/test_attention_sm90.py: the forward at D = 64 and 128, dQ 128 queries, dK/dV 128 keys.
+    assert _tiles("fwd", 4096, 4096, 64, torch.bfloat16, True) == (128, 128, 8, 3)
+    assert _tiles("fwd", 4096, 4096, 128, torch.bfloat16, True) == (128, 64, 8, 3)
+    assert _tiles("dq", 4096, 4096, 128, torch.float16, True) == (128, 64, 8, 3)
+    assert _tiles("dkdv", 4096, 4096, 128, torch.bfloat16, True) == (32, 128, 8, 3)
 
 
 @pytest.mark.triton
-def test_gpu_default_tiles_on_the_interpreter(device):
-    # T = 200 at D = 128 runs the full 128 x 64 forward and 32 x 64 backward tiles an H100 would use.
-    assert _blocks(200, 200, 128) == (128, 64, 8)
-    q, k, v = (_rand(1, 1, 200, 128, seed=s, device=device) for s in (1, 2, 3))
-    _check_flag_rule(q, k, v, True, "GPU tiles D=128 T=200")
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_tiles_on_the_interpreter(device, causal, monkeypatch):
+    # The tiles a GPU runs (128-row dQ and forward, 128-key dK/dV), on T = 300: main blocks, diagonal blocks and a
+    # ragged tail in every kernel, GQA 2, D = 64 (no padded columns: the main loops' unmasked loads).
+    monkeypatch.setattr(C.CAPTURE_GPU, "on", True, raising=False)
+    q = _rand(1, 2, 300, 64, seed=1, dtype=torch.float16, device=device)
+    k, v = (_rand(1, 1, 300, 64, seed=s, dtype=torch.float16, device=device) for s in (2, 3))
+    _check_flag_rule(q, k, v, causal, f"GPU tiles D=64 T=300 causal={causal}")
 
 
 # ------------------------------------------------------------------------- reference and input checking

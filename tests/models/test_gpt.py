@@ -232,7 +232,7 @@ def test_state_dict_keys_tied_head_and_round_trip():
 def test_triton_backend_matches_torch_over_3_training_steps(monkeypatch, device):
     # backend="triton" forces every op through its Triton kernel, attention included (chapter 07). Count the
     # launchers' calls so a silent fall-back to the reference fails.
-    from minite.kernels import attention, cross_entropy, rmsnorm, rope, swiglu
+    from minite.kernels import attention, cross_entropy, rmsnorm, swiglu
     calls = {}
 
     def count(mod, name):
@@ -242,21 +242,21 @@ def test_triton_backend_matches_torch_over_3_training_steps(monkeypatch, device)
             calls[name] = calls.get(name, 0) + 1
             return real(*a, **k)
         monkeypatch.setattr(mod, name, wrapper)
-    for mod, names in ((rmsnorm, ("rmsnorm_fwd", "rmsnorm_bwd")), (rope, ("rope_fwd", "rope_bwd")),
-                       (swiglu, ("swiglu_fwd", "swiglu_bwd")),
+    for mod, names in ((rmsnorm, ("rmsnorm_fwd", "rmsnorm_bwd")), (swiglu, ("swiglu_fwd", "swiglu_bwd")),
                        (cross_entropy, ("cross_entropy_fwd", "cross_entropy_bwd")),
-                       (attention, ("attention_fwd", "attention_bwd"))):
+                       (attention, ("attention_qkv_fwd", "attention_qkv_bwd"))):
         for name in names:
             count(mod, name)
     ref = _train_losses("torch", device=device)
     assert calls == {}  # the reference run launches no kernel
     tri = _train_losses("triton", device=device)
-    expected = ["rmsnorm_fwd", "rmsnorm_bwd", "rope_fwd", "rope_bwd", "swiglu_fwd", "swiglu_bwd",
-                "cross_entropy_fwd", "cross_entropy_bwd", "attention_fwd", "attention_bwd"]
+    expected = ["rmsnorm_fwd", "rmsnorm_bwd", "swiglu_fwd", "swiglu_bwd", "cross_entropy_fwd", "cross_entropy_bwd",
+                "attention_qkv_fwd", "attention_qkv_bwd"]
     assert all(calls.get(n, 0) > 0 for n in expected), calls
-    # 3 steps x (3 norms + 1 swiglu + 2 ropes (q, k) + 1 cross-entropy) forward, and as many backward
-    assert calls["rmsnorm_fwd"] == calls["rmsnorm_bwd"] == 9 and calls["rope_fwd"] == 6, calls
-    assert calls["attention_fwd"] == calls["attention_bwd"] == 3, calls  # 1 layer x 3 steps
+    # 3 steps x (3 norms + 1 swiglu + 1 cross-entropy) forward, and as many backward
+    assert calls["rmsnorm_fwd"] == calls["rmsnorm_bwd"] == 9, calls
+    # 1 layer x 3 steps: RoPE and attention on the fused qkv, one op each way (RoPE of q and k inside)
+    assert calls["attention_qkv_fwd"] == calls["attention_qkv_bwd"] == 3, calls
     # Three AdamW steps amplify per-op fp32 rounding differences a little (Adam divides by sqrt(v)),
     # so allow 10x the fp32 single-op tolerance.
     tol = {k: 10 * v for k, v in dtype_tols(torch.float32).items()}
@@ -274,9 +274,14 @@ def test_gpt_runs_minite_nn_swiglu_and_rotary_embedding(monkeypatch):
     with monkeypatch.context() as mp:
         mp.setattr(mnn.SwiGLU, "forward", lambda self, x: torch.zeros_like(x))
         no_mlp = m(idx)[0]
-    with monkeypatch.context() as mp:
-        mp.setattr(mnn.RotaryEmbedding, "forward", lambda self, x, offset=0: x)
-        no_rope = m(idx)[0]
+    saved = [(b.attn.rotary.cos.clone(), b.attn.rotary.sin.clone()) for b in m.blocks]
+    for b in m.blocks:  # the rotation by angle 0 everywhere: the tables the attention reads
+        b.attn.rotary.cos.fill_(1.0)
+        b.attn.rotary.sin.zero_()
+    no_rope = m(idx)[0]
+    for b, (c, s) in zip(m.blocks, saved):
+        b.attn.rotary.cos.copy_(c)
+        b.attn.rotary.sin.copy_(s)
     assert not torch.equal(no_mlp, base) and not torch.equal(no_rope, base)
     assert torch.equal(m(idx)[0], base)
 
