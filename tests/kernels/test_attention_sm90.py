@@ -83,7 +83,7 @@ SCRIPT = textwrap.dedent('''
 
     # 3. the GPU's own tiles at the benchmarks' shapes: the launchers' heuristics with the interpreter off
     T._INTERPRET_AT_IMPORT = False
-    from minite.kernels import decode as Dk, lora as L, fp8_gemm as G
+    from minite.kernels import decode as Dk, fp8_gemm as G
     from minite.kernels._common import row_launch
     gpu = []
     for dt in ("bf16", "fp16"):
@@ -105,12 +105,7 @@ SCRIPT = textwrap.dedent('''
         for D in (64, 128):
             gpu.append(rec(Dk.__name__, "_decode_partial_kernel", pd, dict(
                 GROUP=3, UPCAST=False, PREC="tf32", BLOCK_G=16, BLOCK_D=D, BLOCK_N=64 if D <= 64 else 32)))
-        bm, bn, bk, br = L._blocks(8192, 4096, 4096, 64, True)
-        pl = {"X_ptr": "*" + dt, "W_ptr": "*" + dt, "A_ptr": "*" + dt, "B_ptr": "*" + dt, "Y_ptr": "*" + dt,
-              "XA_ptr": "*fp32", "N": "i32", "K": "i32", "O": "i32", "R": "i32", "scaling": "float",
-              "X_row_stride": "i32", "Y_row_stride": "i32"}
-        gpu.append(rec(L.__name__, "_lora_fwd_kernel", pl, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_R=br,
-                                                                 F32=False)))
+        # LoRA's GPU tiles (three kernels since issue 33): minite/gpu_examples.py's lora(), gated by --examples
         block, nw = row_launch(16384)
         pn = {"X_ptr": "*" + dt, "W_ptr": "*" + dt, "B_ptr": "*" + dt, "Y_ptr": "*" + dt, "Mean_ptr": "*fp32",
               "Rstd_ptr": "*fp32", "X_row_stride": "i32", "Y_row_stride": "i32", "N_ROWS": "i32", "N_COLS": "i32",
@@ -152,8 +147,6 @@ SPILL_BUDGET = {
     "_decode_partial_kernel[BLOCK_D=128,BLOCK_G=16,BLOCK_N=32,GROUP=3,PREC=tf32,UPCAST=False; *fp16/*fp32/*i32; warps=4]": 20,
     "_fp8_gemm_kernel[BLOCK_K=128,BLOCK_M=256,BLOCK_N=128,GROUP_M=8,SPLIT_ACC=False; *bf16/*fp32/*fp8e4nv; warps=8]": 4688,
     "_fp8_gemm_kernel[BLOCK_K=128,BLOCK_M=256,BLOCK_N=128,GROUP_M=8,SPLIT_ACC=True; *bf16/*fp32/*fp8e4nv; warps=8]": 4964,
-    "_lora_fwd_kernel[BLOCK_K=32,BLOCK_M=64,BLOCK_N=128,BLOCK_R=64,F32=False; *bf16/*fp32; warps=4]": 208,
-    "_lora_fwd_kernel[BLOCK_K=32,BLOCK_M=64,BLOCK_N=128,BLOCK_R=64,F32=False; *fp16/*fp32; warps=4]": 208,
 }
 
 
