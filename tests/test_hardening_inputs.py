@@ -291,4 +291,5 @@ def test_merged_model_runs_forward_with_grad_enabled():
     assert torch.is_grad_enabled()
     logits, loss = m(idx, idx)
     assert torch.allclose(logits[:, -1:], want, atol=1e-5) and math.isfinite(loss.item())
-    assert not loss.requires_grad  # the adapter is skipped and the base is frozen: nothing to train until unmerged
+    with pytest.raises(LoRAError, match=r"merged LoRA layer.*unmerge_lora\(model\) first"):  # issue 36: was torch's
+        loss.backward()                                        # "does not require grad"; nothing trains until unmerged

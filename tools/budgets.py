@@ -36,7 +36,11 @@ RULES = [
     # gradient divisor (ep x ZeRO: a second one over edp for the experts), gathered() for a whole-model read
     ("minite/parallel/data.py", 295),
     ("minite/parallel/comm.py", 320),        # every collective (EP's all-to-all too), the global-norm clip of shards
-    ("minite/layers/lora.py", 310),          # LoRALinear, PEFT's API, and (issue 25) its argument / merged-state checks
+    # LoRALinear, PEFT's API, (issue 25) its argument / merged-state checks, (issue 36) the merged-backward guard
+    ("minite/layers/lora.py", 325),
+    # issue 33: three kernels instead of one (the skinny x A^T, the GEMM with the adapter K-step, the row-split
+    # dA / dB reduction), their three launchers and per-kernel GPU tiles
+    ("minite/kernels/lora.py", 330),
     ("minite/parallel/dims.py", 260),       # every group of every layout: the grid's lines, ep, edp, edp_cp (16)
     ("minite/parallel/pipeline.py", 270),    # the schedules' runner, (16) a MoE inside the stages, (01) fp16's S
     ("minite/parallel/expert.py", 300),      # EP's dispatch, its gradient averaging under dp/cp/tp, ZeRO's and pp's

@@ -91,6 +91,21 @@ class LoRAConfig:
         return dataclasses.asdict(self)
 
 
+class _MergedGuard(torch.autograd.Function):
+    """A zero that depends on the adapters: a loss through a merged layer has a grad_fn, and its backward raises
+    minite's error (not torch's "does not require grad"); the forward (a loss with grad enabled) still works."""
+
+    @staticmethod
+    def forward(ctx, lora_A, lora_B):
+        return lora_A.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Training A, B while s B A sits in W would leave W stale (and unmerge would subtract the new B A)
+        raise LoRAError("backward through a merged LoRA layer: its adapter is folded into the weight (merge_lora is "
+                        "for inference), so lora_A / lora_B cannot train; unmerge_lora(model) first, then train")
+
+
 class LoRALinear(Linear):
     """A ``minite.nn.Linear`` with a low-rank adapter: y = base(x) + s * dropout(x) A^T B^T.
 
@@ -141,7 +156,10 @@ class LoRALinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged:  # s B A is in the weight: the base alone, grad enabled or not (PEFT skips the adapter too)
-            return super().forward(x)
+            y = super().forward(x)
+            if torch.is_grad_enabled() and (self.lora_A.requires_grad or self.lora_B.requires_grad):
+                y = y + _MergedGuard.apply(self.lora_A, self.lora_B)  # + an exact 0 whose backward says why
+            return y
         fused = (not is_fp8_enabled() and isinstance(self.lora_dropout, nn.Identity)
                  and resolve_backend(x, self.backend) == "triton")
         if fused:  # one kernel: x is read once for both x W^T and x A^T

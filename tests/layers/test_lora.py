@@ -250,6 +250,33 @@ def test_merge_unmerge_round_trip():
         assert_close(model(idx)[0], y, name="unmerged logits")
 
 
+def test_training_a_merged_model_is_refused_at_backward():
+    # Issue 36: the loss of a merged model (grad enabled) had no grad_fn and .backward() raised torch's "does not
+    # require grad". Now the forward is unchanged and the backward names the fix; unmerged, the same step trains.
+    model = tiny_gpt()
+    apply_lora(model, LoRAConfig(r=4))
+    idx = torch.randint(0, 40, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = model(idx, idx)[1]
+    merge_lora(model)
+    logits, loss = model(idx, idx)
+    assert_close(loss, want, name="merged loss")
+    with pytest.raises(LoRAError, match=r"backward through a merged LoRA layer.*unmerge_lora\(model\) first"):
+        loss.backward()
+    with torch.no_grad():
+        assert not model(idx, idx)[1].requires_grad  # inference: no guard, nothing extra
+    for m in lora_layers(model).values():  # adapters frozen on purpose: nothing to train, no guard either
+        m.lora_A.requires_grad_(False)
+        m.lora_B.requires_grad_(False)
+    assert not model(idx, idx)[1].requires_grad
+    for m in lora_layers(model).values():
+        m.lora_A.requires_grad_(True)
+        m.lora_B.requires_grad_(True)
+    unmerge_lora(model)
+    model(idx, idx)[1].backward()
+    assert model.blocks[0].attn.qkv.lora_B.grad.abs().sum() > 0
+
+
 def test_adapter_checkpoint_round_trip(tmp_path):
     model = tiny_gpt()
     apply_lora(model, LoRAConfig(r=2, alpha=4, target_modules=r"blocks\.\d+\.attn\.(qkv|proj)"))
