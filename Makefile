@@ -111,7 +111,7 @@ endif
 grade: $(STAMP)
 	@test -n "$(NB)" || { echo "usage: make grade NB=exercises/00_triton_from_zero.ipynb"; exit 2; }
 ifeq ($(BUNDLE),)
-	$(PY) -m minite.grading grade $(NB) $(if $(TIMEOUT),--timeout $(TIMEOUT),) $(if $(REPORT),--report $(REPORT),) \
+	$(PY) -I -m minite.grading grade $(NB) $(if $(TIMEOUT),--timeout $(TIMEOUT),) $(if $(REPORT),--report $(REPORT),) \
 		$(if $(SOLUTION),--solution $(SOLUTION),)
 else
 	@echo "a learner's bundle holds no solutions/: this is a self-check of the notebook's own check cells, not a grade"

@@ -11,6 +11,10 @@ one part of the library (``minite.parallel.dims``, ``minite.errors``) loads only
 from __future__ import annotations
 
 import importlib as _importlib
+import sys as _sys
+
+if _sys.argv[:1] == ["-m"] and _sys.path and _sys.path[0] and not getattr(_sys.flags, "safe_path", False):
+    del _sys.path[0]  # `python -m minite.X`: its working directory is no import path (a planted argparse.py, say)
 
 from minite._triton import HAS_TRITON, interpreting  # noqa: F401
 from minite.backend import resolve_backend, use_backend  # noqa: F401

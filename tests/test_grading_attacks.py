@@ -5,8 +5,9 @@ check_op).
 Two layers hold: the answer check (structure + lint, in `assemble`) rejects an answer that leaves its block or
 reaches outside itself, and the verdict holds even with that check switched off (`lint=False`), for every attack
 that has to *fake* a result rather than compute it: records are compared in the grader's process against the
-reference run's, after the kernel's processes are killed and the course's files are put back, and the grader
-imports nothing the notebook could have written. Limits that remain (README): an answer may compute its result
+reference run's, after the kernel's processes are killed; the kernel runs in its own scratch folder, confined by
+Landlock where the system has it (it can write nothing else), and the grader imports nothing the notebook could
+have written. Limits that remain (README): an answer may compute its result
 with what the notebook imported (minite's public functions, torch), and a student who has `solutions/` can copy it.
 """
 from __future__ import annotations
@@ -24,6 +25,9 @@ import pytest
 from test_grading import ROOT, solve, tiny_solution, write
 
 from minite.grading import STUB, assemble, grade, make_exercise
+from minite.grading.confine import abi
+
+CONFINED = abi() > 0 and os.environ.get("MINITE_GRADE_CONFINE") != "0"  # Landlock: the kernel writes no course file
 
 ADD_OK = ("offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)\nmask = offs < n\n"
           "tl.store(Z + offs, tl.load(X + offs, mask=mask) + tl.load(Y + offs, mask=mask), mask=mask)")
@@ -135,9 +139,10 @@ def sol_path(tmp_path_factory):
     ("area", "T = torch.Tensor\nT.t = lambda self: self\nreturn math.pi * r * r", "assigning to 'T.t'"),
     ("area", "T = type(r)\nreturn math.pi * r * r", "may not use 'type'"),
     ("area", "torch.load('x.pt', weights_only=False)\nreturn math.pi * r * r", "attribute '.load'"),
+    ("scale", "import numpy\nnumpy.savetxt('argparse.py', numpy.zeros(0))\nSCALE = 3.0", "attribute '.savetxt'"),
 ], ids=["a-dedent", "f-reload", "g2-fake-package", "c-patch-torch", "ipython-hook", "l-detached", "h-read-solution",
         "b-import-library", "b-private-kernel", "operator-globals", "from-operator-import", "methodcaller",
-        "dunder-string", "alias-store", "type-of", "torch-load"])
+        "dunder-string", "alias-store", "type-of", "torch-load", "numpy-savetxt"])
 def test_the_answer_check_rejects_each_attack(task, answer, why):
     sol = tiny_solution()
     ex = make_exercise(sol)
@@ -231,22 +236,25 @@ def test_the_operator_route_to_the_notebook_globals_scores_zero(tmp_path, sol_pa
     assert "attrgetter" in rep.errors[0], rep.summary()
 
 
+def _named(rep, path) -> bool:
+    """Does the report name `path` as written (refused, confined) or changed during the run (unconfined)?"""
+    return any(str(path) in e or os.path.basename(str(path)) in e for e in rep.errors
+               if "outside its scratch folder" in e or "changed while this notebook ran" in e)
+
+
 @pytest.mark.notebook
 def test_an_answer_that_rewrites_the_solution_does_not_change_the_next_grade(tmp_path):
     """Persistence: a task cell rewrote the check cells of the solution notebook, and the next (blank) notebook
-    graded against it passed them. The grader restores the course's files after each run and fails the notebook
-    that changed them."""
+    graded against it passed them. Confined, the write is refused and named; the notebook scores 0."""
     sol_path = write(tiny_solution(), tmp_path / "solutions" / "99_tiny.ipynb")
     pristine = sol_path.read_bytes()
     sol = nbformat.read(sol_path, as_version=4)
     attack = solve(make_exercise(sol), {"scale": REWRITE_SOLUTION.format(solution=sol_path)})
     rep = grade(write(attack, tmp_path / "attack.ipynb"), sol_path, timeout=120, lint=False)
-    assert rep.score == 0 and any("changed files of the course" in e for e in rep.errors), rep.summary()
-    assert sol_path.read_bytes() == pristine, "the solution notebook was not restored"
-    # nothing is thrown away: the rewritten notebook is kept in the put-back folder the report names
-    kept = next(e for e in rep.errors if "changed files of the course" in e).split("is kept in ")[1]
-    moved = Path(kept) / str(sol_path).lstrip("/")
-    assert moved.read_bytes() != pristine and "print('PASS')" in moved.read_text(), moved
+    assert rep.score == 0 and _named(rep, sol_path), rep.summary()
+    if not CONFINED:
+        return  # unconfined, the grader names the change and keeps it (threat model): not for credit
+    assert sol_path.read_bytes() == pristine, "the solution notebook was written"
     blank = grade(write(make_exercise(sol), tmp_path / "blank.ipynb"), sol_path, timeout=120)
     assert blank.score == 0, blank.summary()
 
@@ -288,7 +296,7 @@ def test_nothing_the_notebook_writes_runs_in_the_grader_or_spoofs_its_report(tmp
     out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     lines = out.stdout.strip().splitlines()
     assert lines and lines[-1] == "score: 0/3", out.stdout + out.stderr
-    assert testing.read_bytes() == pristine, "minite/testing.py was not restored"
+    assert testing.read_bytes() == pristine or not CONFINED, "minite/testing.py was written"
     assert "minite/testing.py" in out.stdout, out.stdout
     (rep,) = json.loads(report.read_text())
     assert (rep["score"], rep["total"], rep["solution"]) == (0, 3, str(sol_path.resolve())), rep
@@ -400,3 +408,181 @@ def test_the_learner_bundle_stands_alone(tmp_path):
     assert "minite.grading selfcheck exercises/00_triton_from_zero.ipynb" in plans["grade"]
     assert "minite.grading selfcheck exercises/00_triton_from_zero.ipynb" in plans["check"]
     assert "check_notebooks" not in plans["check-fast"] and "ruff check minite tools" in plans["check-fast"]
+
+
+# Issue 36. A module planted where the next grader imports it: numpy.savetxt writes any text (here a shim of
+# argparse that moves every failed check to "passed" once the grader parses its command line).
+SHIM = '''\
+import importlib.util, sys, sysconfig
+spec = importlib.util.spec_from_file_location("argparse", sysconfig.get_paths()["stdlib"] + "/argparse.py")
+real = importlib.util.module_from_spec(spec)
+sys.modules["argparse"] = real
+spec.loader.exec_module(real)
+parse = real.ArgumentParser.parse_args
+def parse_args(self, *a, **k):
+    g = sys.modules.get("minite.grading.grader")
+    if g is not None:
+        score = getattr(g, "_score")
+        def passing(report, *a2, **k2):
+            score(report, *a2, **k2)
+            report.passed += report.failed
+            report.failed.clear()
+        setattr(g, "_score", passing)
+    return parse(self, *a, **k)
+real.ArgumentParser.parse_args = parse_args
+'''
+PLANT = "import numpy\n" + "\n".join(
+    f"numpy.savetxt(r'{{{key}}}', numpy.zeros(0), header={{text!r}}, comments='')" for key in ("a", "b", "c"))
+HONEST = {"add": ADD_OK, "area": "return math.pi * r * r", "scale": "SCALE = 3.0"}
+RUN_MAIN = "import sys; from minite.grading import main; sys.exit(main(sys.argv[1:], lint=False))"
+
+
+def _course(tmp_path):
+    """A course of its own (the grader under test copied, a README, an exercise, the tiny solution), importable
+    through a folder that holds only its minite/: the course root is not on sys.path, as with `pip install -e`."""
+    course = tmp_path / "course"
+    package = Path(grade.__code__.co_filename).resolve().parents[1]
+    shutil.copytree(package, course / "minite", ignore=shutil.ignore_patterns("__pycache__"))
+    (course / "README.md").write_text("# the course\n")
+    write(make_exercise(tiny_solution()), course / "exercises" / "01_floating_point.ipynb")
+    sol = write(tiny_solution(), course / "solutions" / "99_tiny.ipynb")
+    (tmp_path / "path").mkdir()
+    (tmp_path / "path" / "minite").symlink_to(course / "minite")
+    return course, sol, {**os.environ, "PYTHONPATH": str(tmp_path / "path")}
+
+
+def _grade_cli(args, cwd, env, module=False, isolated=False):
+    head = [sys.executable] + (["-I"] if isolated else []) + (["-m", "minite.grading"] if module else ["-c", RUN_MAIN])
+    return subprocess.run(head + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
+
+
+@pytest.mark.notebook
+def test_a_planted_argparse_changes_no_grade(tmp_path):
+    """Issue 36: a blank notebook planted <course>/argparse.py through numpy.savetxt (not a file-writing call of
+    the lint); the next `python -m minite.grading grade` from the course root imported it and scored a blank
+    notebook 4/4. Now the planting notebook scores 0 and the report names the write; and a planted argparse.py
+    in the working directory (put there any other way) is never imported by the grader."""
+    course, sol, env = _course(tmp_path)
+    target = course / "argparse.py"
+    plant = solve(make_exercise(tiny_solution()), {"scale": PLANT.format(a=target, b=target, c=target, text=SHIM)})
+    student = write(plant, tmp_path / "work" / "99_tiny.ipynb")
+    out = _grade_cli(["grade", str(student), "--solution", str(sol), "--timeout", "120"], course, env)
+    assert out.stdout.strip().splitlines()[-1] == "score: 0/3", out.stdout + out.stderr
+    assert "argparse.py" in out.stdout and ("outside its scratch folder" in out.stdout
+                                            or "changed while this notebook ran" in out.stdout), out.stdout
+    if CONFINED:
+        assert not target.exists(), "the notebook planted argparse.py in the course"
+    target.write_text(SHIM)  # planted some other way: the grader must still not import it
+    blank = write(make_exercise(tiny_solution()), tmp_path / "work" / "blank.ipynb")
+    for isolated in (False, True):  # `python -m minite.grading` as typed, and as `make grade` runs it (-I)
+        out = _grade_cli(["grade", str(blank), "--solution", str(sol), "--timeout", "120"], course, env,
+                         module=True, isolated=isolated)
+        lines = out.stdout.strip().splitlines()
+        refused = out.returncode == 2 and "not grading" in out.stderr
+        assert refused or (lines and lines[-1] == "score: 0/3"), out.stdout + out.stderr
+
+
+@pytest.mark.notebook
+def test_a_write_anywhere_in_the_course_is_named_and_changes_nothing(tmp_path):
+    """Issue 36: the same call overwrote README.md and an exercise notebook: 0/4, no note, nothing put back."""
+    course, sol, env = _course(tmp_path)
+    readme, exercise = course / "README.md", course / "exercises" / "01_floating_point.ipynb"
+    before = {p: p.read_bytes() for p in (readme, exercise)}
+    attack = solve(make_exercise(tiny_solution()), {"scale": PLANT.format(a=readme, b=exercise, c=readme,
+                                                                           text="overwritten")})
+    report = tmp_path / "report.json"
+    student = write(attack, tmp_path / "work" / "99_tiny.ipynb")
+    out = _grade_cli(["grade", str(student), "--solution", str(sol), "--timeout", "120", "--report", str(report)],
+                     course, env)
+    (rep,) = json.loads(report.read_text())
+    assert (rep["score"], rep["total"]) == (0, 3), out.stdout + out.stderr
+    notes = "\n".join(rep["errors"])
+    if CONFINED:
+        assert "README.md" in notes and "outside its scratch folder" in notes, notes
+        assert {p: p.read_bytes() for p in before} == before, "a course file was overwritten"
+    else:
+        assert "README.md" in notes and "01_floating_point.ipynb" in notes, notes
+
+
+@pytest.mark.notebook
+def test_an_instructors_edit_during_a_grade_is_kept_and_blames_nobody(tmp_path):
+    """Issue 36: editing minite/ops.py and solutions/... and creating minite/instructor_new_file.py while an
+    honest notebook was graded moved the edits aside, reverted the working tree and scored the student 0/4."""
+    import threading
+    course, sol, env = _course(tmp_path)
+    ops, new, other = course / "minite" / "ops.py", course / "minite" / "instructor_new_file.py", \
+        course / "solutions" / "98_other.md"
+    student = write(solve(make_exercise(tiny_solution()), HONEST), tmp_path / "work" / "99_tiny.ipynb")
+    done, edits = threading.Event(), []
+
+    def instructor():
+        n = 0
+        while not done.is_set():
+            n += 1
+            with open(ops, "a") as f:
+                f.write(f"# instructor's edit {n}\n")
+            new.write_text(f"EDIT = {n}\n")
+            other.write_text(f"notes, version {n}\n")
+            edits.append(n)
+            done.wait(0.5)
+    editor = threading.Thread(target=instructor)
+    editor.start()
+    try:
+        out = _grade_cli(["grade", str(student), "--solution", str(sol), "--timeout", "120"], tmp_path, env)
+    finally:
+        done.set()
+        editor.join()
+    assert out.stdout.strip().splitlines()[-1] == "score: 3/3", out.stdout + out.stderr
+    n = edits[-1]
+    assert ops.read_text().endswith(f"# instructor's edit {n}\n") and new.read_text() == f"EDIT = {n}\n"
+    assert other.read_text() == f"notes, version {n}\n"
+    assert not (course / ".grading-put-back").exists() and "changed files of the course" not in out.stdout
+
+
+@pytest.mark.notebook
+def test_unconfined_the_grader_names_what_changed_and_keeps_it(tmp_path, sol_path, monkeypatch):
+    """Without Landlock (MINITE_GRADE_CONFINE=0 plays it) the grader cannot tell the notebook's writes from someone
+    else's: it names every change, keeps it, and does not fail the notebook for it."""
+    monkeypatch.setenv("MINITE_GRADE_CONFINE", "0")
+    planted = tmp_path / "planted.py"
+    answer = PLANT.format(a=planted, b=planted, c=planted, text="X = 1") + "\nSCALE = 3.0"
+    rep = grade(write(solve(make_exercise(tiny_solution()), {"scale": answer}), tmp_path / "attack.ipynb"), sol_path,
+                timeout=120, lint=False)
+    assert rep.passed == ["scale"] and rep.confinement.startswith("none"), rep.summary()
+    assert any("changed while this notebook ran" in e and "planted.py" in e for e in rep.errors), rep.summary()
+    assert planted.read_text() == "X = 1\n"
+
+
+def test_a_notebook_that_cannot_be_read_scores_zero_in_one_line(tmp_path, sol_path, capsys):
+    """Issue 36: a notebook that is not JSON gave a 41-line NotJSONError traceback."""
+    from minite.grading import main
+    bad = {"text.ipynb": b"this is not json", "latin1.ipynb": b"{\"cells\": \"\xe9\"}", "list.ipynb": b"[1, 2]"}
+    paths = [tmp_path / name for name in bad]
+    for p in paths:
+        p.write_bytes(bad[p.name])
+    (tmp_path / "folder.ipynb").mkdir()
+    paths.append(tmp_path / "folder.ipynb")
+    printed = ""
+    for p in paths:
+        assert main(["grade", str(p), "--solution", str(sol_path)]) == 0
+        out = capsys.readouterr()
+        assert "Traceback" not in out.out + out.err
+        printed += out.out
+        block = out.out.split(f"{p}\n", 1)[1].split("score:", 1)
+        notes = [ln for ln in block[0].splitlines() if ln.startswith("  note:")]
+        assert len(notes) == 1 and str(p) in notes[0], block[0]
+        assert block[1].startswith(" 0/3"), block
+    assert "not a readable notebook" in printed and "not UTF-8" in printed and "cannot read" in printed
+
+
+def test_two_cells_with_one_task_name_are_not_graded_and_say_why():
+    """Issue 36: two cells with the same task id: the first (blank) won silently."""
+    sol = tiny_solution()
+    ex = solve(make_exercise(sol), HONEST)
+    dup = next(c for c in make_exercise(sol).cells if c.metadata.get("minite", {}).get("task") == "scale")
+    ex.cells.insert(1, dup)
+    notes = []
+    graded = assemble(ex, sol, notes)
+    assert len(notes) == 1 and "task 'scale': 2 cells of your notebook carry this task name (cells 1, " in notes[0]
+    scale = next(c for c in graded.cells if c.metadata.get("minite", {}).get("task") == "scale")
+    assert STUB in scale.source and "SCALE = 3.0" not in scale.source

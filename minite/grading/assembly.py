@@ -23,13 +23,19 @@ def _splice(solution_src: str, student_src: str, where: str) -> str:
     return "\n".join(out + sol_lines[prev:])
 
 
-def _student_tasks(student_nb, names: list[str], notes: list[str]) -> dict[str, str]:
-    """NAME -> source of the student's task cell. Notebooks from before task names (no minite metadata at all)
-    are matched by order when they have exactly as many answer cells as the solution has tasks."""
-    by_name = {}
-    for c in student_nb.cells:
+def _student_tasks(student_nb, names: list[str], notes: list[str]) -> dict[str, str | ValueError]:
+    """NAME -> source of the student's task cell (an error for a name that several cells carry). Notebooks from
+    before task names (no minite metadata at all) are matched by order when they have exactly as many answer
+    cells as the solution has tasks."""
+    by_name, cells = {}, {}
+    for i, c in enumerate(student_nb.cells):
         if task_name(c):
             by_name.setdefault(task_name(c), c.source)
+            cells.setdefault(task_name(c), []).append(i)
+    for name, where in cells.items():  # which one is the answer? neither is graded
+        if len(where) > 1:
+            by_name[name] = ValueError(f"task {name!r}: {len(where)} cells of your notebook carry this task name "
+                                       f"(cells {', '.join(map(str, where))}): keep one; it is not graded")
     if by_name or not names:
         return by_name
     old = [c.source for c in student_nb.cells if c.cell_type == "code"
@@ -68,6 +74,8 @@ def assemble(student_nb, solution_nb, notes: list[str] | None = None, lint: bool
         try:
             if name not in mine:
                 raise ValueError(f"{where}: no cell with this task name in your notebook (deleted?)")
+            if isinstance(mine[name], ValueError):
+                raise mine[name]
             spliced = _splice(cell.source, mine[name], where)
             if lint:
                 _verify_answers(cell.source, spliced, nb_names, where)

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from . import __doc__ as _package_doc
-from .grader import grade
+from .grader import grade, unreadable
 from .notebook import _repo_root, generate_all
 from .sandbox import DEFAULT_TIMEOUT
 
@@ -61,11 +61,13 @@ def _generate(args) -> int:
 def _selfcheck(args) -> int:
     """Run the notebook as it is and say which of its check cells passed. Its check cells are the student's own
     copy, so this is feedback, not a grade (grading swaps in the course's pristine checks: `grade`)."""
-    import nbformat
-
+    from .grader import _read_student
     from .notebook import check_cells
     from .sandbox import _execute
-    nb = nbformat.read(args.notebook, as_version=4)
+    nb, why = _read_student(Path(args.notebook))
+    if nb is None:
+        print(f"error: {why}")
+        return 2
     checks = check_cells(nb)
     cells = _execute(nb, args.timeout)
     passed = 0
@@ -92,6 +94,15 @@ def _write_report(text: str, path: str | None) -> Path:
     return target
 
 
+def _grade_one(nb: str, args, lint: bool):
+    """grade(), or a report with one line saying why this notebook cannot be graded (no traceback; score 0)."""
+    try:
+        return grade(nb, args.solution, timeout=args.timeout, lint=lint)
+    except (OSError, ValueError, RuntimeError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+        return unreadable(nb, None, f"not graded: {first}")
+
+
 def main(argv: list[str] | None = None, *, lint: bool = True) -> int:
     """The command line. `lint=False` skips the answer check (tests: the verdict holds without it)."""
     p = _parser()
@@ -104,7 +115,7 @@ def main(argv: list[str] | None = None, *, lint: bool = True) -> int:
         return _selfcheck(args)
     if args.solution and len(args.notebook) > 1:
         p.error("--solution applies to a single notebook")
-    reports = [grade(nb, args.solution, timeout=args.timeout, lint=lint) for nb in args.notebook]
+    reports = [_grade_one(nb, args, lint) for nb in args.notebook]
     dicts = [rep.__dict__ | {"score": rep.score, "total": rep.total} for rep in reports]
     where = _write_report(json.dumps(dicts, indent=1) + "\n", args.report)
     sys.stdout.flush()

@@ -1,21 +1,42 @@
 """grade(): score a student's notebook against the pristine solution notebook of the course.
 
 In order: assemble the graded notebook (the solution with the student's answers spliced in); import what judging
-needs; run the solution (the reference run, cached) and judge it against itself; copy the course's files; run the
-student's notebook with every import of minite refused; once its kernel and processes are dead, put back any
-course file it changed (the notebook then scores 0) and judge its records. Nothing the student's code wrote runs in
-the grader or reaches a later grade.
+needs; run the solution (the reference run, cached) and judge it against itself; run the student's notebook in a
+scratch folder, confined where Landlock is available, with every import of minite refused in the grader; once its
+kernel and processes are dead, judge its records.
+
+Threat model. The student's notebook is arbitrary code run with the grader's user id. It must not be able to
+(1) change its own score other than by computing right answers, (2) change a later grade, or the grader, through
+a file it writes (a module planted where a later Python process imports it, an edited solution, checker, grader
+or package in the virtual environment), (3) have another person's work undone or be blamed for it. Hence:
+* The kernel runs ``python -P -s`` in its own scratch folder: nothing it can write is on its import path before
+  it writes it, and the folder is deleted after the run. The grader's own process does not import from its working
+  directory: ``make grade`` runs ``python -I``; ``python -m minite.grading`` drops the working directory from
+  sys.path first and refuses to grade if something was imported from there before it could (cli.py).
+* Confined (Landlock, confine.py): the kernel and everything it starts can write nothing outside the scratch
+  folder and /dev. A write to the course, the virtual environment, the home folder or /tmp fails with
+  PermissionError and the report names it. Nothing of the course changes, so nothing is put back, and a change
+  made meanwhile (an instructor's edit) is someone else's: it stays, the notebook is not blamed.
+* Not confined (no Landlock: an old kernel, macOS): the grader cannot stop a write and cannot tell the notebook's
+  writes from a concurrent edit. It names every path of the course, the virtual environment, the solution's and
+  the notebook's folders that changed during the run, keeps them as they are, and says so: grade for credit where
+  Landlock is available (the report's ``confinement`` line says which), or as another user, in a container.
+* Out of scope: a process outside the kernel that acts for it (a same-user service it can reach over a socket),
+  reading what the user can read (solutions/: ship ``make bundle``), and answers computed with the library.
 """
 from __future__ import annotations
 
 import hashlib
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import nbformat
 
+from . import confine
 from .assembly import assemble
-from .guard import CourseFiles, sealed_imports
+from .guard import Snapshot, sealed_imports
 from .judge import _judge, ready
 from .notebook import _repo_root, check_cells, stub_source, task_cells, task_name
 from .sandbox import DEFAULT_TIMEOUT, _dumpable, _execute, _prepare, _reference
@@ -30,6 +51,7 @@ class GradeReport:
     reasons: dict[str, str] = field(default_factory=dict)  # failed check -> why
     order: list[str] = field(default_factory=list)  # every check, in notebook order
     errors: list[str] = field(default_factory=list)  # notes, and non-check cells that raised (hints)
+    confinement: str = ""  # how the student's process was kept from writing (threat model: grader.py)
 
     @property
     def score(self) -> int:
@@ -40,7 +62,8 @@ class GradeReport:
         return len(self.passed) + len(self.failed)
 
     def summary(self) -> str:
-        lines = [f"{self.notebook}", f"  solution: {self.solution}"]
+        lines = [f"{self.notebook}", f"  solution: {self.solution}"] + \
+            ([f"  confinement: {self.confinement}"] if self.confinement else [])
         for n in self.order or self.passed + self.failed:
             why = f": {self.reasons[n]}" if self.reasons.get(n) else ""
             lines.append(f"  PASS  {n}" if n in self.passed else f"  FAIL  {n}{why}")
@@ -74,10 +97,44 @@ def _task_names(path: Path) -> set[str]:
     return {name for cell in nb.cells if (name := task_name(cell))}
 
 
+def _confinement() -> int:
+    """The Landlock ABI the student's kernel is confined with (0: not confined; MINITE_GRADE_CONFINE=0 turns it
+    off, for the tests of the unconfined path)."""
+    return 0 if os.environ.get("MINITE_GRADE_CONFINE") == "0" else confine.abi()
+
+
+def unreadable(student, solution, why: str) -> GradeReport:
+    """The report of a notebook that cannot be graded: one line saying why, every check of the solution (when
+    it is known) failed."""
+    report = GradeReport(notebook=str(student), solution=str(solution or ""), errors=[why])
+    try:
+        names = [name for _, name in check_cells(nbformat.read(solution, as_version=4))] if solution else []
+    except Exception:  # noqa: BLE001 - the solution's own problem is reported when it is graded against
+        names = []
+    for name in names:
+        report.failed.append(name)
+        report.order.append(name)
+        report.reasons[name] = "not graded: the notebook could not be read"
+    return report
+
+
+def _read_student(student: Path):
+    """The student's notebook, or the one line that says why it cannot be read."""
+    try:
+        return nbformat.read(student, as_version=4), ""
+    except OSError as err:
+        return None, f"cannot read {student}: {err.strerror or err}"
+    except UnicodeDecodeError as err:
+        return None, f"{student} is not a notebook: not UTF-8 text ({err.reason} at byte {err.start})"
+    except Exception as err:  # noqa: BLE001 - nbformat's NotJSONError, ValidationError, a JSON list...
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        return None, f"{student} is not a readable notebook (.ipynb JSON): {type(err).__name__}: {first}"
+
+
 def grade(student: str | Path, solution: str | Path | None = None, *, timeout: int = DEFAULT_TIMEOUT,
           lint: bool = True) -> GradeReport:
-    """Grade a student's notebook against the pristine solution notebook; see the package doc.
-    `lint=False` skips the answer lint (tests use it to show that the records alone hold)."""
+    """Grade a student's notebook against the pristine solution notebook; see the package doc and the threat
+    model above. `lint=False` skips the answer lint (tests use it to show that the records alone hold)."""
     student = Path(student)
     if not student.exists():
         raise FileNotFoundError(f"notebook to grade not found: {student}")
@@ -89,60 +146,73 @@ def grade(student: str | Path, solution: str | Path | None = None, *, timeout: i
     if not check_cells(sol_nb):
         raise ValueError(f"{solution} has no check cells (code cells with metadata minite={{'check': NAME}})")
     tasks = task_cells(sol_nb, str(solution))
+    student_nb, why = _read_student(student)
+    if student_nb is None:
+        return unreadable(student, solution, why)
     notes: list[str] = []
-    student_nb = nbformat.read(student, as_version=4)
     untouched = _untouched(student_nb, sol_nb, tasks)
     graded = assemble(student_nb, sol_nb, notes, lint=lint)
     nb, tests = _prepare(graded, "student", timeout)
+    abi = _confinement()
     was_dumpable = _dumpable(False)
     try:
         ready()
-        reference = _reference(solution, sol_nb, hashlib.sha256(data).hexdigest(), timeout)
+        reference = _reference(solution, sol_nb, hashlib.sha256(data).hexdigest(), timeout, abi > 0)
         for name, records in reference.items():  # the solution against itself: also loads every judging path
             why = _judge(name, tests[name], records, records)
             if why:
                 raise RuntimeError(f"{solution}: the solution's own check {name!r} fails against itself: {why}")
-        files = CourseFiles([Path(__file__).resolve().parents[1], _repo_root() / "solutions"], [solution],
-                            _repo_root())
+        watched = None if abi else Snapshot([_repo_root(), Path(sys.prefix), solution.parent, student.parent],
+                                            _repo_root())
         with sealed_imports():
-            cells = _execute(nb, timeout)  # the kernel and its processes are dead when this returns
-            changed = files.restore()
+            cells = _execute(nb, timeout, confined=abi > 0)  # the kernel and its processes are dead when it returns
             report = GradeReport(notebook=str(student), solution=str(solution), errors=notes)
-            _score(report, nb, cells, tests, reference, tasks, timeout, changed, untouched, files.kept)
+            if abi:
+                report.confinement = (f"Landlock (ABI {abi}): the notebook could write only in its own scratch "
+                                      "folder")
+            else:
+                report.confinement = ("none (no Landlock here): every file that changed in the course while the "
+                                      "notebook ran is named below and kept as it is")
+                _changed_meanwhile(report, watched.changed())
+            _score(report, nb, cells, tests, reference, tasks, timeout, untouched)
     finally:
         _dumpable(was_dumpable)
     return report
 
 
-def _untouched(student_nb, sol_nb, tasks: dict[str, int]) -> set[str]:
-    """Tasks whose cell in the student's notebook is still the exercise's stub, character for character."""
-    mine = {name: cell.source for cell in student_nb.cells if (name := task_name(cell))}
-    return {name for name, i in tasks.items() if mine.get(name) == stub_source(sol_nb.cells[i].source, name)}
-
-
-def _score(report, nb, cells, tests, reference, tasks, timeout, changed: list[str], untouched=frozenset(),
-           kept=None) -> None:
-    """Judge every check of the student's run into `report`."""
-    tampered = ""
+def _changed_meanwhile(report: GradeReport, changed: list[str]) -> None:
     if changed:
         shown = ", ".join(changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
-        tampered = f"your notebook changed files of the course (they were put back): {shown}"
-        if kept:
-            tampered += f"; what it left there is kept in {kept}"
-        report.errors.append(tampered)
+        report.errors.append(f"changed while this notebook ran, by it or by another process (unconfined: the grader "
+                             f"cannot tell which), kept as they are, check them before the next grade: {shown}")
+
+
+def _untouched(student_nb, sol_nb, tasks: dict[str, int]) -> set[str]:
+    """Tasks whose (one) cell in the student's notebook is still the exercise's stub, character for character."""
+    mine: dict[str, list[str]] = {}
+    for cell in student_nb.cells:
+        if name := task_name(cell):
+            mine.setdefault(name, []).append(cell.source)
+    return {name for name, i in tasks.items() if mine.get(name) == [stub_source(sol_nb.cells[i].source, name)]}
+
+
+def _refused(error: str) -> bool:
+    return error.startswith("PermissionError") or "[Errno 13]" in error or "[Errno 1] Operation not permitted" in error
+
+
+def _score(report, nb, cells, tests, reference, tasks, timeout, untouched=frozenset()) -> None:
+    """Judge every check of the student's run into `report`."""
     check_idx = {i for i, _ in check_cells(nb)}
     task_idx = {tasks[n] + 1: n for n in tasks}
     for i, name in check_cells(nb):
         task_cell = tasks.get(name)
-        if tampered:
-            why = tampered
-        elif task_cell is not None and cells[task_cell + 1].timed_out:
+        if task_cell is not None and cells[task_cell + 1].timed_out:
             why = f"timed out after {timeout} s (in the task cell)"
         elif not cells[i].ok:
             why = cells[i].error
         else:
             why = _judge(name, tests[name], cells[i].records, reference.get(name, []))
-        if why and name in untouched and not tampered:
+        if why and name in untouched:
             why = "not attempted (its task cell is still the exercise's stub)"
         if why:
             report.failed.append(name)
@@ -151,6 +221,10 @@ def _score(report, nb, cells, tests, reference, tasks, timeout, changed: list[st
             report.passed.append(name)
         report.order.append(name)
     for i, c in enumerate(cells):
-        if i and not c.ok and i not in check_idx and not c.error.startswith("not run"):
+        if i and not c.ok and not c.error.startswith("not run") and (i not in check_idx or _refused(c.error)):
             what = f"task {task_idx[i]!r}" if i in task_idx else f"code cell {i - 1}"
-            report.errors.append(f"{what} failed: {c.error}")
+            if _refused(c.error) and report.confinement.startswith("Landlock"):
+                report.errors.append(f"{what} tried to write outside its scratch folder (refused, nothing "
+                                     f"changed): {c.error}")
+            else:
+                report.errors.append(f"{what} failed: {c.error}")

@@ -23,7 +23,8 @@ _DENIED_ATTRS = {"sys", "os", "modules", "builtins", "importlib", "subprocess", 
                  "import_module", "path_hooks", "meta_path", "attrgetter", "methodcaller", "get_type_hints",
                  "ctypes", "ctypeslib", "cpp_extension", "library", "hub", "f2py"}
 # Attributes that read or write files (torch.load runs pickled code): denied except on Triton's `tl`.
-_FILE_ATTRS = {"load", "loads", "save", "savez", "savez_compressed", "tofile", "fromfile", "memmap"}
+_FILE_ATTRS = {"load", "loads", "save", "savez", "savez_compressed", "tofile", "fromfile", "memmap", "savetxt",
+               "loadtxt", "genfromtxt", "fromregex", "write_text", "write_bytes", "read_text", "read_bytes"}
 _TRITON_LANGUAGE = {"tl", "triton.language"}
 _DUNDER = re.compile(r"__\w+__")
 

@@ -1,9 +1,11 @@
 """The kernel sandbox: a notebook run in a fresh kernel under per-cell timeouts, as the subreaper of everything it
 starts (all killed afterwards), its check cells' records read back; the reference run of a solution.
 
-The kernel starts in a temporary folder with its own empty IPython and Jupyter configuration folders and without
-the user's site-packages, so nothing a previous notebook left in ~/.ipython (startup files) runs in it; the
-recorder's code (runtime.py) is read when the grader starts and sent to the kernel as source."""
+The kernel starts in its own scratch folder (its working directory, temporary files, IPython/Jupyter
+configuration, Triton and CUDA caches), as ``python -P -s`` (nothing of the working directory or the user's
+site-packages on its import path), and, where Landlock is available (confine.py), confined: it can write nothing
+outside that folder and /dev, and neither can anything it starts. The recorder's code (runtime.py) and the
+launcher (confine.py) are read when the grader starts and sent to the kernel as source."""
 from __future__ import annotations
 
 import ast
@@ -14,6 +16,7 @@ import io
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -35,6 +38,23 @@ _PR_SET_CHILD_SUBREAPER = 36
 _PR_GET_DUMPABLE = 3
 _PR_SET_DUMPABLE = 4
 _RUNTIME_SOURCE = Path(__file__).with_name("runtime.py").read_text()
+_CONFINE_SOURCE = Path(__file__).with_name("confine.py").read_text()
+_SAFE_PATH = ["-P"] if sys.version_info >= (3, 11) else []  # -P: no working directory on sys.path
+
+
+def _kernel_manager(scratch: str, confined: bool):
+    """A KernelManager that starts ``python -P -s -m ipykernel_launcher`` (this interpreter), through the
+    Landlock launcher when `confined`: writes only under `scratch` and /dev."""
+    from jupyter_client.manager import KernelManager
+
+    class ScratchKernel(KernelManager):
+        def format_kernel_cmd(self, extra_arguments=None):
+            kernel = [sys.executable, *_SAFE_PATH, "-s", "-Xfrozen_modules=off", "-m", "ipykernel_launcher", "-f",
+                      os.path.realpath(self.connection_file)]
+            if not confined:
+                return kernel
+            return [sys.executable, *_SAFE_PATH, "-s", "-c", _CONFINE_SOURCE, scratch, "--", *kernel]
+    return ScratchKernel
 
 
 def _subreaper(on: bool) -> bool:
@@ -114,10 +134,11 @@ def _records(outputs) -> list[dict]:
     return out
 
 
-def _execute(nb, timeout: int) -> list[_Cell]:
-    """Run `nb` in a fresh kernel (cwd: a temporary folder), every cell even after errors: `timeout` s for each
-    task and check cell, max(timeout, OTHER_CELLS_TIMEOUT) for the others (set-up, imports, ...).
-    Afterwards kill the kernel and every process it left behind, then return what each cell did."""
+def _execute(nb, timeout: int, confined: bool = False) -> list[_Cell]:
+    """Run `nb` in a fresh kernel (cwd: a scratch folder; `confined`: it writes nothing outside it), every cell
+    even after errors: `timeout` s for each task and check cell, max(timeout, OTHER_CELLS_TIMEOUT) for the others
+    (set-up, imports, ...). Afterwards kill the kernel and every process it left behind, then return what each
+    cell did."""
     from nbclient import NotebookClient
     from nbclient.exceptions import DeadKernelError
 
@@ -127,16 +148,22 @@ def _execute(nb, timeout: int) -> list[_Cell]:
     reaper = _subreaper(True)
     try:
         with tempfile.TemporaryDirectory(prefix="minite-grade-") as tmp:
+            tmp = os.path.realpath(tmp)
             other = max(timeout, OTHER_CELLS_TIMEOUT)
             client = NotebookClient(
-                nb, timeout=timeout, kernel_name="python3", allow_errors=True, interrupt_on_timeout=True,
+                nb, kernel_manager_class=_kernel_manager(tmp, confined), timeout=timeout, kernel_name="python3",
+                allow_errors=True, interrupt_on_timeout=True,
                 timeout_func=lambda cell: timeout if task_name(cell) or check_name(cell) else other,
                 error_on_timeout={"ename": "Timeout", "evalue": "timed out", "traceback": []},
                 resources={"metadata": {"path": tmp}},
                 on_cell_executed=lambda cell, cell_index, execute_reply: replies.__setitem__(cell_index,
                                                                                              execute_reply))
+            os.mkdir(os.path.join(tmp, ".tmp"))
             env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONNOUSERSITE": "1",
-                   "IPYTHONDIR": os.path.join(tmp, ".ipython"), "JUPYTER_CONFIG_DIR": os.path.join(tmp, ".jupyter")}
+                   "IPYTHONDIR": os.path.join(tmp, ".ipython"), "JUPYTER_CONFIG_DIR": os.path.join(tmp, ".jupyter"),
+                   "TMPDIR": os.path.join(tmp, ".tmp"), "TRITON_HOME": tmp,
+                   "TRITON_CACHE_DIR": os.path.join(tmp, ".triton", "cache"),
+                   "CUDA_CACHE_PATH": os.path.join(tmp, ".nv")}
             with client.setup_kernel(env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL):
                 for i, cell in enumerate(nb.cells):
                     if cell.cell_type != "code":
@@ -222,14 +249,14 @@ def _prepare(nb, mode: str, timeout: int):
 _REFERENCE_CACHE: dict[tuple, dict] = {}
 
 
-def _reference(solution: Path, sol_nb, digest: str, timeout: int) -> dict[str, list[dict]]:
+def _reference(solution: Path, sol_nb, digest: str, timeout: int, confined: bool = False) -> dict[str, list[dict]]:
     """The reference run of a solution (cached per path and content `digest`): records of each check, by name.
     It runs under max(timeout, DEFAULT_TIMEOUT): a short --timeout is for the student's answers."""
     timeout = max(timeout, DEFAULT_TIMEOUT)
     key = (str(solution), digest)
     if key not in _REFERENCE_CACHE:
         nb, _ = _prepare(sol_nb, "reference", timeout)
-        cells = _execute(nb, timeout)
+        cells = _execute(nb, timeout, confined)
         out = {}
         for i, name in check_cells(nb):
             if not cells[i].ok:
