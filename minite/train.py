@@ -51,6 +51,7 @@ from minite.compile import compile_model, eager_mode
 from minite.config import ConfigError, RunConfig, apply_overrides, config_help, make_config
 from minite.data import BatchSampler, DataError, PreparedData, prepare
 from minite.errors import DivergenceError
+from minite.layers.moe import step_expert_bias
 from minite.models.gpt import GPT
 from minite.parallel.dims import ParallelError, select_device
 from minite.parallel.runtime import Parallel, setup_parallel
@@ -322,6 +323,7 @@ def train_step(run: Run) -> float:
         run.scaler.update()
     else:
         run.opt.step()
+    step_expert_bias(run.model)  # chapter 16: "bias" balance, moved once per step by the whole step's load
     run.opt.zero_grad(set_to_none=True)
     run.step += 1
     return run.par.global_loss(loss.item() * t.grad_accum)  # the global batch's loss

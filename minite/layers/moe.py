@@ -9,38 +9,46 @@ expert e's rows are one slice offsets[e]:offsets[e+1] of a (N*k, C) tensor, and 
 grouped GEMM each (minite/kernels/grouped_gemm.py); ``unpermute`` applies the inverse permutation and sums each
 token's k weighted outputs. Offsets stay on the device: the dropless path has no host sync.
 
+The token exchange is a collaborator (``exchange``), as torchtitan applies expert parallelism from outside: the
+layer hands it the sorted rows and the local experts (``exchange.experts(ffn, xs, offsets)``) and its routed counts
+(``exchange.batch_sum(counts)``: the load of the whole batch). The default, ``LocalExchange``, is one process with
+every expert. minite/parallel/expert.py shards the experts and installs an all-to-all exchange, and the parallel
+runtime one that sums the load over the data-parallel ranks; this module knows no process group.
+
 Load balance, two ways:
 * ``"aux"`` (Switch Transformer / GShard): loss += aux_weight * E * sum_i f_i * P_i, f_i the fraction of assignments
   routed to expert i, P_i the mean router probability of expert i; 1.0 when the load is uniform.
 * ``"bias"`` (DeepSeek-V3, auxiliary-loss-free): a per-expert bias added to the scores only to *choose* the
-  experts; after each training backward, bias_i += rate * sign(mean load - load_i). No gradient, no extra loss.
-  (The update runs from a hook on the router's gradient, not in the forward: activation recompute runs the forward
-  twice, and the recomputed routing must be the first one.) Under ``hold_bias`` (a pipeline's micro-batches) the
-  counts of every forward add up and the bias moves once, at the end: every micro-batch routes with the same bias.
+  experts; once per optimizer step, bias_i += rate * sign(mean load - load_i). No gradient, no extra loss. Every
+  training forward adds its load to ``routed``; ``step_expert_bias(model)``, one explicit call next to the
+  optimizer's step (minite.train, the tests' loops), moves every bias by the load of the whole step (its
+  micro-batches, a pipeline's too) and starts counting afresh. The bias never moves between a forward and its
+  backward, so an activation recompute routes as the first forward did; a recompute counts its forward again,
+  which doubles every count of that layer and leaves sign(mean - load_i) unchanged.
 Capacity: with capacity_factor c > 0 each expert takes at most ceil(c * N * k / E) assignments, in token order; the
-rest are dropped (their token skips the experts: the residual carries it). c = 0 is dropless. The limit is a training
-device (a static, balanced expert batch): in eval mode (validation, generation) every assignment is kept, as in
-Mixtral's or DeepSeek's inference. Otherwise a token's output would depend on the other tokens of the batch, and
-generation with the KV cache (N = B tokens a step) would not give the tokens of the uncached loop (N = B * T).
+rest are dropped (their token skips the experts: the residual carries it). c = 0 is dropless; c must be finite
+(a dropless layer is c = 0, not c = inf). The limit is a training device (a static, balanced expert batch): in
+eval mode (validation, generation) every assignment is kept, as in Mixtral's or DeepSeek's inference. Otherwise a
+token's output would depend on the other tokens of the batch, and generation with the KV cache (N = B tokens a
+step) would not give the tokens of the uncached loop (N = B * T).
 
-The reference ``moe_ref`` is a plain loop over the experts. Under expert parallelism (minite/parallel/expert.py)
-this module holds only experts [expert_lo, expert_lo + E_local) and ``ep_group`` is set; the router is replicated.
+The reference ``moe_ref`` is a plain loop over the experts.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from minite import _validate as _v
 from minite.kernels.grouped_gemm import grouped_gemm
 from minite.kernels.swiglu import swiglu
 from minite.layers.mlp import SwiGLU
 
 __all__ = ["route", "expert_counts", "load_balance_loss", "update_bias", "capacity", "permute", "unpermute",
-           "moe_ref", "MoE", "hold_bias", "BALANCE"]
+           "moe_ref", "MoE", "LocalExchange", "step_expert_bias", "BALANCE"]
 
 BALANCE = ("aux", "bias", "none")
 
@@ -75,6 +83,7 @@ def load_balance_loss(probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor
 @torch.no_grad()
 def update_bias(bias: torch.Tensor, counts: torch.Tensor, rate: float) -> None:
     """DeepSeek-V3's auxiliary-loss-free update, in place: raise the bias of underloaded experts, lower the others."""
+    rate = _v.real("update_bias", "rate", rate, ge=0)  # a NaN rate made the whole bias NaN one step later
     load = counts.float()
     bias += rate * torch.sign(load.mean() - load)
 
@@ -112,24 +121,46 @@ def unpermute(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
     return (y * weights.to(y.dtype)[..., None]).sum(1)
 
 
+class LocalExchange:
+    """The default token exchange: every expert is in this process and this process's tokens are the whole batch.
+    ``experts(ffn, xs, offsets)``: rows sorted by expert id (M, C) -> (M, C), through ``ffn`` (the layer's experts);
+    ``batch_sum(t)``: t summed over the processes holding tokens of the batch (here: t itself). Stateless: a deep
+    copy of the layer shares it (minite.parallel.expert's exchanges hold process groups, which are not copied)."""
+
+    def experts(self, ffn, xs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return ffn(xs, offsets)
+
+    def batch_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def __deepcopy__(self, memo):
+        return self
+
+
 class MoE(nn.Module):
     """Top-k routed SwiGLU experts, x (..., dim) -> (..., dim). After a forward: ``aux_loss`` (the Switch loss, for
-    the training loss under balance="aux"), ``load`` (E,) assignments per expert, ``dropped`` (over capacity)."""
+    the training loss under balance="aux"), ``load`` (E,) assignments per expert of the batch, ``dropped`` (over
+    capacity, this process's). ``routed`` (E,): the load of the training forwards since the last
+    ``step_expert_bias`` (balance="bias"). ``exchange``: the token exchange (``LocalExchange`` unless given)."""
 
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int = 2, *, capacity_factor: float = 0.0,
                  balance: str = "aux", bias_rate: float = 1e-3, shared_expert: bool = False,
                  backend: str | None = None, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, exchange: LocalExchange | None = None) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"MoE: top_k={top_k} must be in [1, num_experts={num_experts}]")
         if balance not in BALANCE:
             raise ValueError(f"MoE: balance must be one of {BALANCE}, got {balance!r}")
-        if not capacity_factor >= 0:
-            raise ValueError(f"MoE: capacity_factor must be >= 0 (0 = dropless), got {capacity_factor}")
+        if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) \
+                or not 0 <= capacity_factor < math.inf:  # inf overflowed ceil() at the first step: dropless is 0
+            raise ValueError(f"MoE: capacity_factor must be a finite number >= 0 (0 = dropless), got "
+                             f"{_v.describe(capacity_factor)}")
+        bias_rate = _v.real("MoE", "bias_rate", bias_rate, ge=0)  # NaN: the bias all NaN after one step
         where = {"device": device, "dtype": dtype}
         self.dim, self.hidden, self.num_experts, self.top_k = dim, hidden, num_experts, top_k
         self.capacity_factor, self.balance, self.bias_rate, self.backend = capacity_factor, balance, bias_rate, backend
+        self.exchange = LocalExchange() if exchange is None else exchange
         self.router = nn.Linear(dim, num_experts, bias=False, **where)  # (E, C), applied in fp32
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, dim, 2 * hidden, **where))  # (E, C, 2H): [gate|up]
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, dim, **where))  # (E, H, C)
@@ -138,30 +169,16 @@ class MoE(nn.Module):
         # (E,) "bias" balancing, never below fp32: its updates (bias_rate ~1e-3) would vanish in a bf16 bias
         bias_dtype = torch.promote_types(dtype or torch.float32, torch.float32)
         self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=bias_dtype))
+        # (E,) the load counted for the next bias step: not a weight, not in the checkpoint (a step empties it)
+        self.register_buffer("routed", torch.zeros(num_experts, device=device, dtype=torch.long), persistent=False)
         self.shared = SwiGLU(dim, hidden, backend=backend, fused=True, **where) if shared_expert else None
-        self.ep_group = None  # expert parallel: set by minite.parallel.expert.shard_experts
-        self.stats_group = None  # the group whose global load the balancing sees (data parallel)
-        self.expert_lo = 0
         self.aux_loss = self.load = self.dropped = None
-        self._pending = None  # "bias": the load of the last training forward, applied when its backward arrives
-        self._hooked = None  # id of the router weight that carries the hook (a deepcopy's weight carries none)
-        self._held = None  # under hold_bias: the counts of the forwards so far (the bias moves when it ends)
 
     def __getstate__(self):  # deepcopy / pickle: the last aux_loss without its graph (a non-leaf cannot be copied)
         state = dict(self.__dict__)
         if isinstance(state.get("aux_loss"), torch.Tensor):
             state["aux_loss"] = state["aux_loss"].detach()
         return state
-
-    def _update_bias(self, _param) -> None:
-        if self._pending is not None:
-            update_bias(self.expert_bias, self._pending, self.bias_rate)
-            self._pending = None
-
-    @torch.compiler.disable  # eager: the autograd engine's state is not something to trace
-    def _hold(self, counts: torch.Tensor) -> None:
-        if torch._C._current_graph_task_id() == -1:  # a recompute inside a backward is not a new forward
-            self._held += counts
 
     def experts_ffn(self, xs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """The local experts on rows sorted by expert: (M, C) -> (M, C); two grouped GEMMs around SwiGLU."""
@@ -178,26 +195,14 @@ class MoE(nn.Module):
         x2 = x.reshape(-1, self.dim)  # (N, C)
         logits = F.linear(x2.float(), self.router.weight.float())  # (N, E), fp32 even under autocast
         weights, experts, probs = route(logits, self.top_k, self.expert_bias if self.balance == "bias" else None)
-        counts = expert_counts(experts, E)  # (E,) routed, before any dropping
-        if self.stats_group is not None:
-            from minite.parallel import comm
-            comm.all_reduce(counts, self.stats_group)  # the global load: every dp rank balances the same way
+        # (E,) routed, before any dropping; the batch's load (every rank balances the same way under dp)
+        counts = self.exchange.batch_sum(expert_counts(experts, E))
         self.aux_loss = load_balance_loss(probs, counts)  # the loss only under "aux"; a measure of balance always
         if self.balance == "bias" and self.training and torch.is_grad_enabled():
-            if self._held is not None:  # hold_bias: summed, moved when the block ends
-                self._hold(counts)
-            else:
-                self._pending = counts  # the bias moves after the backward (for the next step)
-                if self._hooked != id(self.router.weight):
-                    self.router.weight.register_post_accumulate_grad_hook(self._update_bias)
-                    self._hooked = id(self.router.weight)
+            self.routed += counts  # the bias moves at step_expert_bias, after the whole step's backwards
         cap = capacity(self.capacity_factor, experts.numel(), E) if self.training else 0  # eval: dropless
         xs, order, offsets = permute(x2, experts, E, cap)
-        if self.ep_group is not None:
-            from minite.parallel.expert import expert_parallel_ffn
-            ys = expert_parallel_ffn(self, xs, offsets)
-        else:
-            ys = self.experts_ffn(xs, offsets)
+        ys = self.exchange.experts(self.experts_ffn, xs, offsets)  # (N*k, C), rows in the same order
         y = unpermute(ys, order, weights)  # (N, C)
         self.load, self.dropped = counts.detach(), experts.numel() - offsets[-1].detach()
         if self.shared is not None:
@@ -210,22 +215,15 @@ class MoE(nn.Module):
                 f"shared_expert={self.shared is not None}")
 
 
-@contextlib.contextmanager
-def hold_bias(moes):
-    """``with hold_bias(moe_layers):`` the "bias" balance of these MoE layers adds up the counts of every training
-    forward inside and moves each bias once when the block ends (after the backwards), by the summed load: the
-    micro-batches of a pipeline schedule all route with the same bias, like one process on the whole batch. Not
-    moved if the block raises. Layers with another balance are left alone."""
-    held = [m for m in moes if m.balance == "bias"]
-    for m in held:
-        m._pending, m._held = None, torch.zeros_like(m.expert_bias, dtype=torch.long)
-    try:
-        yield
-        for m in held:
-            update_bias(m.expert_bias, m._held, m.bias_rate)
-    finally:
-        for m in held:
-            m._held = None
+@torch.no_grad()
+def step_expert_bias(model: nn.Module) -> None:
+    """The loss-free balance's step, once per optimizer step (call it next to ``opt.step()``): every MoE layer of
+    `model` under balance="bias" moves its bias by the load its training forwards counted since the last call
+    (``routed``: the whole step's micro-batches, summed over the batch's ranks by the exchange) and empties it."""
+    for m in model.modules():
+        if isinstance(m, MoE) and m.balance == "bias":
+            update_bias(m.expert_bias, m.routed, m.bias_rate)
+            m.routed.zero_()
 
 
 def moe_ref(moe: MoE, x: torch.Tensor) -> torch.Tensor:

@@ -263,17 +263,15 @@ class GPT(nn.Module):
         moes = [b.mlp for b in self.blocks if getattr(b.mlp, "load", None) is not None]
         if not moes:
             return None
-        load = sum(m.load for m in moes)  # the global load already (all-reduced over stats_group in forward)
+        load = sum(m.load for m in moes)  # the batch's load already (the exchange summed it in forward)
         # this rank's dropped assignments (capacity is per rank) and Switch losses (global f_i, my P_i): summed,
-        # and averaged, over the ranks whose tokens the load counts (a collective: every rank logs)
-        mine = torch.stack([sum(m.dropped for m in moes).double(), sum(m.aux_loss.double() for m in moes)])
-        group = moes[0].stats_group
-        if group is not None:
-            from minite.parallel import comm
-            comm.all_reduce(mine, group)
-            mine[1] /= comm.size(group)
-        return {"tokens_per_expert": [int(v) for v in load], "dropped": int(mine[0]),
-                "balance_loss": round(float(mine[1]) / len(moes), 4)}
+        # and averaged, over the ranks whose tokens the load counts (the exchange's batch_sum: under a parallel
+        # layout a collective, so every rank logs; alone the numbers themselves). The last entry counts the ranks.
+        mine = torch.stack([sum(m.dropped for m in moes).double(), sum(m.aux_loss.double() for m in moes),
+                            torch.ones((), dtype=torch.float64, device=load.device)])
+        total = moes[0].exchange.batch_sum(mine)
+        return {"tokens_per_expert": [int(v) for v in load], "dropped": int(total[0]),
+                "balance_loss": round(float(total[1] / total[2]) / len(moes), 4)}
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,

@@ -10,7 +10,7 @@ sequence parallelism the regions outside attention and the MLP hold T/(cp tp) to
 
 A mixture of experts (chapter 16) mixes no tokens either: each cp rank routes its T/cp tokens through the same MoE
 modules (through its own ep group's experts under ep, ``expert.py``). Its routed counts are summed over dp x cp
-(``runtime.Parallel.wrap`` sets ``stats_group``), the load of the whole global batch: the Switch loss (global f_i,
+(the exchange ``runtime.Parallel.wrap`` installs), the load of the whole global batch: the Switch loss (global f_i,
 my tokens' P_i) averaged over dp x cp is one process's, and the DeepSeek bias moves the same on every rank. The
 capacity limit (capacity_factor > 0) is taken per rank over its own tokens, as under dp: it matches one process
 only dropless (capacity_factor = 0) or when no expert overflows.

@@ -12,6 +12,13 @@ slice of the batch and holds the router, attention and embeddings whole; rank r 
     3. local experts                  re-sort the received rows by local expert, grouped GEMM, sort back
     4. combine                        all_to_all_single back (the splits swapped), then unpermute as before
 
+The layer knows none of this: steps 1-4 are ``ExpertExchange.experts``, the token exchange ``shard_experts``
+installs into each MoE layer (its ``exchange``) after cutting its experts, as tensor.py builds its layers
+``from_dense``. Both exchanges here also sum a layer's routed counts over the ranks holding other tokens of the
+global batch (``batch_sum``, over dp, or dp x cp: ``stats_group``): the Switch loss's f_i and the "bias" step see
+the global load, as one process does. ``install_batch_load`` gives that to a model whose experts stay whole
+(ep = 1, dp x cp > 1). The bias itself moves at minite.layers.moe.step_expert_bias, once per optimizer step.
+
 Autograd: the backward of an all-to-all is the all-to-all with the splits swapped (``comm.AllToAll``).
 Gradients: a non-expert parameter is averaged over dp as in DDP. An expert's gradient on its owner already sums
 the contributions of all ep ranks' tokens (the backward all-to-all brought them), so it is summed over the edp
@@ -32,10 +39,11 @@ import contextlib
 import torch
 from torch import nn
 
+from minite.layers.moe import LocalExchange, MoE
 from minite.parallel import comm
 from minite.parallel.sequence import gather_dense
 
-__all__ = ["exchange_counts", "expert_parallel_ffn", "shard_experts",
+__all__ = ["exchange_counts", "BatchLoad", "ExpertExchange", "shard_experts", "install_batch_load",
            "ExpertDataParallel", "ExpertZero", "moe_layers", "stats_group", "is_expert", "average_grads",
            "grad_squares"]
 
@@ -45,28 +53,48 @@ def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
     return comm.all_to_all_counts(counts, group)
 
 
-@torch.compiler.disable  # Python split sizes and collectives: eager, behind a graph break under torch.compile
-def expert_parallel_ffn(moe, xs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """The experts of one MoE layer over its ep group: xs (M, C) rows sorted by global expert id, offsets (E + 1,)
-    -> (M, C) rows in the same order (dropped rows, past offsets[E], are 0)."""
-    group, ep = moe.ep_group, comm.size(moe.ep_group)
-    El = moe.w_gate_up.shape[0]  # my experts
-    counts = offsets[1:] - offsets[:-1]  # (E,) rows for each expert, kept ones only
-    recv = exchange_counts(counts, group)  # (ep, El)
-    send_splits = counts.view(ep, El).sum(1).tolist()  # host sync: all_to_all_single takes Python split sizes
-    recv_splits = recv.sum(1).tolist()
-    kept = sum(send_splits)
-    xr = comm.AllToAll.apply(xs[:kept], send_splits, recv_splits, group)  # (R, C): by source rank, then local expert
-    local = torch.repeat_interleave(torch.arange(El, device=xs.device).repeat(ep), recv.reshape(-1))  # (R,)
-    order = torch.argsort(local, stable=True)  # by local expert (sources in rank order within each)
-    loffsets = torch.cat([recv.new_zeros(1), torch.cumsum(recv.sum(0), 0)])  # (El + 1,)
-    # (R, C). Even with R = 0 its result is in the graph of xr and the weights (grouped GEMM, both backends): every
-    # rank must run both backward all-to-alls, or the ranks' collectives fall out of step.
-    yl = moe.experts_ffn(xr[order], loffsets)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    ys = comm.AllToAll.apply(yl[inverse], recv_splits, send_splits, group)  # (kept, C): back to their sources
-    return torch.cat([ys, ys.new_zeros((xs.shape[0] - kept, ys.shape[1]))])
+class BatchLoad(LocalExchange):
+    """A MoE's token exchange when its experts are all here but the global batch is cut over `group` (dp, or
+    dp x cp): the rows stay local, the routed counts are summed over the group (in place)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def batch_sum(self, t: torch.Tensor) -> torch.Tensor:
+        comm.all_reduce(t, self.group)
+        return t
+
+
+class ExpertExchange(BatchLoad):
+    """A MoE's token exchange under expert parallelism: its experts cut over `ep_group` (E/ep each, contiguous),
+    the routed counts summed over `group` (dp, or dp x cp; ep divides it)."""
+
+    def __init__(self, ep_group, group):
+        super().__init__(group)
+        self.ep_group = ep_group
+
+    @torch.compiler.disable  # Python split sizes and collectives: eager, behind a graph break under torch.compile
+    def experts(self, ffn, xs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """xs (M, C) rows sorted by global expert id, offsets (E + 1,), ffn the local experts -> (M, C) rows in the
+        same order (dropped rows, past offsets[E], are 0)."""
+        group, ep = self.ep_group, comm.size(self.ep_group)
+        El = (offsets.numel() - 1) // ep  # my experts
+        counts = offsets[1:] - offsets[:-1]  # (E,) rows for each expert, kept ones only
+        recv = exchange_counts(counts, group)  # (ep, El)
+        send_splits = counts.view(ep, El).sum(1).tolist()  # host sync: all_to_all_single takes Python split sizes
+        recv_splits = recv.sum(1).tolist()
+        kept = sum(send_splits)
+        xr = comm.AllToAll.apply(xs[:kept], send_splits, recv_splits, group)  # (R, C): by source, then local expert
+        local = torch.repeat_interleave(torch.arange(El, device=xs.device).repeat(ep), recv.reshape(-1))  # (R,)
+        order = torch.argsort(local, stable=True)  # by local expert (sources in rank order within each)
+        loffsets = torch.cat([recv.new_zeros(1), torch.cumsum(recv.sum(0), 0)])  # (El + 1,)
+        # (R, C). Even with R = 0 its result is in the graph of xr and the weights (grouped GEMM, both backends):
+        # every rank must run both backward all-to-alls, or the ranks' collectives fall out of step.
+        yl = ffn(xr[order], loffsets)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        ys = comm.AllToAll.apply(yl[inverse], recv_splits, send_splits, group)  # (kept, C): back to their sources
+        return torch.cat([ys, ys.new_zeros((xs.shape[0] - kept, ys.shape[1]))])
 
 
 def stats_group(dims):
@@ -75,7 +103,6 @@ def stats_group(dims):
 
 
 def moe_layers(model: nn.Module) -> list:
-    from minite.layers.moe import MoE
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
@@ -115,8 +142,9 @@ def grad_squares(qs, ep_group, groups, grads: bool = True) -> torch.Tensor:
 
 
 def shard_experts(model: nn.Module, dims) -> nn.Module:
-    """Keep my E/ep experts of every MoE layer (in place); the router and the rest stay whole. Each expert
-    parameter is tagged ``dense_index = (0, my expert ids)`` (reshard.py slices the dense optimizer state by it)."""
+    """Keep my E/ep experts of every MoE layer (in place) and install the all-to-all exchange; the router and the
+    rest stay whole. Each expert parameter is tagged ``dense_index = (0, my expert ids)`` (reshard.py slices the
+    dense optimizer state by it)."""
     ep, r = dims.ep, dims.ep_rank
     for moe in moe_layers(model):
         El = moe.num_experts // ep
@@ -130,7 +158,14 @@ def shard_experts(model: nn.Module, dims) -> nn.Module:
                 if hasattr(old, attr):
                     setattr(p, attr, getattr(old, attr))
             setattr(moe, name, p)
-        moe.ep_group, moe.stats_group, moe.expert_lo = dims.group("ep"), stats_group(dims), lo
+        moe.exchange = ExpertExchange(dims.group("ep"), stats_group(dims))  # rows to their experts' ranks
+    return model
+
+
+def install_batch_load(model: nn.Module, dims) -> nn.Module:
+    """Every MoE layer of `model` (experts whole) sums its routed counts over dp (x cp): the global load."""
+    for moe in moe_layers(model):
+        moe.exchange = BatchLoad(stats_group(dims))
     return model
 
 

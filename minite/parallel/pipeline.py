@@ -12,11 +12,12 @@ With a ``trace.Recorder`` active, each step reports a "pp" event (F or B, micro-
 the bytes of activations autograd saved for its backward): the lesson's timeline and memory per stage.
 
 A mixture of experts (chapter 16): the m micro-batches are gradient accumulation, so each stage adds its blocks'
-Switch loss per micro-batch ("aux"; the reported loss sums every stage's) and the "bias" moves once per schedule
-(``StageMoE``). With ep > 1 (``runtime.Parallel.wrap`` shards the stage's experts) expert gradients are summed over
-the edp replicas, the rest over dp, both divided by dp, as ExpertDataParallel does. Under cp too: each cp rank runs
-its T/cp tokens of every micro-batch through its stage, the routed counts are summed over dp x cp (the MoE's
-stats_group), the Switch loss (global f_i, my tokens' P_i) is averaged over cp with the rest of the loss, dense
+Switch loss per micro-batch ("aux"; the reported loss sums every stage's) and the "bias" moves once per optimizer
+step, after the schedule (the micro-batches' loads add up in the layers; minite.layers.moe.step_expert_bias).
+With ep > 1 (``runtime.Parallel.wrap`` shards the stage's experts) expert gradients are summed over the edp
+replicas, the rest over dp, both divided by dp, as ExpertDataParallel does. Under cp too: each cp rank runs its
+T/cp tokens of every micro-batch through its stage, the routed counts are summed over dp x cp (by the MoE's
+exchange), the Switch loss (global f_i, my tokens' P_i) is averaged over cp with the rest of the loss, dense
 gradients over dp x cp, expert gradients over edp x cp (``edp_cp``), both divided by dp * cp.
 """
 from __future__ import annotations
@@ -113,30 +114,29 @@ class PipelineGPT(nn.Module):
         ins, outs, sends = {}, {}, []
         loss = torch.zeros((), dtype=torch.float64, device=x.device)
         self._moe = moe = StageMoE(st, self.config, self.training, m, x.device)
-        with moe.hold():  # "bias": every micro-batch routes with the same bias; it moves once, at the end
-            for kind, i in steps:
-                if kind == "F":
-                    inp = xs[i] if first else self._recv(xs[i], prev).requires_grad_()
-                    weights = itertools.chain(st.parameters(), st.buffers())  # not activations
-                    with trace.span("pp", x.device, step="F", mb=i) as row, trace.saved_bytes(row, weights):
-                        out = st(inp, ys[i] if last else None)
-                    out, share = moe.after_forward(i, out, last)  # MoE: + the balance loss ("aux"), stats
-                    loss += share
-                    if last:
-                        loss += out.detach().double() / m
-                    else:
-                        sends.append((comm.send(out.detach(), nxt, self.group), out))
-                    ins[i] = inp
-                    outs[i] = out
+        for kind, i in steps:
+            if kind == "F":
+                inp = xs[i] if first else self._recv(xs[i], prev).requires_grad_()
+                weights = itertools.chain(st.parameters(), st.buffers())  # not activations
+                with trace.span("pp", x.device, step="F", mb=i) as row, trace.saved_bytes(row, weights):
+                    out = st(inp, ys[i] if last else None)
+                out, share = moe.after_forward(i, out, last)  # MoE: + the balance loss ("aux"), stats
+                loss += share
+                if last:
+                    loss += out.detach().double() / m
                 else:
-                    grad = torch.full_like(outs[i], self._seed / m) if last else self._recv(xs[i], nxt)
-                    with trace.span("pp", x.device, step="B", mb=i):
-                        moe.backward(i, outs.pop(i), grad, self._seed / m)
-                    inp = ins.pop(i)
-                    if not first:
-                        sends.append((comm.send(inp.grad, prev, self.group), inp.grad))
-            for work, _ in sends:
-                work.wait()
+                    sends.append((comm.send(out.detach(), nxt, self.group), out))
+                ins[i] = inp
+                outs[i] = out
+            else:
+                grad = torch.full_like(outs[i], self._seed / m) if last else self._recv(xs[i], nxt)
+                with trace.span("pp", x.device, step="B", mb=i):
+                    moe.backward(i, outs.pop(i), grad, self._seed / m)
+                inp = ins.pop(i)
+                if not first:
+                    sends.append((comm.send(inp.grad, prev, self.group), inp.grad))
+        for work, _ in sends:
+            work.wait()
         self._sum_tied_grads()
         fresh = [q.grad if q.grad is not None else torch.zeros_like(q) for q in params]
         for q, g in zip(params, kept):

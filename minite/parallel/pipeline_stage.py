@@ -3,7 +3,9 @@
 ``partition`` balances the stages by parameter count with the embedding on the first stage and the tied head on the
 last; ``Stage`` holds deep copies of the dense GPT's modules under their dense names, so a test compares
 gradients by name and the stages' state dicts together are the dense state dict. ``StageMoE``: a stage's
-mixture-of-experts duties in one schedule (the balance loss per micro-batch, the held bias, the routing stats).
+mixture-of-experts duties in one schedule (the balance loss per micro-batch, the routing stats). The "bias" balance
+needs nothing here: every micro-batch's forward adds its load to its layers' ``routed`` and the bias moves at the
+optimizer step (minite.layers.moe.step_expert_bias), so every micro-batch routes with the same bias.
 """
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from minite.layers.moe import hold_bias
 from minite.models.gpt import GPT, _take_aux_loss
 from minite.ops import cross_entropy
 from minite.parallel import comm
@@ -132,7 +133,7 @@ class StageMoE:
     """One schedule's mixture-of-experts duties on a stage (nothing to do for a dense GPT). Under balance "aux" in
     training, micro-batch i's backward includes moe_aux_weight * (my blocks' Switch loss) / m: added to the loss
     on the last stage, a second root of the backward with gradient 1/m elsewhere (Megatron's per-micro-batch
-    balance loss). ``hold()``: the "bias" moves once, after the schedule. ``stats``: the routing, summed."""
+    balance loss). ``stats``: the routing, summed."""
 
     def __init__(self, stage: Stage, cfg, training: bool, m: int, device):
         self.moes, self.cfg, self.m = moe_layers(stage), cfg, m
@@ -141,9 +142,6 @@ class StageMoE:
         self.held = {}  # micro-batch -> its balance loss term, until its backward
         self.stats = torch.zeros(cfg.moe_num_experts + 3, dtype=torch.float64, device=device)
         self.stats[-1] = len(self.moes) * m  # [load per expert..., dropped, sum of Switch losses, their count]
-
-    def hold(self):
-        return hold_bias(self.moes)  # "bias": every micro-batch routes with the same bias
 
     def after_forward(self, i: int, out: torch.Tensor, last: bool):
         """(the stage's output, its share of the reported loss) after micro-batch i's forward."""
@@ -169,16 +167,17 @@ class StageMoE:
             torch.autograd.backward([out, aux], [grad, torch.full_like(aux, seed)])
 
     def gather_stats(self, group) -> dict | None:
-        """Every stage's routing (a collective over `group`, the pp group, then over the MoE's stats group, dp x cp):
-        assignments per expert summed over the layers and micro-batches (the global load already), dropped summed
-        over the ranks, the Switch loss (global f_i, my tokens' P_i) averaged over them all (1.0 = uniform)."""
+        """Every stage's routing (a collective over `group`, the pp group, then over the ranks of the global batch,
+        dp x cp, by the MoE's exchange): assignments per expert summed over the layers and micro-batches (the global
+        load already), dropped summed over the ranks, the Switch loss (global f_i, my tokens' P_i) averaged over
+        them all (1.0 = uniform)."""
         if not self.moes:
             return None
         t = self.stats.clone()
         comm.all_reduce(t, group)
-        mine, stats_group = t[-3:-1].clone(), self.moes[0].stats_group  # dropped and Switch losses: per rank
-        comm.all_reduce(mine, stats_group)
-        t[-3], t[-2] = mine[0], mine[1] / comm.size(stats_group)
+        mine = torch.cat([t[-3:-1], t.new_ones(1)])  # dropped and Switch losses: per rank; 1: counts the ranks
+        mine = self.moes[0].exchange.batch_sum(mine)
+        t[-3], t[-2] = mine[0], mine[1] / mine[2]
         return {"tokens_per_expert": [int(v) for v in t[:-3]], "dropped": int(t[-3]),
                 "balance_loss": round(float(t[-2] / t[-1]), 4)}
 

@@ -6,7 +6,18 @@ import json
 import pytest
 import torch
 
-from minite.layers.moe import MoE, capacity, load_balance_loss, moe_ref, permute, route, unpermute, update_bias
+from minite.layers.moe import (
+    LocalExchange,
+    MoE,
+    capacity,
+    load_balance_loss,
+    moe_ref,
+    permute,
+    route,
+    step_expert_bias,
+    unpermute,
+    update_bias,
+)
 from minite.models.gpt import GPT, GPTConfig
 from minite.testing import assert_close
 from minite.train import load_checkpoint, train
@@ -106,38 +117,102 @@ def test_bias_update_sign_and_balance():
         m.router.weight[0] += 3 * m.router.weight[1]  # skew the router
     m.bias_rate = 0.01
     x = torch.randn(200, 16, generator=torch.Generator().manual_seed(4))
-    m(x)
+    m(x).sum().backward()
     first = m.load.float()
-    assert m.expert_bias.abs().sum() == 0  # a forward alone moves nothing: the update waits for the backward
+    assert m.expert_bias.abs().sum() == 0  # a forward and its backward move nothing: the step does
+    assert torch.equal(m.routed, m.load)  # counted for the step
+    step_expert_bias(m)
+    assert torch.equal(m.expert_bias, 0.01 * torch.sign(first.mean() - first)) and not m.routed.any()
     loads = []
     for _ in range(60):
         m(x).sum().backward()
+        step_expert_bias(m)
         loads.append(m.load.float())
     last = torch.stack(loads[-20:]).mean(0)  # the sign update oscillates around the balance: average it
     assert last.std() < 0.5 * first.std()  # the load moved toward uniform, with no loss term
     m.eval()
     bias = m.expert_bias.clone()
     m(x).sum().backward()
-    assert torch.equal(bias, m.expert_bias)  # no update outside training
-    twin = copy.deepcopy(m).train()  # a copy balances itself (the hook is not copied: it registers again)
+    with torch.no_grad():
+        m.train()(x)
+    step_expert_bias(m)
+    assert torch.equal(bias, m.expert_bias)  # no count outside training (eval mode, or no gradient)
+    twin = copy.deepcopy(m)  # a copy counts and balances on its own
     twin(x).sum().backward()
+    step_expert_bias(twin)
     assert torch.equal(bias, m.expert_bias) and not torch.equal(bias, twin.expert_bias)
 
 
-def test_bias_update_once_per_step_under_recompute():
-    # Full activation recompute runs the block's forward again inside the backward: the bias must move once per
-    # step, and the recomputed forward must route as the first one did.
+def test_bias_moves_once_per_step_by_the_summed_load():
+    # Gradient accumulation or a pipeline's micro-batches: every forward of the step routes with the same bias and
+    # the bias moves once, by the load of all of them; a recompute counts its forward twice, which leaves the signs.
     from torch.utils.checkpoint import checkpoint
-    m = _layer(2, 0.0, "bias", False, E=6, seed=5, backend="torch")
+    torch.manual_seed(0)
+    moe = MoE(8, 16, 4, top_k=1, balance="bias", bias_rate=0.5, backend="torch")
+    x = torch.randn(2, 12, 8)
+    whole = torch.bincount(moe.router(x.reshape(-1, 8)).argmax(-1), minlength=4)  # top-1, zero bias
+    for i, part in enumerate(x.chunk(2)):
+        moe(part).sum().backward()
+        assert not moe.expert_bias.any()  # the second micro-batch routes with the same bias
+        assert int(moe.routed.sum()) == 12 * (i + 1)  # 12 tokens, top-1: each forward counted once
+    step_expert_bias(moe)
+    want = 0.5 * torch.sign(whole.float().mean() - whole.float())
+    assert torch.equal(moe.expert_bias, want) and want.abs().sum() > 0
     with torch.no_grad():
-        m.expert_bias.zero_()
-    x = torch.randn(50, 16, generator=torch.Generator().manual_seed(5))
-    m(x).sum().backward()
-    once = m.expert_bias.clone()
-    with torch.no_grad():
-        m.expert_bias.zero_()
-    checkpoint(m, x, use_reentrant=False).sum().backward()
-    assert torch.equal(m.expert_bias, once) and once.abs().sum() > 0
+        moe.expert_bias.zero_()
+    for part in x.chunk(2):  # under full activation recompute: the forward runs again inside the backward
+        checkpoint(moe, part, use_reentrant=False).sum().backward()
+    assert torch.equal(moe.routed, 2 * whole)  # every count doubled
+    step_expert_bias(moe)
+    assert torch.equal(moe.expert_bias, want)
+
+
+def test_bad_rates_and_capacities_are_refused_by_name():
+    # issue 36: bias_rate=nan was accepted and made expert_bias all NaN one backward later; capacity_factor=inf
+    # raised an OverflowError (math.ceil) at the first training step. A dropless layer is capacity_factor=0.
+    for rate in (float("nan"), float("inf"), -1e-3):
+        with pytest.raises(ValueError, match=f"MoE: bias_rate must be finite and >= 0, got {rate}"):
+            MoE(8, 16, 4, balance="bias", bias_rate=rate)
+    for cf in (float("inf"), float("nan"), -1.0):
+        with pytest.raises(ValueError, match=rf"capacity_factor must be a finite number >= 0 \(0 = dropless\), "
+                                             rf"got float {cf}"):
+            MoE(8, 16, 4, capacity_factor=cf)
+    with pytest.raises(ValueError, match="got str '1'"):
+        MoE(8, 16, 4, capacity_factor="1")
+    with pytest.raises(ValueError, match="update_bias: rate must be finite and >= 0, got nan"):
+        update_bias(torch.zeros(4), torch.tensor([1, 2, 3, 4]), float("nan"))
+    m = MoE(8, 16, 4, balance="bias", backend="torch")
+    m.bias_rate = float("nan")  # set after construction: refused at the step, before the bias is touched
+    m(torch.randn(5, 8)).sum().backward()
+    with pytest.raises(ValueError, match="rate must be finite"):
+        step_expert_bias(m)
+    assert torch.isfinite(m.expert_bias).all()
+
+
+def test_the_token_exchange_is_a_collaborator():
+    # The layer hands its sorted rows and its counts to its exchange and knows nothing else of where the experts
+    # are (minite.parallel.expert installs the all-to-all one): a recording exchange sees both, and the default
+    # is one process.
+    seen = []
+
+    class Recording(LocalExchange):
+        def experts(self, ffn, xs, offsets):
+            seen.append(("experts", xs.shape, offsets.tolist()))
+            return ffn(xs, offsets)
+
+        def batch_sum(self, t):
+            seen.append(("batch_sum", t.tolist()))
+            return t * 3  # as if two more ranks held the same tokens
+
+    torch.manual_seed(0)
+    m = MoE(8, 16, 4, 2, backend="torch", exchange=Recording())
+    x = torch.randn(6, 8)
+    y = m(x)
+    assert [s[0] for s in seen] == ["batch_sum", "experts"] and seen[1][1] == (12, 8)
+    assert torch.equal(m.load, 3 * torch.tensor(seen[0][1]))  # the batch's load is the exchange's
+    torch.testing.assert_close(y, moe_ref(m, x))
+    assert isinstance(MoE(8, 16, 4).exchange, LocalExchange)
+    assert copy.deepcopy(m).exchange is m.exchange  # shared, never copied (a parallel one holds process groups)
 
 
 def test_capacity_drops_in_token_order():

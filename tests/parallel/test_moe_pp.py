@@ -4,15 +4,13 @@ micro-batch, bias against the whole batch), pp2 x dp2 x ep2 (and a one-process c
 pp2 x tp2 with SP and pp2 x cp2 (aux, bias): the loss, every gradient, the routing statistics, 5 AdamW steps and
 the dense checkpoint. A launch of ``minite.train --parallel.pp=2 --parallel.dp=2 --parallel.ep=2`` trains one
 process's 20-step curve and its checkpoint resumes in one process. The bias of "bias" balancing moves once per
-pipeline schedule. A MoE with pp and cp together is accepted."""
+optimizer step, by the load of every micro-batch (tests/layers/test_moe.py: test_bias_moves_once_per_step_by_the_
+summed_load). A MoE with pp and cp together is accepted."""
 import json
 
 import pytest
-import torch
-from torch.utils.checkpoint import checkpoint
 
 from minite.config import make_config
-from minite.layers.moe import MoE, hold_bias
 from minite.models.gpt import GPT, GPTConfig
 from minite.parallel.dims import check_layout
 from minite.parallel.launch import torchrun
@@ -21,24 +19,6 @@ from minite.train import load_checkpoint, train
 MOE = {"model.moe_num_experts": 4, "model.moe_top_k": 2}
 CASES = ["moe_pp2_dp2_aux", "moe_pp2_dp2_bias", "moe_pp2_dp2_ep2_aux", "moe_pp2_dp2_ep2_aux_resume",
          "moe_pp2_tp2_sp_aux", "moe_pp2_cp2_aux", "moe_pp2_cp2_bias"]
-
-
-def test_hold_bias_moves_once_by_the_summed_load():
-    torch.manual_seed(0)
-    moe = MoE(8, 16, 4, top_k=1, balance="bias", bias_rate=0.5, backend="torch")
-    x = torch.randn(2, 12, 8)
-    whole = torch.bincount(moe.router(x.reshape(-1, 8)).argmax(-1), minlength=4)  # top-1, zero bias
-    with hold_bias([moe]):
-        for i, part in enumerate(x.chunk(2)):  # the first under activation recompute: its forward runs twice
-            out = checkpoint(moe, part, use_reentrant=False) if i == 0 else moe(part)
-            out.sum().backward()
-            assert not moe.expert_bias.any()  # held: the second micro-batch routes with the same bias
-            assert int(moe._held.sum()) == 12 * (i + 1)  # 12 tokens, top-1: each forward counted once
-    assert torch.equal(moe.expert_bias, 0.5 * torch.sign(whole.float().mean() - whole.float()))
-    before = moe.expert_bias.clone()
-    moe(x).sum().backward()  # outside: the hook moves it after every backward again, by that forward's load
-    load = moe.load.float()
-    assert torch.equal(moe.expert_bias, before + 0.5 * torch.sign(load.mean() - load))
 
 
 @pytest.mark.distributed

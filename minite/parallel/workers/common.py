@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from minite.layers.moe import step_expert_bias
 from minite.models.gpt import GPT, GPTConfig
 
 TINY = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=64,
@@ -48,6 +49,7 @@ def dense_run(model, data, steps: int = STEPS):
         model(x, y)[1].backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
+        step_expert_bias(model)  # the "bias" balance's step, as minite.train's
         opt.zero_grad(set_to_none=True)
     return model
 

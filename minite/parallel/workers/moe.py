@@ -8,6 +8,7 @@ import os
 import torch
 
 from minite.errors import ParallelError
+from minite.layers.moe import step_expert_bias
 from minite.parallel import comm
 from minite.parallel.dims import ParallelDims
 from minite.parallel.expert import ExpertDataParallel, shard_experts
@@ -40,6 +41,7 @@ def _ep_run(dims, data, balance: str):
                 a2a = log.total(op="all_to_all")
             ddp.clip_grad_norm_(CLIP)
             opt.step()
+            step_expert_bias(model)  # the "bias" balance's step, as minite.train's
             opt.zero_grad(set_to_none=True)
     return loss0, grads, a2a, ddp.dense_state_dict()
 
@@ -155,6 +157,7 @@ def _moe_tp_case(d, out: dict, balance: str, sp: bool, alone: bool) -> None:
             g_err, worst = _tp_grad_err(model, ref_grads)
         par.clip(model, opt, CLIP)
         opt.step()
+        step_expert_bias(model)  # the "bias" balance's step, as minite.train's
         opt.zero_grad(set_to_none=True)
     state = par.model_state(model)
     res = result(maxerr(state, ref), TOL, loss_err=abs(loss0 - loss_ref.item()), grad_err=g_err, worst=worst,

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import torch
 
+from minite.layers.moe import step_expert_bias
 from minite.parallel.dims import ParallelDims
 from minite.parallel.reshard import dense_optim_state, local_slice
 from minite.parallel.runtime import Parallel
@@ -49,6 +50,7 @@ def _reference(kw: dict, data):
         model(x, y)[1].backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
+        step_expert_bias(model)  # the "bias" balance's step, as minite.train's
         opt.zero_grad(set_to_none=True)
     return loss.item(), grads, model.state_dict(), dense_optim_state(model, opt, None)
 
@@ -91,6 +93,7 @@ def check_moe_cp(dims, args) -> dict:
                 g_err, worst = _grad_err(par, model, grads_ref)
             par.clip(model, opt, CLIP)
             opt.step()
+            step_expert_bias(model)  # the "bias" balance's step, as minite.train's
             opt.zero_grad(set_to_none=True)
         state, optim = par.model_state(model), par.optim_state(opt, model)
         biases = {k: v for k, v in state_ref.items() if k.endswith("expert_bias")}

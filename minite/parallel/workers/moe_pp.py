@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from minite.layers.moe import step_expert_bias
 from minite.parallel.dims import ParallelDims
 from minite.parallel.workers.common import CLIP, STEPS, TOL, adamw, batches, maxerr, result, tiny_gpt
 from minite.parallel.workers.moe import MOE, _tp_grad_err
@@ -48,6 +49,7 @@ def _reference(kw: dict, data, dp: int, per_micro: bool):
             loss0, grads = total, {n: p.grad.clone() for n, p in model.named_parameters()}
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
+        step_expert_bias(model)  # the "bias" balance's step, as minite.train's
         opt.zero_grad(set_to_none=True)
     return loss0, grads, stats, model, opt
 
@@ -73,6 +75,7 @@ def _case(out: dict, d, balance: str, sp: bool = False, refs: dict | None = None
             stats = model.moe_stats()  # every rank: a collective over pp, then dp (x cp)
         par.clip(model, opt, CLIP)
         opt.step()
+        step_expert_bias(model)  # the "bias" balance's step, as minite.train's
         opt.zero_grad(set_to_none=True)
     state = par.model_state(model)
     want = ref.state_dict()
@@ -112,12 +115,14 @@ def _resume(par, model, opt, ref, ref_opt, batch, kw) -> dict:
     again(*par2.shard_batch(x, y))[1].backward()
     par2.clip(again, opt2, CLIP)
     opt2.step()
+    step_expert_bias(again)  # the "bias" balance's step, as minite.train's
     dp = par.dims.dp  # one process's next step, micro-batch by micro-batch under "aux" (as _reference)
     parts = [(_micro(x, dp, i), _micro(y, dp, i)) for i in range(M)] if kw["moe_balance"] == "aux" else [(x, y)]
     for xi, yi in parts:
         (ref(xi, yi)[1] / len(parts)).backward()
     torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
     ref_opt.step()
+    step_expert_bias(ref)  # the "bias" balance's step, as minite.train's
     res = result(maxerr(par2.model_state(again), ref.state_dict()), TOL, moment_err=moment_err)
     res["ok"] &= moment_err < TOL and same_names
     return res

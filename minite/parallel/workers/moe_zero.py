@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
+from minite.layers.moe import step_expert_bias
 from minite.parallel.dims import ParallelDims
 from minite.parallel.reshard import dense_optim_state, local_slice
 from minite.parallel.workers.common import CLIP, LR, STEPS, TOL, WD, adamw, batches, maxerr, result, tiny_gpt
@@ -33,6 +34,7 @@ def _step(par, model, opt, x, y, ref_grads=None) -> tuple[float, float, float]:
     g_err = _grad_err(par, ref_grads) if ref_grads is not None else None
     norm = float(par.clip(model, opt, CLIP))
     opt.step()
+    step_expert_bias(model)  # the "bias" balance's step, as minite.train's
     opt.zero_grad(set_to_none=True)
     return par.global_loss(loss.item()), g_err, norm
 
@@ -52,6 +54,7 @@ def _reference(balance: str, data):
         model(x, y)[1].backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
+        step_expert_bias(model)  # the "bias" balance's step, as minite.train's
         opt.zero_grad(set_to_none=True)
     norm = float(torch.cat([g.reshape(-1) for g in grads.values()]).double().norm())
     return loss.item(), grads, norm, ckpt, model.state_dict()
