@@ -7,9 +7,12 @@ y = x W^T + s (x A^T) B^T with W (O, K) frozen. Implementations, each timed forw
     base only      x W^T alone (cuBLAS): the floor a LoRA layer cannot beat
     unfused        torch: F.linear(x, W) + s * F.linear(F.linear(x, A), B) (three cuBLAS GEMMs and an add)
     merged         x (W + s B A)^T: inference after merge_lora (the merge itself is not timed)
-    minite fused   one Triton kernel: x read once for both products, the adapter added in the epilogue
-The fused kernel recomputes x A^T in every column-tile program (r / BLOCK_N extra work) and runs a Triton GEMM
-against cuBLAS: the table says at which r, if any, fusing pays on this device. Results (and a PNG of time vs r)
+    minite fused   g = x A^T once (a skinny Triton GEMM), then ONE Triton GEMM (128x256x64, grouped order) whose
+                   last K-step adds (s g) B^T: y is written once; the backward is the same pair plus a row-split
+                   dA / dB reduction (kernels/lora.py)
+Fusing saves the unfused path's extra (N, O) write, read and add; it pays only if minite's Triton GEMM keeps up
+with cuBLAS: the table says at which r it does on this device (the first version, which recomputed x A^T in every
+column tile on 64x128 tiles, ran at 0.52-0.62x the unfused path on an H200). Results (and a PNG of time vs r)
 are saved to benchmarks/results/lora_<device-name-slug>.json / .png with the device named.
 """
 from __future__ import annotations
