@@ -13,7 +13,9 @@ RULES = [
     # forward, dK/dV and dQ kernels, varlen, 2 ops + their autograd formula; issue 25: the reference's clean-up of
     # non-finite masked K/V (_finite_kv) and the scale / D checks; the kernels' own clean-up of the diagonal key
     # blocks (_fwd_block and _dq_block: the loop bodies as helpers, a branch, a spelling per dot kind: +45)
-    ("minite/kernels/attention.py", 550),
+    # issue 33: per-tensor strides (no layout copies), split main / masked loops in all three kernels, per-kernel
+    # GPU tiles, and the GPT's fused-qkv op pair (RoPE + attention, one d(qkv) buffer) with its autograd: +230
+    ("minite/kernels/attention.py", 780),
     ("minite/kernels/cross_entropy.py", 335),  # CE and the fused linear-CE: 3 ops, 2 autograd formulas, +inf rule
     ("minite/kernels/rmsnorm.py", 320),      # RMSNorm and LayerNorm: 4 ops, 2 autograd formulas, typed device/dtype
     ("minite/formats/specs.py", 305),        # bit specs, reference + Triton encode/decode, typed public API
@@ -29,7 +31,9 @@ RULES = [
     ("minite/config.py", 350),
     # chapter 15: three quantize configurations and the block-scaled GEMM, and the linear layer's autograd Function
     # for the block recipes (its three GEMMs each scale along their own K)
-    ("minite/kernels/fp8_block.py", 350),    # + the two custom ops for torch.compile (block_quantize, block_scaled_mm)
+    # + the two custom ops for torch.compile (block_quantize, block_scaled_mm); issues 32/33: the MX GEMM as its own
+    # kernel (bf16 MMA on exactly dequantized slabs), the interpreter's exact fp8 decode, the stated promotion
+    ("minite/kernels/fp8_block.py", 450),
     # issue 22 wrote the parallel files one statement a line (nanoGPT's style) instead of packing them:
     ("minite/parallel/tensor.py", 330),      # TP layers, vocab-parallel CE, the SP column linear (from sequence.py)
     ("minite/parallel/context.py", 300),     # ring and all-gather attention, forward and backward

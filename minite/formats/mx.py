@@ -15,8 +15,10 @@ and no infinity. Its range, 2^-127 .. 2^127, is fp32's.
 
 Edge rules (the kernels in kernels/fp8_block.py follow them bit for bit):
 * an all-zero block: blockwise scale 1; MX exponent -127 (bits 0). Its elements are 0 either way.
-* a block holding inf or NaN: blockwise scale 1 (inf saturates to ±max, NaN stays NaN); MX scale NaN (0xFF),
-  and then every element of the block decodes to NaN (OCP: "if X is NaN, every V_i is NaN").
+* a block holding inf or NaN: scale NaN (blockwise scale_inv NaN, MX 0xFF), and then every element of the block
+  decodes to NaN (OCP: "if X is NaN, every V_i is NaN"), and so does every GEMM output that reads it, as the
+  unquantized product would be inf or NaN. Never a finite stand-in: E4M3 has no inf, and scaling the block by
+  1 / inf would flush its other elements to zero. (The elements are encoded with scale 1: inf saturates to ±max.)
 * a ragged edge (K not a multiple of the block): the last block holds fewer elements, as if zero-padded (zeros
   never change an amax). Scales have shape cdiv(rows, br) x cdiv(cols, bc).
 * ``pow2=True`` (blockwise): the scale rounded down to a power of two (TransformerEngine's power-of-2 scales):
@@ -186,7 +188,8 @@ def quantize_blockwise_ref(x: torch.Tensor, block: tuple[int, int] = BLOCK_1x128
                            fp8_dtype: torch.dtype = torch.float8_e4m3fn,
                            pow2: bool = False) -> BlockScaledTensor:
     """The spec of blockwise quantization: scale = fp8_max / amax per block (1 for a zero or non-finite amax),
-    optionally rounded down to a power of two; clamp to ±fp8_max, cast (round to nearest even)."""
+    optionally rounded down to a power of two; clamp to ±fp8_max, cast (round to nearest even). scale_inv =
+    1 / scale, NaN for a block holding inf or NaN (its values decode to NaN)."""
     check_block_args("quantize_blockwise", x, block, fp8_dtype)
     m = float(torch.finfo(fp8_dtype).max)
     t, (R, C) = _blocks(x, block)
@@ -197,7 +200,8 @@ def quantize_blockwise_ref(x: torch.Tensor, block: tuple[int, int] = BLOCK_1x128
         scale = (scale.view(torch.int32) & -8388608).view(torch.float32)   # -8388608 = 0xFF800000
     q = (t * scale[:, None, :, None]).clamp(-m, m).to(fp8_dtype)
     data = q.view(t.shape[0] * t.shape[1], -1)[:R, :C].contiguous()
-    return BlockScaledTensor(data, torch.ones_like(scale) / scale, block, "blockwise", x.dtype, amax)
+    scale_inv = torch.where(torch.isfinite(amax), torch.ones_like(scale) / scale, float("nan"))
+    return BlockScaledTensor(data, scale_inv, block, "blockwise", x.dtype, amax)
 
 
 def mx_scale_bits_ref(amax: torch.Tensor, emax_elem: int) -> torch.Tensor:

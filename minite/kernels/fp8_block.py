@@ -4,13 +4,22 @@
                                         B: one scale per SK x 128 tile (DeepSeek-V3's weights) or SK x 1 column slice
 
 A per-tensor scale leaves the sum over K (chapter 02: one multiply in the epilogue). A per-block scale does not:
-it changes every SK elements of K. So the K loop runs one SK-block at a time, lets the tensor cores sum that
-block's SK products into a *fresh* accumulator, and adds it to the fp32 accumulator times the two blocks' scales::
+it changes every SK elements of K. So the blockwise K loop runs one SK-block at a time, lets the tensor cores sum
+that block's SK products into a *fresh* accumulator, and adds it to the fp32 accumulator times the two scales::
 
-    acc += tl.dot(a_blk, b_blk) * (sa[:, None] * sb[None, :])        # once per K-block: the scales and the promotion
+    acc += tl.dot(a_blk, b_blk) * (sa * sb)[:, None]          # once per K-block: the scales and the promotion
 
 That one line is also DeepSeek-V3's fix for Hopper's ~14-bit FP8 accumulator (§3.3.2): a partial sum never runs
-longer than SK = 128 products before it reaches fp32 (N_C = 128). MX blocks of 32 promote every 32.
+longer than SK = 128 products before it reaches fp32 (N_C = 128, cuBLAS's interval too); the kernel states it in
+``PROMOTION_INTERVAL`` and the sm_90 gate checks the build against it. The scales are loaded before the dot (their
+latency hides behind the tensor cores), and a 128 x 128 weight tile gives B one scale per program: a scalar.
+
+MX scales are powers of two (E8M0), so fp8 * 2^e is exact in bf16 (8 significant bits hold E4M3's 4; bf16 has
+fp32's exponents: it overflows where the fp32 reference does, and only scales below 2^-117 can round an element
+into its subnormals). Hopper has no MX tensor cores, and an FP8 MMA per 32-wide group waits every 32 products: the
+MX kernel dequantizes each K slab in registers and runs a bf16 MMA into one fp32 accumulator. The interpreter
+decodes fp8 bits exactly and dots in fp32 (``FP8_MMA``/``BF16_MMA`` off): its fp8 cast reads NaN as 480 and its
+bf16 arithmetic is wrong.
 
 The quantize kernel encodes with chapter 01's integer ``encode_bits_tl`` (bit-exact on the interpreter, whose own
 fp8 casts are wrong, and on the GPU) and computes scales with ``tl.div_rn`` (IEEE division: Triton's ``/`` is an
@@ -25,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from minite._triton import tl, triton
+from minite._triton import interpreting, tl, triton
 from minite.backend import resolve_backend
 from minite.formats.fp8 import FP8_DTYPES
 from minite.formats.mx import (
@@ -36,8 +45,8 @@ from minite.formats.mx import (
     quantize_blockwise_ref,
     quantize_mx_ref,
 )
-from minite.formats.specs import encode_bits_tl
-from minite.kernels._common import launchable, op, register_op
+from minite.formats.specs import decode_bits_tl, encode_bits_tl
+from minite.kernels._common import gpu_tiles, launchable, op, register_op
 
 __all__ = ["block_scaled_gemm_ref", "quantize_blockwise", "quantize_mx", "block_scaled_gemm", "quantize_block_fwd",
            "block_scaled_gemm_fwd", "block_quantize", "block_scaled_mm", "BlockFP8LinearFunction", "GPU_TILES"]
@@ -90,6 +99,7 @@ def _quantize_block_kernel(X_ptr, Y_ptr, S_ptr, R, C, X_row_stride, S_row_stride
             scale = (scale.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)  # 0xFF800000
         y = x * scale[:, None]
         s_out = tl.div_rn(tl.full((BLOCK_R,), 1.0, tl.float32), scale)  # scale_inv, stored fp32
+        s_out = tl.where(amax < float("inf"), s_out, float("nan"))    # inf / NaN in the block: scale_inv NaN
     # Round to nearest even, saturate to ±max (inf too), NaN stays NaN: chapter 01's integer encoding.
     q = encode_bits_tl(y, EXP_BITS, MAN_BITS, True, FN).to(tl.uint8)
     tl.store(Y_ptr + rows[:, None] * C + cols[None, :], q, mask=mask)
@@ -108,42 +118,119 @@ def _e8m0_to_fp32(bits):
 
 
 @triton.jit
+def _fp8_to_fp32(x, HW: tl.constexpr):
+    # fp8 -> fp32, exact. HW: the GPU's cast. The interpreter's own cast reads E4M3's NaN (S.1111.111) as ±480,
+    # so there the bits are decoded with chapter 01's integer decode.
+    if HW:
+        return x.to(tl.float32)
+    bits = x.to(tl.uint8, bitcast=True).to(tl.int32)
+    if x.dtype == tl.float8e4nv:
+        return decode_bits_tl(bits, 4, 3, True)
+    return decode_bits_tl(bits, 5, 2, False)
+
+
+@triton.jit
+def _grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    # (pid_m, pid_n) in grouped order: GROUP_M row tiles share their B column tiles while those are in L2
+    pid = tl.program_id(0).to(tl.int64)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    group_size = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+    return first_m + (pid % group_size), (pid % (GROUP_M * num_n)) // group_size
+
+
+@triton.jit
 def _block_scaled_gemm_kernel(A_ptr, B_ptr, C_ptr, SA_ptr, SB_ptr, M, N, K,
                               A_row_stride, A_col_stride, B_row_stride, B_col_stride, C_row_stride, C_col_stride,
                               SA_row_stride, SA_col_stride, SB_row_stride, SB_col_stride,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              SCALE_N: tl.constexpr, E8M0: tl.constexpr, GROUP_M: tl.constexpr):
-    # C (M, N) = A (M, K) @ B (K, N); SA (M, cdiv(K, BLOCK_K)), SB (cdiv(K, BLOCK_K), cdiv(N, SCALE_N)).
-    # BLOCK_K IS the scale block along K: one K step = one scale per row of A and per SCALE_N columns of B.
-    pid = tl.program_id(0).to(tl.int64)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * num_n)                                   # grouped order: B tiles reused from L2
-    first_m = group * GROUP_M
-    group_size = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_size)
-    pid_n = (pid % (GROUP_M * num_n)) // group_size
+                              SCALE_N: tl.constexpr, GROUP_M: tl.constexpr, FP8_MMA: tl.constexpr):
+    # Blockwise: C (M, N) = A (M, K) @ B (K, N); fp32 scales SA (M, cdiv(K, BLOCK_K)), SB (cdiv(K, BLOCK_K),
+    # cdiv(N, SCALE_N)). BLOCK_K IS the scale block along K, and the promotion interval: each K-block's dot starts
+    # from zero (at most BLOCK_K products in the tensor core's FP8 accumulator), then reaches fp32 scaled.
+    pid_m, pid_n = _grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                   # (BLOCK_M,)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                   # (BLOCK_N,)
     offs_k = tl.arange(0, BLOCK_K)                                     # (BLOCK_K,)
     a_ptrs = A_ptr + offs_m[:, None] * A_row_stride + offs_k[None, :] * A_col_stride   # (BLOCK_M, BLOCK_K)
-    b_ptrs = B_ptr + offs_k[:, None] * B_row_stride + offs_n[None, :] * B_col_stride   # (BLOCK_K, BLOCK_N)
-    sa_ptrs = SA_ptr + offs_m * SA_row_stride                          # (BLOCK_M,) this row's scale, K-block 0
-    sb_ptrs = SB_ptr + (offs_n // SCALE_N) * SB_col_stride             # (BLOCK_N,) a tile's or a column's scale
+    b_ptrs = B_ptr + offs_k[:, None] * B_row_stride + offs_n[None, :] * B_col_stride   # (BLOCK_N, BLOCK_K)
+    sa_ptrs = SA_ptr + offs_m * SA_row_stride                          # (BLOCK_M,) each row's scale, K-block 0
+    # B's scale: one per program and K-block when a scale tile spans the whole column tile (128 x 128 weights)
+    B_SCALAR: tl.constexpr = SCALE_N % BLOCK_N == 0
+    if B_SCALAR:
+        sb_ptrs = SB_ptr + (pid_n * BLOCK_N // SCALE_N) * SB_col_stride
+    else:
+        sb_ptrs = SB_ptr + (offs_n // SCALE_N) * SB_col_stride         # (BLOCK_N,) a column's scale
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        # the scales first: their loads are in flight while the tensor cores work on the K-block
+        sa = tl.load(sa_ptrs + kb * SA_col_stride, mask=offs_m < M, other=0.0)
+        if B_SCALAR:
+            sb = tl.load(sb_ptrs + kb * SB_row_stride)
+        else:
+            sb = tl.load(sb_ptrs + kb * SB_row_stride, mask=offs_n < N, other=0.0)
         k = kb * BLOCK_K + offs_k
-        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)   # fp8, stays fp8
+        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)   # fp8
         b = tl.load(b_ptrs, mask=(k[:, None] < K) & (offs_n[None, :] < N), other=0.0)
-        part = tl.dot(a, b)                                            # fresh accumulator: BLOCK_K products
-        sa = tl.load(sa_ptrs + kb * SA_col_stride, mask=offs_m < M, other=0)
-        sb = tl.load(sb_ptrs + kb * SB_row_stride, mask=offs_n < N, other=0)
-        if E8M0:                                                       # MX: powers of two, stored as exponents
-            sa = _e8m0_to_fp32(sa.to(tl.int32))
-            sb = _e8m0_to_fp32(sb.to(tl.int32))
-        acc += (part * sa[:, None]) * sb[None, :]                      # promotion, scaled: once per K-block
+        if FP8_MMA:
+            part = tl.dot(a, b)                                        # fresh: BLOCK_K products in FP8's accumulator
+        else:  # the interpreter: exact fp32 products of the decoded values
+            part = tl.dot(_fp8_to_fp32(a, False), _fp8_to_fp32(b, False), input_precision="ieee")
+        if B_SCALAR:
+            acc += part * (sa * sb)[:, None]                           # promotion, scaled: once per K-block
+        else:
+            acc += (part * sa[:, None]) * sb[None, :]
         a_ptrs += BLOCK_K * A_col_stride
         b_ptrs += BLOCK_K * B_row_stride
+    c_ptrs = C_ptr + offs_m[:, None] * C_row_stride + offs_n[None, :] * C_col_stride
+    tl.store(c_ptrs, acc.to(C_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _mx_gemm_kernel(A_ptr, B_ptr, C_ptr, SA_ptr, SB_ptr, M, N, K,
+                    A_row_stride, A_col_stride, B_row_stride, B_col_stride, C_row_stride, C_col_stride,
+                    SA_row_stride, SA_col_stride, SB_row_stride, SB_col_stride,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr,
+                    GROUP_M: tl.constexpr, BF16_MMA: tl.constexpr):
+    # MX: C (M, N) = A (M, K) @ B (K, N); E8M0 scales SA (M, cdiv(K, SCALE_K)), SB (cdiv(K, SCALE_K), N).
+    # A scale is a power of two, so fp8 * 2^e is exact in bf16 (8 significant bits hold fp8's 4 or 3; bf16 has
+    # fp32's exponent range): each BLOCK_K slab is dequantized in registers and summed by a bf16 MMA into one
+    # fp32 accumulator carried through the K loop (no FP8 accumulator: nothing to promote).
+    G: tl.constexpr = BLOCK_K // SCALE_K                               # scale groups per K slab
+    pid_m, pid_n = _grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                   # (BLOCK_M,)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                   # (BLOCK_N,)
+    offs_k = tl.arange(0, BLOCK_K)                                     # (BLOCK_K,)
+    offs_g = tl.arange(0, G)                                           # (G,)
+    a_ptrs = A_ptr + offs_m[:, None] * A_row_stride + offs_k[None, :] * A_col_stride   # (BLOCK_M, BLOCK_K)
+    b_ptrs = B_ptr + offs_k[:, None] * B_row_stride + offs_n[None, :] * B_col_stride   # (BLOCK_K, BLOCK_N)
+    sa_ptrs = SA_ptr + offs_m[:, None] * SA_row_stride + offs_g[None, :] * SA_col_stride  # (BLOCK_M, G)
+    sb_ptrs = SB_ptr + offs_g[:, None] * SB_row_stride + offs_n[None, :] * SB_col_stride  # (G, BLOCK_N)
+    n_groups = tl.cdiv(K, SCALE_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        g = kb * G + offs_g
+        sa = tl.load(sa_ptrs, mask=(offs_m[:, None] < M) & (g[None, :] < n_groups), other=127)    # E8M0 bits
+        sb = tl.load(sb_ptrs, mask=(g[:, None] < n_groups) & (offs_n[None, :] < N), other=127)
+        k = kb * BLOCK_K + offs_k
+        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)   # fp8
+        b = tl.load(b_ptrs, mask=(k[:, None] < K) & (offs_n[None, :] < N), other=0.0)
+        # each scale repeated over its SCALE_K elements along K
+        xa = tl.reshape(tl.broadcast_to(_e8m0_to_fp32(sa.to(tl.int32))[:, :, None], (BLOCK_M, G, SCALE_K)),
+                        (BLOCK_M, BLOCK_K))
+        xb = tl.reshape(tl.broadcast_to(_e8m0_to_fp32(sb.to(tl.int32))[:, None, :], (G, SCALE_K, BLOCK_N)),
+                        (BLOCK_K, BLOCK_N))
+        a = _fp8_to_fp32(a, BF16_MMA) * xa                            # exact (a power of two)
+        b = _fp8_to_fp32(b, BF16_MMA) * xb
+        if BF16_MMA:
+            acc = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)    # exact casts; products exact in fp32
+        else:  # the interpreter computes bf16 wrongly: the same values in fp32
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        a_ptrs += BLOCK_K * A_col_stride
+        b_ptrs += BLOCK_K * B_row_stride
+        sa_ptrs += G * SA_col_stride
+        sb_ptrs += G * SB_row_stride
     c_ptrs = C_ptr + offs_m[:, None] * C_row_stride + offs_n[None, :] * C_col_stride
     tl.store(c_ptrs, acc.to(C_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
@@ -181,20 +268,24 @@ def quantize_block_fwd(x: torch.Tensor, block, kind: str, fp8_dtype=torch.float8
     return BlockScaledTensor(data.view(fp8_dtype), scale, block, kind, x.dtype)
 
 
-# H100 tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) per K block, NOT timed on a GPU (none was available when
-# this was written): chosen by the sm_90 compile gate's register report (ptxas -v, 2026-11-25) as the largest tiles
-# without spills. The blockwise kernel holds two fp32 accumulators (acc and the K-block's partial sum) and 128-wide
-# K tiles: 128 x 128 at 8 warps spilled 1240 bytes, 64 x 128 208, 64 x 64 at 4 warps 8, at 8 warps none (190
-# registers). MX (32-wide K tiles): 64 x 128 at 8 warps, no spill (227 registers; 128 x 128: 196 bytes).
-# A timed sweep belongs in benchmarks/bench_fp8_block.py.
-GPU_TILES = {128: (64, 64, 8, 3), 32: (64, 128, 8, 4)}
+# GPU tiles (BLOCK_M, BLOCK_N, num_warps, num_stages), chosen with the faithful sm_90 compile (the JIT's
+# specialisation; minite/gpu_examples.py's shapes), NOT yet timed on a GPU. 128 x 128 at 8 warps: two warpgroups
+# of m64n128 wgmma (N = 128 per warpgroup: the operands' shared-memory reads keep up with the tensor cores; 64 x 64
+# ran m64n32 at 0.29x torch._scaled_mm). Blockwise (BLOCK_K = the scale block, 128): fp8 wgmma m64n128k32, 176
+# registers, 0 spills, cp.async 4 stages (128 KB). MX: bf16 wgmma m64n128k16, BLOCK_K = MX_BLOCK_K = 64 (two E8M0
+# groups a slab): 165 registers, 0 spills; a 128-wide slab needs 255 registers, the most a thread may have.
+GPU_TILES = {"blockwise": (128, 128, 8, 4), "mx": (128, 128, 8, 4)}
+MX_BLOCK_K = 64  # MX: K per loop step (a multiple of the scale block)
+
+# The FP8 promotion interval each kernel states (minite/gpu_compile.py's convention, checked by the gate on the
+# sm_90 TTGIR): the blockwise GEMM's K-block dot starts from zero, so at most BLOCK_K products (the scale block,
+# 128 in DeepSeek-V3's recipe: cuBLAS's interval) sum in the FP8 accumulator. MX has no FP8 dot on the GPU.
+PROMOTION_INTERVAL = {"_block_scaled_gemm_kernel": "BLOCK_K"}
 
 
-def _tiles(M: int, N: int, on_gpu: bool, sk: int) -> tuple[int, int, int, int]:
-    if on_gpu:  # fp8 tl.dot needs K >= 32 on the GPU; other block sizes take the nearer tuned entry
-        if sk < 32:
-            raise ValueError(f"block_scaled_gemm: on the GPU the scale block along K must be >= 32, got {sk}")
-        return GPU_TILES[128 if sk >= 128 else 32]
+def _tiles(M: int, N: int, on_gpu: bool, kind: str) -> tuple[int, int, int, int]:
+    if on_gpu:
+        return GPU_TILES[kind]
     def fit(n):  # interpreter: ~0.5 ms per program, so few programs; tl.dot dims >= 16 stay GPU-legal
         return max(16, min(64, triton.next_power_of_2(n)))
     return fit(M), fit(N), 4, 1
@@ -209,12 +300,20 @@ def block_scaled_mm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torc
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return out
-    bm, bn, warps, stages = tiles or _tiles(M, N, a.is_cuda, sk)
+    on_gpu = gpu_tiles(a)
+    if on_gpu and not mx and sk < 32:  # an fp8 tl.dot needs K >= 32 on the GPU
+        raise ValueError(f"block_scaled_gemm: on the GPU the scale block along K must be >= 32, got {sk}")
+    bm, bn, warps, stages = tiles or _tiles(M, N, on_gpu, "mx" if mx else "blockwise")
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-    launchable(_block_scaled_gemm_kernel)[grid](
-        a, b, out, sa, sb, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        out.stride(0), out.stride(1), sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=sk, SCALE_N=sn, E8M0=mx, GROUP_M=8, num_warps=warps, num_stages=stages)
+    args = (a, b, out, sa, sb, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+            out.stride(0), out.stride(1), sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1))
+    hw = not interpreting()  # the GPU's (and the gate's) MMA; the interpreter's exact fp32 stand-in
+    if mx:
+        launchable(_mx_gemm_kernel)[grid](*args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=max(MX_BLOCK_K, sk), SCALE_K=sk,
+                                          GROUP_M=8, BF16_MMA=hw, num_warps=warps, num_stages=stages)
+    else:
+        launchable(_block_scaled_gemm_kernel)[grid](*args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=sk, SCALE_N=sn,
+                                                    GROUP_M=8, FP8_MMA=hw, num_warps=warps, num_stages=stages)
     return out
 
 

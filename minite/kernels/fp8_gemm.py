@@ -26,12 +26,15 @@ import torch
 from minite._triton import tl, triton
 from minite.backend import resolve_backend
 from minite.formats.fp8 import Float8Tensor
-from minite.kernels._common import launchable, op, register_op
+from minite.kernels._common import gpu_tiles, launchable, op, register_op
 
-__all__ = ["fp8_gemm", "fp8_gemm_ref", "fp8_gemm_fwd", "ACCUMULATE"]
+__all__ = ["fp8_gemm", "fp8_gemm_ref", "fp8_gemm_fwd", "ACCUMULATE", "PROMOTION_INTERVAL"]
 
 _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ACCUMULATE = ("fast", "split")  # never promote / promote every BLOCK_K elements of K to fp32
+# The promotion interval the kernel states (minite/gpu_compile.py's convention; the gate reads the sm_90 TTGIR):
+# "split" every BLOCK_K products; "fast" never, on purpose (torch._scaled_mm's use_fast_accum=True).
+PROMOTION_INTERVAL = {"_fp8_gemm_kernel": lambda c: c["BLOCK_K"] if c["SPLIT_ACC"] else None}
 
 
 # ----------------------------------------------------------------------------------------------- 1. reference
@@ -142,7 +145,7 @@ def fp8_gemm_raw(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_
     if K == 0:
         return out.zero_()
     a, b = _k_major(a, 1), _k_major(b, 0)                              # A (M, K) and B (K, N), both K-contiguous
-    BM, BN, BK, warps, stages = _tiles(M, N, K, a.is_cuda, "split" if split_acc else "fast")
+    BM, BN, BK, warps, stages = _tiles(M, N, K, gpu_tiles(a), "split" if split_acc else "fast")
     grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
     launchable(_fp8_gemm_kernel)[grid](a, b, out, a_scale_inv.reshape(1), b_scale_inv.reshape(1), M, N, K,
                                        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),

@@ -124,6 +124,25 @@ def test_dequantize_is_within_half_an_e4m3_step():
     assert sat.any()  # this tensor does have MX-saturated elements
 
 
+@pytest.mark.triton
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_non_finite_block_decodes_to_nan_never_a_finite_value(device, backend):
+    # Issue 36: +inf in a 1 x 128 block became 448 (with scale 1 the block's other values lost their precision),
+    # silently. Now a block holding inf or NaN has a NaN scale (MX: 0xFF) and decodes to NaN; other blocks are
+    # untouched.
+    x = _specials(device, torch.float32, 5)
+    x[0, :4] = 1.0
+    x[2, 3], x[4, 140] = float("inf"), -float("inf")                   # blocks (2, 0) and (4, 1); NaN at (7, 40)
+    for q, (br, bc) in ((quantize_blockwise(x, (1, 128), backend=backend), (1, 128)),
+                        (quantize_blockwise(x, (128, 128), backend=backend), (128, 128)),
+                        (quantize_mx(x, backend=backend), (1, 32))):
+        bad = torch.zeros(21, 160, dtype=torch.bool, device=device)
+        for r, c in ((2, 3), (4, 140), (7, 40)):
+            bad[r // br * br:(r // br + 1) * br, c // bc * bc:(c // bc + 1) * bc] = True
+        deq = q.dequantize()
+        assert torch.isnan(deq[bad]).all() and torch.isfinite(deq[~bad]).all(), q
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match=r"x must be a 2-D float32/float16/bfloat16 tensor, got \(2, 3, 4\)"):
         quantize_blockwise_ref(torch.zeros(2, 3, 4))
@@ -154,11 +173,14 @@ def _specials(device, dtype, seed):
 
 
 def _same_bits(a, b):
+    # both computed on one device from the same x (CUDA's reference runs torch's CUDA casts: the same rule)
+    assert a.data.device == b.data.device and a.scale.device == b.scale.device
     nan = torch.isnan(b.data.float())
     assert torch.equal(torch.isnan(a.data.float()), nan)
     diff = (a.data.view(torch.uint8) != b.data.view(torch.uint8)) & ~nan
     assert diff.sum() == 0, f"{diff.sum().item()} fp8 patterns differ"
-    assert a.scale.dtype == b.scale.dtype and torch.equal(a.scale.cpu(), b.scale.cpu()), (a.scale, b.scale)
+    assert a.scale.dtype == b.scale.dtype and torch.equal(a.scale.isnan(), b.scale.isnan()), (a.scale, b.scale)
+    assert torch.equal(a.scale.nan_to_num(0.0), b.scale.nan_to_num(0.0)), (a.scale, b.scale)   # NaN: a bad block
 
 
 CASES = [(torch.float32, E4), (torch.float32, E5), (torch.bfloat16, E4), (torch.float16, E5)]
@@ -170,7 +192,7 @@ def test_triton_blockwise_quantize_is_bit_exact(device, dtype, fp8):
     x = _specials(device, dtype, 3)
     for block, pow2 in (((1, 128), False), ((128, 128), False), ((1, 128), True), ((32, 32), False)):
         _same_bits(quantize_blockwise(x, block, fp8_dtype=fp8, pow2=pow2, backend="triton"),
-                   quantize_blockwise_ref(x.cpu(), block, fp8, pow2))
+                   quantize_blockwise_ref(x, block, fp8, pow2))
 
 
 @pytest.mark.triton
@@ -178,7 +200,7 @@ def test_triton_blockwise_quantize_is_bit_exact(device, dtype, fp8):
 def test_triton_mx_quantize_is_bit_exact(device, dtype, fp8):
     x = _specials(device, dtype, 4)
     q = quantize_mx(x, fp8_dtype=fp8, backend="triton")
-    _same_bits(q, quantize_mx_ref(x.cpu(), fp8_dtype=fp8))
+    _same_bits(q, quantize_mx_ref(x, fp8_dtype=fp8))
     assert q.scale[7, 1] == 255 and q.scale[5].eq(0).all()                          # NaN block, zero row
 
 
