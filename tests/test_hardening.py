@@ -447,9 +447,11 @@ def test_flags_that_would_be_ignored_are_refused(flags, message):
 
 
 def test_an_impossible_batch_says_what_it_needs_before_allocating(run_cfg):
-    # was: --train.batch_size=100000 was OOM-killed with no message
-    with pytest.raises(ConfigError, match=r"--train.batch_size=50000000 x 16 tokens needs at least [\d.]+ GiB of "
-                                          r"activations per rank, more than the [\d.]+ GiB free on cpu"):
+    # was: --train.batch_size=100000 was OOM-killed with no message. The run's device is the one the memory is
+    # counted on: the GPU's free memory on a CUDA machine (issue 32: this test expected "cpu" there)
+    where = "cuda" if torch.cuda.is_available() else "cpu"
+    with pytest.raises(ConfigError, match=rf"--train.batch_size=50000000 x 16 tokens needs at least [\d.]+ GiB of "
+                                          rf"activations per rank, more than the [\d.]+ GiB free on {where}(:\d+)?; "):
         train(run_cfg(**{"train.batch_size": 50_000_000}))
 
 
@@ -497,3 +499,96 @@ def test_init_from_refuses_model_flags_that_disagree_with_the_base(lora_run, cap
     args[args.index("--out_dir") + 1] += "_ft"
     assert main([*args, "--init_from", str(Path(base.train.out_dir) / "ckpt.pt"), "--model.n_layer=3"]) == 2
     assert "fixes the model's shape; drop --model.n_layer=3 (the base has 1)" in capsys.readouterr().err
+
+
+# ============================================================ issue 36: a tiny corpus, minite.sample's inputs
+def test_prepare_refuses_a_corpus_too_small_to_split(tmp_path):
+    # was: a 10-byte corpus prepared into 9 train / 1 val tokens
+    from minite.data import DataError, prepare
+    (tmp_path / "ten.txt").write_text("abcdefghi\n")
+    with pytest.raises(DataError, match=r"too small: 10 tokens \(9 train / 1 val\); a corpus needs at least 100 "
+                                        r"tokens \(10 for val"):
+        prepare(tmp_path / "ten.txt", data_dir=tmp_path / "data", verbose=False)
+    assert not (tmp_path / "data").exists() or not any((tmp_path / "data").rglob("*.bin"))
+    (tmp_path / "hundred.txt").write_text("to be or not to be.\n" * 5)  # exactly 100: 90 / 10
+    d = prepare(tmp_path / "hundred.txt", data_dir=tmp_path / "data", verbose=False)
+    assert (len(d.split("train")), len(d.split("val"))) == (90, 10)
+
+
+@pytest.fixture
+def sample_ckpt(run_cfg):
+    _, path = _ckpt(run_cfg)
+    return path
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--num_samples", "-1"], "--num_samples=-1: must be an int >= 1"),
+    (["--num_samples", "0"], "--num_samples=0: must be an int >= 1"),
+    (["--max_new_tokens", str(10**12)], "--max_new_tokens=1000000000000: must be an int from 0 to 100,000"),
+    (["--max_new_tokens", "-1"], "--max_new_tokens=-1: must be an int from 0 to 100,000"),
+    (["--device", "cuda"], "--device=cuda: no CUDA GPU here (torch.cuda.is_available() is False); use --device cpu"),
+    (["--device", "tpu"], "--device='tpu'"),
+], ids=["samples-negative", "samples-zero", "tokens-huge", "tokens-negative", "cuda-without-gpu", "unknown-device"])
+def test_sample_refuses_bad_counts_and_devices_at_parse_time(sample_ckpt, args, message, monkeypatch, capsys):
+    # was: tracebacks (zeros: Dimension size must be non-negative; Torch not compiled with CUDA enabled; a KV cache
+    # message for 0), and --max_new_tokens 10**12 ran with no output and no end
+    from minite import sample as msample
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # "without a GPU", on any machine
+    monkeypatch.setattr(msample, "load_model", lambda *a, **k: pytest.fail("loaded the model: not parse time"))
+    with pytest.raises(SystemExit) as e:
+        msample.main(["--ckpt", sample_ckpt, *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and "Traceback" not in err, err
+
+
+def _damage_tokenizer(shrink: bool):
+    def damage(s):
+        chars = list(s["tokenizer"]["chars"])
+        s["tokenizer"] = {"kind": "char", "vocab_size": len(chars) - shrink,
+                          "chars": chars[:-1] if shrink else [chars[1]] + chars[1:]}
+    return damage
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda s: s["model"].__setitem__("wte.weight", torch.zeros(3, 5)),
+     r"does not fit the model \(wrong shapes: wte.weight: checkpoint \(3, 5\), model \(\d+, 16\)\)"),
+    (lambda s: s["config"]["model"].__setitem__("n_layer", 2), r"does not fit the model \(missing: \['blocks.1."),
+    (lambda s: s["model"]["wte.weight"].__setitem__((0, slice(0, 3)), float("nan")),
+     r"non-finite weights: wte.weight \(3 of \d+\)"),
+    (lambda s: s["config"]["model"].__setitem__("n_head", 3), r"its model configuration builds no model"),
+    (_damage_tokenizer(True), r"its tokenizer has \d+ symbols \(it says \d+\), its model a vocabulary of \d+"),
+    (_damage_tokenizer(False), r"its char tokenizer's symbols are not distinct single characters"),
+], ids=["wrong-shape", "config-tensor-mismatch", "nan-weights", "config-builds-no-model", "tokenizer-shrunk",
+        "tokenizer-duplicate"])
+def test_sample_refuses_the_checkpoints_resume_refuses(sample_ckpt, damage, match, capsys):
+    # was: tracebacks (size mismatch; missing keys; "probability tensor contains either inf, nan"), and a
+    # checkpoint with an altered tokenizer sampled with exit 0
+    from minite import sample as msample
+    state = load_checkpoint(sample_ckpt)
+    damage(state)
+    save_checkpoint(sample_ckpt, state)
+    assert msample.main(["--ckpt", sample_ckpt, "--max_new_tokens", "5", "--device", "cpu", "--threads", "1"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(match, err) and "Traceback" not in err, err
+
+
+def test_sample_streams_its_tokens_over_a_sliding_context(sample_ckpt, monkeypatch, capsys):
+    # was: model.generate(idx, max_new_tokens) returned all tokens at the end, its context growing with them
+    from minite import sample as msample
+    from minite.models.gpt import GPT
+    model, tok = msample.load_model(sample_ckpt)
+    n = 3 * msample.STREAM_CHUNK + 5
+    greedy = dict(max_new_tokens=n, temperature=0.0, use_cache=False)
+    one_shot = tok.decode(model.generate(torch.tensor([tok.encode("\n")]), n, temperature=0.0, use_cache=False)[0]
+                          .tolist())
+    contexts, real = [], GPT.generate
+    monkeypatch.setattr(GPT, "generate", lambda self, idx, *a, **k: contexts.append(idx.shape[1]) or
+                        real(self, idx, *a, **k))
+    pieces = [p for (p,) in msample.stream(model, tok, "\n", **greedy)]
+    assert [len(p) for p in pieces] == [msample.STREAM_CHUNK] * 3 + [5]  # printed a chunk at a time
+    assert max(contexts) <= model.config.block_size  # the context slides: memory and time per token stay flat
+    assert "\n" + "".join(pieces) == one_shot == msample.sample(model, tok, "\n", **greedy)[0]
+    contexts.clear()
+    assert msample.main(["--ckpt", sample_ckpt, "--max_new_tokens", str(n), "--device", "cpu", "--threads", "1",
+                         "--temperature", "0", "--no_cache"]) == 0
+    assert capsys.readouterr().out == one_shot + "\n" and len(contexts) == 4

@@ -1,5 +1,6 @@
 """minite.train / minite.sample: configs and their errors, exact resume, atomic checkpoints, precisions, the CLI."""
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -243,11 +244,12 @@ def test_sample_picks_its_threads_like_train(run_cfg, monkeypatch, capsys, slow)
         clock[0] += 1.0 if torch.get_num_threads() == slow else 0.1
         return real(self, *a, **k)
     monkeypatch.setattr(GPT, "generate", generate)
-    assert msample.main(["--ckpt", ckpt, "--max_new_tokens", "3"]) == 0
+    # --device cpu: threads are a CPU's (on a CUDA machine the default device is the GPU, where nothing is timed)
+    assert msample.main(["--ckpt", ckpt, "--max_new_tokens", "3", "--device", "cpu"]) == 0
     assert sorted(set(calls)) == [1, 2] and torch.get_num_threads() == 3 - slow  # timed both, kept the faster
     assert calls[-1] == 3 - slow  # and sampled with it
     calls.clear()
-    assert msample.main(["--ckpt", ckpt, "--max_new_tokens", "3", "--threads", "3"]) == 0
+    assert msample.main(["--ckpt", ckpt, "--max_new_tokens", "3", "--threads", "3", "--device", "cpu"]) == 0
     assert calls == [3] and torch.get_num_threads() == 3  # told: no timing
     with pytest.raises(SystemExit):
         msample.main(["--ckpt", ckpt, "--threads", "-1"])
@@ -266,8 +268,15 @@ def test_pick_decode_threads_does_not_time_the_triton_interpreter(run_cfg, monke
     # an interpreted sample took 11 s on 1 thread and 137 s with the 2-thread probe: there it is 1, untimed
     from minite import resources
     from minite._triton import interpreting
+    from minite.backend import resolve_backend
     from minite.models.gpt import GPT, GPTConfig
-    assert interpreting()  # tests/conftest.py
+    if not interpreting():  # a CUDA machine (tests/conftest.py sets TRITON_INTERPRET=1 only without one): the
+        # interpreter is chosen at import, so play it: interpreting, and Triton for an auto/triton model on the CPU
+        monkeypatch.setattr(resources, "interpreting", lambda: True)
+        monkeypatch.setattr(resources, "resolve_backend",
+                            lambda x, backend=None: "torch" if backend == "torch" else "triton")
+    assert resources.interpreting() and resources.resolve_backend(torch.zeros(1), "auto") == "triton"
+    assert resolve_backend(torch.zeros(1), "torch") == "torch"
     monkeypatch.setattr(resources, "_cores", lambda: 2)
     model = GPT(GPTConfig(**{**run_cfg().model.to_dict(), "vocab_size": 40, "backend": "auto"}))
 
@@ -369,3 +378,155 @@ def test_tensorboard_missing_is_a_clear_error(run_cfg, tmp_path, monkeypatch):
                                           r"installed here: pip install tensorboard \(or pip install 'minite\[tb\]'\)"):
         train(run_cfg(**{"train.tensorboard": True}))
     assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+# ------------------------------------------------------------------------- compiling: regional, said, timed apart
+def _counting_backend():
+    """(backend, seen): an aot_eager-like torch.compile backend that counts the graphs Dynamo hands it (seen["dynamo"]),
+    the forward and backward graphs AOTAutograd makes of them (seen["fw"], seen["bw"]) and the calls of every
+    compiled forward (seen["calls"])."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    seen = {"dynamo": 0, "fw": 0, "bw": 0, "calls": 0}
+
+    def compiler(kind):
+        def build(gm, example_inputs):
+            seen[kind] += 1
+
+            def run(*args):
+                seen["calls"] += kind == "fw"
+                return gm(*args)
+            return make_boxed_func(run)
+        return build
+    aot = aot_autograd(fw_compiler=compiler("fw"), bw_compiler=compiler("bw"))
+
+    def backend(gm, example_inputs):
+        seen["dynamo"] += 1
+        return aot(gm, example_inputs)
+    return backend, seen
+
+
+def test_regional_compile_builds_one_block_graph_that_every_block_runs():
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from minite.compile import compile_regions
+    from minite.models.gpt import GPT, GPTConfig
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=40, block_size=8, n_layer=3, n_head=2, n_embd=16, backend="torch")
+    eager, model = GPT(cfg), GPT(cfg)
+    model.load_state_dict(eager.state_dict())
+    backend, seen = _counting_backend()
+    frames = counters["frames"]["ok"]
+    assert compile_regions(model, backend=backend) == 3  # a region per block
+    assert set(model.state_dict()) == set(eager.state_dict())  # in place: checkpoints keep their keys
+    x = torch.randint(0, 40, (2, 8))
+    for _ in range(2):  # the second step recompiles nothing
+        for m in (eager, model):
+            m.zero_grad()
+            m(x, x)[1].backward()
+    assert (seen["dynamo"], seen["fw"], seen["bw"]) == (1, 1, 1)  # one block traced, one graph each way ...
+    assert counters["frames"]["ok"] - frames == 1
+    assert seen["calls"] == 2 * 3  # ... that all 3 blocks ran, at each of the 2 steps (the whole model: 2 calls)
+    assert torch.allclose(model(x, x)[1], eager(x, x)[1], atol=1e-6)  # the same model
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6), name
+    model.eval()
+    with torch.no_grad():
+        model(x, x)
+    assert seen["dynamo"] == 2  # evaluation: one more graph (no grad, no dropout), again for every block
+
+
+def test_a_model_without_blocks_is_compiled_whole():
+    from minite.compile import compile_regions
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+    backend, seen = _counting_backend()
+    net = Net()
+    assert compile_regions(net, backend=backend) == 1
+    net(torch.randn(2, 4)).sum().backward()
+    assert (seen["dynamo"], seen["fw"], seen["bw"], seen["calls"]) == (1, 1, 1, 1)
+
+
+def _main_argv(tiny_run, tmp_path, make_corpus, **over):
+    make_corpus(tmp_path / "corpus.txt", n_chars=6000, marks=".")
+    o = {**tiny_run, "data.path": tmp_path / "corpus.txt", "data.data_dir": tmp_path / "data",
+         "train.out_dir": tmp_path / "out", "model.n_layer": 2, "train.max_iters": 5, "train.eval_interval": 5,
+         **over}
+    return ["--preset", "cpu", *(f"--{k}={v}" for k, v in o.items())]
+
+
+def test_a_compiled_run_says_it_compiles_and_reports_compile_time_and_steady_rate_apart(
+        tiny_run, tmp_path, make_corpus, monkeypatch, capsys):
+    import torch._dynamo
+
+    import minite.compile as mc
+    torch._dynamo.reset()
+    monkeypatch.setattr(mc, "resolve_compile", lambda *a: "default")  # the CPU's interpreter resolves it to off
+    monkeypatch.setattr(mc, "BACKEND", "eager")  # Dynamo's graphs, run as traced: no C++ build in the suite
+    assert main(_main_argv(tiny_run, tmp_path, make_corpus, **{"train.compile": "default"})) == 0
+    out = capsys.readouterr().out
+    said = out.index("minite.train: compiling (torch.compile default, one graph for all 2 blocks): the first "
+                     "evaluation and step wait for")
+    done = re.search(r"minite.train: compiled in (\d+\.\d) s \((\d+) graphs\); first step done (\d+\.\d) s after "
+                     r"the start", out)
+    assert done and said < done.start()
+    assert int(done[2]) == 2  # the evaluation's graph and the training step's
+    closing = re.search(r"val loss \d\.\d{4} \(best \d\.\d{4}\) after 5 steps \| (\d+\.\d) s wall, first step at "
+                        r"(\d+\.\d) s \| compile (\d+\.\d) s \(2 graphs, default\) \| ([\d,]+) tokens/s steady "
+                        r"\((\d+) steps, (\d+\.\d) s\)", out)
+    assert closing, out
+    wall, first, comp, rate, steady, steady_s = closing.groups()
+    assert int(steady) == 4  # step 1 compiled; steps 2-5 are the steady state
+    assert float(comp) <= float(first) <= float(wall) and float(steady_s) <= float(wall)
+    assert (comp, first) == (done[1], done[3])
+    assert int(rate.replace(",", "")) > 0
+
+
+def test_an_uncompiled_run_counts_every_step_as_steady_and_its_bar_updates(tiny_run, tmp_path, make_corpus,
+                                                                           capsys):
+    assert main(_main_argv(tiny_run, tmp_path, make_corpus, **{"train.progress": True})) == 0
+    cap = capsys.readouterr()
+    assert "compiling" not in cap.out + cap.err
+    assert re.search(r"first step at \d+\.\d s \| compile off \| [\d,]+ tokens/s steady \(5 steps, \d+\.\d s\)",
+                     cap.out), cap.out
+    assert "5/5" in cap.err  # the bar reached the end
+
+
+def test_the_bar_says_compiling_and_its_clock_ticks_until_the_first_step():
+    import threading
+
+    from minite.compile import CompileClock
+    events = []
+    ticked = threading.Event()
+
+    class Bar:
+        def set_description_str(self, s):
+            events.append(("desc", s))
+
+        def refresh(self):
+            events.append("refresh")
+            ticked.set()
+
+        def write(self, msg):
+            events.append(("write", msg))
+    clock = CompileClock()
+    clock.tick_s = 0.01
+    clock.start("reduce-overhead", 6, Bar())
+    assert events[:2] == [("write", events[0][1]), ("desc", "compiling")]
+    assert "one graph for all 6 blocks" in events[0][1]
+    assert ticked.wait(30)  # the clock moves while the main thread is busy compiling
+    with clock.timed(steps=1):
+        pass
+    clock.first_step(t0=0.0)
+    n = len(events)
+    assert ("desc", "") in events and events[-1][0] == "write" and "compiled in 0.0 s (0 graphs)" in events[-1][1]
+    ticked.clear()
+    assert not ticked.wait(0.1) and len(events) == n  # stopped: no refresh after the first step
+    assert clock.steady_steps == 1 and clock.rate(100, 1, 1.0) > 0
