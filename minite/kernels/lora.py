@@ -160,7 +160,7 @@ def _lora_wgrad_kernel(P_ptr, Q_ptr, OUT_ptr, N, M, R, rows_per_split, scaling, 
 # (ptxas of triton 3.7.1, JIT specialisation, bf16, r = 64): see _GPU_NOTE. NOT timed on a GPU yet.
 GPU_TILES = {"gemm": (128, 256, 64, 8, 8, 3), "down": (64, 64, 4, 4), "wgrad": (128, 64, 8, 3)}
 # fp32 on a GPU: "ieee" products on the CUDA cores (the tests' precision path), on tiles that do not spill
-GPU_TILES_F32 = {"gemm": (64, 64, 32, 8, 4, 2), "down": (32, 32, 4, 2), "wgrad": (64, 32, 4, 2)}
+GPU_TILES_F32 = {"gemm": (64, 64, 32, 8, 4, 2), "down": (32, 16, 4, 2), "wgrad": (64, 32, 4, 2)}
 
 
 def lora_tiles(x: Tensor, N: int, K: int, O: int) -> dict:
