@@ -44,7 +44,7 @@ import matplotlib.pyplot as plt
 import torch.nn.functional as F
 from minite._triton import triton, tl
 from minite.testing import assert_close, check_op
-from minite.layers.moe import MoE, route, load_balance_loss, permute, unpermute, moe_ref
+from minite.layers.moe import MoE, route, load_balance_loss, permute, unpermute, moe_ref, step_expert_bias
 from minite.kernels.grouped_gemm import grouped_gemm, grouped_gemm_ref
 from minite.models.gpt import GPT, GPTConfig
 from minite.parallel.launch import torchrun, results
@@ -104,7 +104,10 @@ print("PASS: the naive router and minite's agree")
 # the experts; the weights $w_e$ still come from the unbiased $p$. After each step,
 # $b_i \leftarrow b_i + \gamma\,\mathrm{sign}(\bar{c} - c_i)$ with $c_i$ the tokens expert $i$ received: underloaded
 # experts become more attractive, overloaded ones less. No gradient, and no term in the loss pulling against the
-# language model.
+# language model. In minite the update is one explicit call next to the optimizer's step,
+# `step_expert_bias(model)`: each training forward adds its counts to the layer's `routed`, and the call moves every
+# bias by the load of the whole step (all its micro-batches) and empties `routed`. The bias never changes between a
+# forward and its backward.
 
 # %%
 def naive_switch_loss(probs, experts):
@@ -147,6 +150,7 @@ def short_run(balance, aux_weight=0.01, steps=80, B=16, T=32):
         loss = model(xb, yb)[1]
         loss.backward()
         opt.step()
+        step_expert_bias(model)  # the "bias" balance's step (the other balances have none)
         opt.zero_grad(set_to_none=True)
         loads.append(model.blocks[0].mlp.load.float())
         losses.append(loss.item())
@@ -353,13 +357,17 @@ print("PASS: 2 simulated ranks, 2 experts each, give the single-process MoE outp
 #
 # `minite.parallel.expert` does this with `torch.distributed.all_to_all_single` (gloo on CPU, NCCL on GPUs; both
 # support uneven split sizes), wrapped in an autograd Function whose backward is the all-to-all with the splits
-# swapped (`comm.AllToAll`, in `minite/parallel/comm.py` beside every other collective). Gradients: the dense parameters are averaged over dp as in DDP; an expert's gradient on its owner already
-# sums the contributions of every ep rank's tokens (the backward all-to-all brought them), so it is summed over the
-# ranks holding the same experts and divided by dp. The check below (the workers of `minite/parallel/workers/
-# moe.py`) runs at world 2 with ep = 2: loss, every gradient and the weights after 5 AdamW steps against one
-# process on the whole batch, for both balancing methods (the load the balancing sees is all-reduced over dp, so
-# every rank routes exactly as one process would). One pitfall it caught: a rank that receives no token must still
-# run both backward all-to-alls, so even an empty grouped GEMM has to stay in the autograd graph.
+# swapped (`comm.AllToAll`, in `minite/parallel/comm.py` beside every other collective). The MoE layer itself knows
+# nothing of it: it hands its sorted rows to its *token exchange* (`moe.exchange`, one process by default), and
+# `shard_experts` keeps each rank's experts and installs the all-to-all exchange, as torchtitan applies expert
+# parallelism from outside the model. Gradients: the dense parameters are averaged over dp as in DDP; an expert's
+# gradient on its owner already sums the contributions of every ep rank's tokens (the backward all-to-all brought
+# them), so it is summed over the ranks holding the same experts and divided by dp. The check below (the workers
+# of `minite/parallel/workers/moe.py`) runs at world 2 with ep = 2: loss, every gradient and the weights after 5
+# AdamW steps against one process on the whole batch, for both balancing methods (the load the balancing sees is
+# all-reduced over dp by the exchange, so every rank routes exactly as one process would). One pitfall it caught: a
+# rank that receives no token must still run both backward all-to-alls, so even an empty grouped GEMM has to stay
+# in the autograd graph.
 
 # %%
 out_dir = tempfile.mkdtemp()
@@ -433,8 +441,9 @@ print(f"measured all-to-all bytes (forward, rank 0, 2 layers): {v['a2a_bytes']:,
 #   batch; an expert's gradient is summed over all its copies across dp and cp and divided by dp$\cdot$cp.
 # - **pp**: a pipeline's $m$ micro-batches are gradient accumulation, so under `balance=aux` each stage adds its own
 #   blocks' Switch loss to every micro-batch's backward, scaled by $1/m$: the balance loss is per micro-batch, as in
-#   Megatron. Under `balance=bias` the bias is held for the whole schedule and moves once, by the load summed over the
-#   micro-batches, so every micro-batch routes with the same bias, exactly as one process on the whole batch.
+#   Megatron. Under `balance=bias` the micro-batches' loads add up and the bias moves once, at the optimizer step, by
+#   the load summed over them, so every micro-batch routes with the same bias, exactly as one process on the whole
+#   batch.
 # - **ZeRO**: with ep, a rank's parameters fall into two ZeRO groups at the same stage, the dense ones sharded over dp
 #   and averaged, its experts sharded over their edp replicas (summed, divided by dp: the owner already holds the sum
 #   over the ep ranks' tokens). The clip norm adds both shards' squares over dp, each tp-replicated element once.
