@@ -47,7 +47,8 @@ train: $(STAMP)
 
 # One OpenMP thread per process: pytest-xdist already runs one worker (and its notebook kernels) per core.
 # Then the sm_90/sm_80 compile gate: every distinct kernel launch the suite made under the interpreter, compiled
-# for the GPU (minite/gpu_compile.py); on a CUDA machine nothing is recorded and the gate says so.
+# for the GPU (minite/gpu_compile.py), with the launches a GPU makes at the benchmarks' shapes (minite/gpu_examples.py:
+# its tiles must reach wgmma, not replicate, not spill); on a CUDA machine nothing is recorded and the gate says so.
 LAUNCHES := $(CURDIR)/.launches
 # A learner's bundle (make bundle) carries this marker: test, check-fast and grade then work without solutions/.
 BUNDLE := $(wildcard .learner-bundle)
@@ -57,7 +58,7 @@ test: $(STAMP)
 	OMP_NUM_THREADS=1 MINITE_RECORD_LAUNCHES=$(LAUNCHES) $(PY) -m pytest -n $(PYTEST_JOBS) --dist loadfile \
 		-p no:cacheprovider tests notebooks --nbval-lax --nbval-current-env --nbval-cell-timeout=600 \
 		--durations=15 $(ARGS)
-	env -u TRITON_INTERPRET $(PY) -m minite.gpu_compile $(LAUNCHES) --jobs $(PYTEST_JOBS) \
+	env -u TRITON_INTERPRET $(PY) -m minite.gpu_compile $(LAUNCHES) --examples --jobs $(PYTEST_JOBS) \
 		$(if $(ARGS),,--require-all)
 else
 test: $(STAMP)  # a learner's bundle (tools/bundle.py): no tests/ here; the lessons, and every exercise failing

@@ -279,28 +279,143 @@ def _ttir(src, target, options: dict) -> str:
 
 
 def _ptxas_usage(ptx: str, arch: int) -> dict:
-    """{"n_regs", "n_spills"} from ``ptxas -v`` on the kernel's PTX (the driver reports them only on a GPU)."""
+    """{"n_regs", "n_spills"} from ``ptxas -v`` on the kernel's PTX (the driver reports them only on a GPU). Kept
+    beside Triton's cache, by the PTX's hash: a warm gate runs no ptxas."""
+    import hashlib
     import subprocess
     import tempfile
 
     from triton.backends.nvidia.compiler import get_ptxas
+    ptxas = get_ptxas(arch).path
+    key = hashlib.sha256(f"{ptxas}\n{arch}\n{ptx}".encode()).hexdigest()
+    cache = _cache_dir() / "minite-ptxas" / f"{key}.json"
+    if cache.exists():
+        return json.loads(cache.read_text())
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "k.ptx"
         src.write_text(ptx)
-        r = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}{'a' if arch == 90 else ''}",
+        r = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}{'a' if arch == 90 else ''}",
                             str(src), "-o", str(Path(d) / "k.o")], capture_output=True, text=True)
     log = r.stdout + r.stderr
     regs = re.search(r"Used (\d+) registers", log)
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
-    return {"n_regs": int(regs.group(1)) if regs else None, "n_spills": max(spills, default=0)}
+    out = {"n_regs": int(regs.group(1)) if regs else None, "n_spills": max(spills, default=0)}
+    if regs:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(out))
+        tmp.replace(cache)
+    return out
 
 
-def compile_record(rec: dict, arch: int, float_type: str, check_spills: bool | int = False) -> dict:
-    """Compile one recorded launch for sm_`arch` with its floats typed `float_type`. Returns a result dict:
-    {"ok": bool, "why": str, "shared": int, "n_regs": int, "n_spills": int}."""
+def _cache_dir() -> Path:
+    try:
+        from triton import knobs
+        return Path(knobs.cache.dir)
+    except (ImportError, AttributeError):
+        return Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+
+
+# ------------------------------------------------------------------------------------- reading the sm_90 build
+_MMA = re.compile(r"^#(\w+) = #ttg\.nvidia_mma<\{versionMajor = (\d+), versionMinor = \d+, warpsPerCTA = \[([\d, ]+)\]")
+_DOT = re.compile(r"= (tt\.dot|ttng\.warp_group_dot) ([^:]*?) : (?:tensor|!ttg\.memdesc)<(\d+)x(\d+)x(\w+)"
+                  r".*-> tensor<(\d+)x(\d+)x\w+, #(\w+)>")
+
+
+def read_dots(ttgir: str) -> list[dict]:
+    """Every distinct ``tl.dot`` of a TTGIR: {"M", "N", "K", "a" (operand type), "mma" (3 = wgmma, 2 = mma.sync,
+    0 = FMA), "warps" (warpsPerCTA), "imprecise" (maxNumImpreciseAcc or None), "fresh" (starts from zero)}."""
+    layouts = {m.group(1): (int(m.group(2)), [int(w) for w in m.group(3).split(",")])
+               for m in map(_MMA.match, ttgir.splitlines()) if m}
+    zeros = set(re.findall(r"(%[\w.#]+) = arith\.constant (?:dense<0\.0+e\+00>|false) ", ttgir))
+    out, seen = [], set()
+    for ln in ttgir.splitlines():
+        if " tt.dot " not in ln and " ttng.warp_group_dot " not in ln:
+            continue
+        imprecise = re.search(r"maxNumImpreciseAcc = (\d+)", ln)
+        m = _DOT.search(re.sub(r"\{[^{}]*\}", "", ln.split(" loc(")[0]))
+        if not m:
+            continue
+        operands = [o.strip() for o in m.group(2).split(",") if o.strip().startswith("%")]
+        mma, warps = layouts.get(m.group(8), (0, []))
+        d = {"M": int(m.group(6)), "N": int(m.group(7)), "K": int(m.group(4)), "a": m.group(5), "mma": mma,
+             "warps": warps, "imprecise": int(imprecise.group(1)) if imprecise else None,
+             "fresh": len(operands) > 2 and (operands[2] in zeros or operands[3:] == ["%false"])}
+        key = json.dumps(d, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(d)
+    return out
+
+
+def promotion_interval(d: dict) -> int | None:
+    """Products an fp8 dot sums in the tensor core's reduced-precision accumulator before an fp32 add (see the
+    module's docstring); None for a dot that is not fp8."""
+    if not d["a"].startswith("f8"):
+        return None
+    acc = d["imprecise"] if d["imprecise"] is not None else 2**30
+    if acc <= d["K"]:
+        return acc
+    return d["K"] if d["fresh"] else acc
+
+
+def _statement(module, name: str, kernel: str, consts: dict):
+    """The kernel's entry in its module's dict `name` (PROMOTION_INTERVAL, MMA_SYNC_OK): (stated?, value)."""
+    table = getattr(module, name, None) or {}
+    if kernel not in table:
+        return False, None
+    v = table[kernel]
+    if isinstance(v, str) and name == "PROMOTION_INTERVAL":
+        v = consts[v]
+    elif callable(v):
+        v = v(consts)
+    return True, v
+
+
+def sm90_findings(ttgir: str, ptx: str, module, kernel: str, consts: dict) -> tuple[dict, list[str]]:
+    """What makes Hopper fast, read off one sm_90 build: (facts, failures). Fails on a dot with M >= 64 not on
+    wgmma, on any other dot off wgmma unless the module's ``MMA_SYNC_OK[kernel]`` says why, on a wgmma layout that
+    replicates work across warpgroups, and on an fp8 dot whose promotion interval exceeds the stated one."""
+    dots = read_dots(ttgir)
+    facts = {"wgmma": ptx.count("wgmma.mma_async"), "mma_sync": len(re.findall(r"\bmma\.sync\b", ptx)),
+             "dots": dots, "replicated": False, "interval": None}
+    bad = []
+    small_ok, why_small = _statement(module, "MMA_SYNC_OK", kernel, consts)
+    stated, limit = _statement(module, "PROMOTION_INTERVAL", kernel, consts)
+    for d in dots:
+        shape = f"{d['M']}x{d['N']}x{d['K']} {d['a']}"
+        if d["mma"] != 3 and not (d["mma"] == 0 and d["a"] == "f32"):  # fp32 FMA: exact fp32 asked for
+            kind = "mma.sync (MMAv2)" if d["mma"] == 2 else "FMA"
+            if d["M"] >= 64:
+                bad.append(f"dot {shape} lowers to {kind}, not wgmma")
+            elif not small_ok:
+                bad.append(f"dot {shape} lowers to {kind}, not wgmma: its M-tile {d['M']} < 64 rows (a warpgroup); "
+                           "take BLOCK_M >= 64, or state why in the module's MMA_SYNC_OK")
+        if d["mma"] == 3 and d["warps"] and d["warps"][0] * 16 > d["M"]:
+            facts["replicated"] = True
+            bad.append(f"dot {shape}: warpsPerCTA {d['warps']} puts {d['warps'][0] * 16} rows of warps on M = "
+                       f"{d['M']}: the warpgroups compute the same rows")
+        iv = promotion_interval(d)
+        if iv is None:
+            continue
+        facts["interval"] = max(facts["interval"] or 0, iv)
+        if not stated:
+            bad.append(f"fp8 dot {shape} (promotion every {iv} products) in a kernel with no PROMOTION_INTERVAL")
+        elif limit is not None and iv > limit:
+            bad.append(f"fp8 dot {shape} promotes every {iv} products, more than the stated {limit}")
+    return facts, bad
+
+
+def build(rec: dict, arch: int = 90, float_type: str = "fp32"):
+    """The CompiledKernel of a record, compiled as the JIT compiles it (its specialisation, options)."""
+    import triton
+    src, target, options, _ = _source(rec, arch, float_type)
+    return triton.compile(src, target=target, options=options)
+
+
+def _source(rec: dict, arch: int, float_type: str):
     import importlib
 
-    import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -311,13 +426,25 @@ def compile_record(rec: dict, arch: int, float_type: str, check_spills: bool | i
            for n in fn.arg_names}
     dtypes = {d.name: d for d in vars(tl).values() if isinstance(d, tl.dtype)}  # "fp32" -> tl.float32
     consts = {k: dtypes[v["dtype"]] if isinstance(v, dict) else v for k, v in rec["constexprs"].items()}
+    attrs = {(fn.arg_names.index(n),): [list(a) for a in v] for n, v in rec.get("attrs", {}).items()}
+    src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
+    return src, GPUTarget("cuda", arch, 32), {"num_warps": rec["num_warps"], "num_stages": rec["num_stages"]}, sig
+
+
+def compile_record(rec: dict, arch: int, float_type: str, check_spills: bool | int = False) -> dict:
+    """Compile one recorded launch for sm_`arch` with its floats typed `float_type`. Returns a result dict:
+    {"ok": bool, "why": str, "shared": int, "n_regs": int, "n_spills": int, and for a GPU tile on sm_90 the
+    facts of sm90_findings}. ``check_spills``: True (none allowed) or 1 + the bytes allowed."""
+    import importlib
+    import sys as _sys
+
+    import triton
+
+    src, target, options, sig = _source(rec, arch, float_type)
     uses_fp8 = any(t.lstrip("*") in _FP8_TYPES for t in sig.values()) or any(
         isinstance(v, dict) and v["dtype"] in _FP8_TYPES for v in rec["constexprs"].values())
     if arch < 89 and uses_fp8:
         return {"ok": True, "why": "skipped: fp8 needs sm_89+ (minite refuses fp8 below)", "skipped": True}
-    attrs = {(fn.arg_names.index(n),): [list(a) for a in v] for n, v in rec.get("attrs", {}).items()}
-    src, target = ASTSource(fn, sig, constexprs=consts, attrs=attrs), GPUTarget("cuda", arch, 32)
-    options = {"num_warps": rec["num_warps"], "num_stages": rec["num_stages"]}
     floats = {n for n, t in rec["signature"].items() if t == "float"}
     any_fp64_input = any(t.lstrip("*") == "fp64" for n, t in sig.items() if n not in floats)
     try:
@@ -331,16 +458,22 @@ def compile_record(rec: dict, arch: int, float_type: str, check_spills: bool | i
         msg = str(e).strip().splitlines()
         return {"ok": False, "why": f"compile error: {' | '.join(msg[-4:])[:600]}"}
     md = k.metadata
-    res = {"ok": True, "why": "", "shared": md.shared}
-    if check_spills:
+    res, bad = {"ok": True, "why": "", "shared": md.shared}, []
+    gpu = rec.get("tiles") == "gpu" and arch == 90
+    if check_spills or gpu:
         res.update(_ptxas_usage(k.asm["ptx"], arch))
     if md.shared > SHARED_LIMIT[arch]:
-        return dict(res, ok=False, why=f"shared memory {md.shared} B > sm_{arch}'s {SHARED_LIMIT[arch]} B per block")
-    allowed = 0 if check_spills is True else int(check_spills) - 1  # an int: 1 + the bytes allowed to spill
-    if check_spills and res["n_spills"] > allowed:
-        return dict(res, ok=False, why=f"{res['n_spills']} bytes of register spills (allowed {allowed}), "
-                                       f"{res['n_regs']} registers")
-    return res
+        bad.append(f"shared memory {md.shared} B > sm_{arch}'s {SHARED_LIMIT[arch]} B per block")
+    allowed = int(check_spills) - 1 if check_spills not in (False, True) else 0  # an int: 1 + the bytes allowed
+    if (check_spills or gpu) and res["n_spills"] > allowed:
+        bad.append(f"{res['n_spills']} bytes of register spills (allowed {allowed}), {res['n_regs']} registers")
+    if gpu:
+        importlib.import_module(rec["module"])
+        facts, why = sm90_findings(k.asm["ttgir"], k.asm["ptx"], _sys.modules[rec["module"]], rec["kernel"],
+                                   rec["constexprs"])
+        res.update(facts)
+        bad += why
+    return dict(res, ok=not bad, why="; ".join(bad))
 
 
 def _job(rec, arch, float_type, check_spills):
@@ -367,70 +500,162 @@ def describe(rec: dict) -> str:
     c = rec.get("constexprs", {})
     blocks = ",".join(f"{k}={v}" for k, v in sorted(c.items()) if not isinstance(v, dict) and k != "HEAD_DIM")
     ptrs = sorted({t for t in rec.get("signature", {}).values() if t.startswith("*")})
-    return f"{rec['kernel']}[{blocks}; {'/'.join(ptrs)}; warps={rec.get('num_warps')}]"
+    return (f"{rec['kernel']}[{blocks}; {'/'.join(ptrs)}; warps={rec.get('num_warps')}"
+            f"{'' if rec.get('num_stages', 3) == 3 else ', stages=%d' % rec['num_stages']}]")
+
+
+def _facts(res: dict) -> str:
+    """One GPU tile's sm_90 build in a line: registers, spills, wgmma / mma.sync, replication, fp8 interval."""
+    shapes = sorted({f"{d['M']}x{d['N']}x{d['K']}" for d in res.get("dots", [])})
+    return (f"regs {res.get('n_regs')} spills {res.get('n_spills')} smem {res.get('shared', 0) // 1024}K "
+            f"wgmma {res.get('wgmma')} mma.sync {res.get('mma_sync')} dots {' '.join(shapes) or '-'}"
+            f"{' REPLICATED' if res.get('replicated') else ''}"
+            f"{'' if res.get('interval') is None else ' fp8-interval %d' % res['interval']}")
+
+
+# A GPU tile is compiled for sm_80 too when its sm_90 build takes more than this share of an A100's shared memory
+# per block: the same stages of the same operand tiles (the A operand of wgmma may stay in registers instead).
+# Below it an A100 cannot run out, and the compile is saved; the suite's own launches are compiled for sm_80 always.
+SM80_SHARE = 0.5
 
 
 def gate(records: list[dict], archs=(90, 80), jobs: int | None = None, require: set[str] | None = None,
          check_spills: bool = False, spill_budget: dict | None = None, log=print) -> int:
     """Compile every record for each arch with float scalars typed fp32 (an eager launch), and generate the TTIR
-    of those with float scalars typed fp64 (Inductor). ``check_spills``: fail on sm_90 register spills beyond
-    ``spill_budget[describe(record)]`` bytes (0 when absent). Returns the failure count."""
+    of those with float scalars typed fp64 (Inductor). A GPU tile (``"tiles": "gpu"``, from
+    capture_gpu_launches) also gets sm90_findings and ptxas on sm_90 with no spill beyond
+    ``spill_budget[describe(record)]`` bytes (0 when absent), and sm_80 only past SM80_SHARE. ``check_spills``:
+    the same spill check for every record. Returns the failure count."""
     bad = [r for r in records if "error" in r]
     for r in bad:
         log(f"FAIL {r['kernel']}: could not record its launch ({r['error']})")
     records = [r for r in records if "error" not in r]
-    jobs_list = []
+    budget = spill_budget or {}
+    jobs_list, later = [], []
     for r in records:
+        gpu = r.get("tiles") == "gpu"
         for arch in archs:
-            spill = (1 + (spill_budget or {}).get(describe(r), 0)) if check_spills and arch == 90 else False
-            jobs_list.append((r, arch, "fp32", spill))
+            spill = (1 + budget.get(describe(r), 0)) if (check_spills or gpu) and arch == 90 else False
+            (later if gpu and arch != 90 and 90 in archs else jobs_list).append((r, arch, "fp32", spill))
         if "float" in r["signature"].values():  # Inductor's typing: a TTIR question, the same on every arch
             jobs_list.append((r, archs[0], "fp64", False))
-    t0, fails, skipped = time.perf_counter(), len(bad), 0
+    t0, fails, skipped, n_jobs = time.perf_counter(), len(bad), 0, 0
+    shared90 = {}
     n = jobs or max(1, min(len(jobs_list), os.cpu_count() or 1))
     # spawn, not fork: forking a process that has imported torch/triton (threads) can deadlock its children
     with cf.ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as ex:
-        futs = {ex.submit(_job, *j): j for j in jobs_list}
-        for f in cf.as_completed(futs):
-            r, arch, ft, _ = futs[f]
-            res = f.result()
-            skipped += bool(res.get("skipped"))
-            if res.get("n_spills"):
-                log(f"spills sm_{arch} {describe(r)}: {res['n_spills']} bytes, {res['n_regs']} registers")
-            if not res["ok"]:
-                fails += 1
-                log(f"FAIL sm_{arch} floats={ft} {describe(r)} ({r['module']}): {res['why']}")
+        for batch in (jobs_list, later):
+            if batch is later:  # sm_80 for the GPU tiles that may not fit an A100
+                batch = [j for j in later if shared90.get(id(j[0]), 1 << 30) > SM80_SHARE * SHARED_LIMIT[80]]
+            n_jobs += len(batch)
+            futs = {ex.submit(_job, *j): j for j in batch}
+            for f in cf.as_completed(futs):
+                r, arch, ft, _ = futs[f]
+                res = f.result()
+                skipped += bool(res.get("skipped"))
+                if arch == 90 and ft == "fp32":
+                    shared90[id(r)] = res.get("shared", 1 << 30)
+                if r.get("tiles") == "gpu" and arch == 90 and ft == "fp32" and "wgmma" in res:
+                    log(f"  GPU tile {describe(r)}: {_facts(res)}")
+                elif res.get("n_spills"):
+                    log(f"spills sm_{arch} {describe(r)}: {res['n_spills']} bytes, {res['n_regs']} registers")
+                if not res["ok"]:
+                    fails += 1
+                    log(f"FAIL sm_{arch} floats={ft} {describe(r)} ({r['module']}): {res['why']}")
     kernels = {f"{r['module']}:{r['kernel']}" for r in records}
     missing = sorted((require or set()) - kernels)
     for m in missing:
         fails += 1
         log(f"FAIL {m}: no test launched this kernel, so the gate could not compile it")
+    n_gpu = sum(r.get("tiles") == "gpu" for r in records)
     log(f"sm_{'/sm_'.join(map(str, archs))} compile gate: {len(kernels)} kernels, {len(records)} launch "
-        f"configurations, {len(jobs_list)} compiles ({skipped} fp8-on-sm_80 skipped) in "
+        f"configurations ({n_gpu} GPU tiles), {n_jobs} compiles ({skipped} fp8-on-sm_80 skipped) in "
         f"{time.perf_counter() - t0:.0f} s: {fails} failed")
     return fails
 
 
+def capture_examples(families=None) -> list[dict]:
+    """The GPU's launches of minite.gpu_examples' `families` (all by default), recorded in THIS process (which
+    must interpret: TRITON_INTERPRET=1). A family that raises is one record with its error."""
+    import traceback
+
+    from minite import gpu_examples
+    out = []
+    for name in families or list(gpu_examples.FAMILIES):
+        try:
+            with capture_gpu_launches() as recs:
+                gpu_examples.FAMILIES[name]()
+        except Exception as e:  # noqa: BLE001 - a launcher that cannot capture is a gate failure to read
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            recs = [{"module": "minite.gpu_examples", "kernel": name, "tiles": "gpu",
+                     "error": f"{type(e).__name__}: {e} ({Path(where.filename).name}:{where.lineno})"}]
+        out += [dict(r, family=name) for r in recs]
+    return out
+
+
+def _examples(families) -> list[dict]:
+    """capture_examples in a child process that interprets (this one compiles for the GPU); distinct records."""
+    import subprocess
+    import tempfile
+
+    from minite import gpu_examples
+    unknown = set(families or ()) - set(gpu_examples.FAMILIES)
+    if unknown:
+        raise SystemExit(f"unknown example families {sorted(unknown)}; there are {sorted(gpu_examples.FAMILIES)}")
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "examples.jsonl"
+        env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+        r = subprocess.run([sys.executable, "-m", "minite.gpu_compile", "--capture", str(path), *(families or ())],
+                           env=env, capture_output=True, text=True)
+        if r.returncode:
+            raise SystemExit(f"capturing the GPU examples failed:\n{(r.stdout + r.stderr)[-3000:]}")
+        recs = [json.loads(ln) for ln in path.read_text().splitlines()]
+    seen, out = set(), []
+    for rec in recs:
+        key = json.dumps({k: v for k, v in rec.items() if k != "family"}, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(rec)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m minite.gpu_compile", description=__doc__.split("\n\n")[0])
-    p.add_argument("records", nargs="+", help="JSON-lines files written by record_launches, or folders of them")
+    p.add_argument("records", nargs="*", help="JSON-lines files written by record_launches, or folders of them")
+    p.add_argument("--examples", nargs="*", metavar="FAMILY", default=None,
+                   help="also capture and gate the GPU tiles of minite/gpu_examples.py (all families, or these)")
+    p.add_argument("--capture", metavar="FILE", help=argparse.SUPPRESS)  # the child of --examples
     p.add_argument("--arch", type=int, nargs="+", default=[90, 80])
     p.add_argument("--jobs", type=int, default=None)
     p.add_argument("--require-all", action="store_true", help="fail when a minite kernel was never launched")
     a = p.parse_args(argv)
+    if a.capture:
+        recs = capture_examples(a.records or None)
+        Path(a.capture).write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in recs))
+        return 0
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         p.error("run with TRITON_INTERPRET unset: the kernels must be decorated for the GPU compiler")
     files = [f for r in a.records for f in (sorted(Path(r).glob("*.jsonl")) if Path(r).is_dir() else [Path(r)])]
-    if not files:
+    records = load_records(files)
+    if a.records and not records:
         import torch
-        if torch.cuda.is_available():  # no interpreter ran: every kernel was compiled by the GPU's own Triton
-            print("sm_90/sm_80 compile gate: nothing recorded (the kernels ran on CUDA and compiled there)")
-            return 0
-        print(f"sm_90/sm_80 compile gate: FAIL, no launch was recorded in {a.records} (was the suite run with "
-              "MINITE_RECORD_LAUNCHES and TRITON_INTERPRET=1?)")
-        return 1
-    require = kernel_names() if a.require_all else None
-    return 1 if gate(load_records(files), a.arch, a.jobs, require) else 0
+        if not torch.cuda.is_available():  # on CUDA no interpreter ran: the GPU's own Triton compiled every kernel
+            print(f"sm_90/sm_80 compile gate: FAIL, no launch was recorded in {a.records} (was the suite run with "
+                  "MINITE_RECORD_LAUNCHES and TRITON_INTERPRET=1?)")
+            return 1
+        print("sm_90/sm_80 compile gate: no launch recorded (the kernels ran on CUDA and compiled there)")
+    if a.examples is not None:
+        from minite.gpu_examples import SPILL_BUDGET
+        t0 = time.perf_counter()
+        examples = _examples(a.examples)
+        print(f"GPU examples: {len(examples)} distinct launches of {len({r['family'] for r in examples})} "
+              f"families captured in {time.perf_counter() - t0:.1f} s")
+        records += examples
+    if not records:
+        p.error("nothing to compile: give record files or folders, or --examples")
+    require = kernel_names() if a.require_all and files else None
+    budget = SPILL_BUDGET if a.examples is not None else None
+    return 1 if gate(records, a.arch, a.jobs, require, spill_budget=budget) else 0
 
 
 if __name__ == "__main__":
