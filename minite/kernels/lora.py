@@ -249,7 +249,7 @@ def lora_bwd(dy: Tensor, x2: Tensor, weight: Tensor, lora_A: Tensor, lora_B: Ten
 
 # ------------------------------------------------------------------------------------ 4. autograd.Function
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    t2 = t.reshape(-1, t.shape[-1])  # (..., C) -> (N, C), a view when possible
+    t2 = t.reshape(t.shape[:-1].numel(), t.shape[-1])  # (..., C) -> (N, C), a view when possible (C = 0 too)
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
