@@ -15,7 +15,7 @@ rank, or measures what a lesson plots, or grades an exercise (``grade.run_graded
     lessons.py   chapter 11   the lesson's TP MLP on real ranks, the exercise's graded tasks
     moe.py       chapter 16   expert parallelism (ep 2 and 4) vs one process; the all-to-all's bytes; bad layouts
     moe_cp.py    chapter 16   the MoE GPT under cp, with dp, ep, tp (+SP) and ZeRO (ep = 1) vs one process
-    moe_pp.py    chapter 16   the MoE GPT under pp (x dp, ep, tp + SP, cp): aux per micro-batch, bias once per schedule
+    moe_pp.py    chapter 16   the MoE GPT under pp (x dp, ep, tp + SP, cp): aux per micro-batch, bias once per step
     moe_zero.py  chapter 16   the MoE GPT under ZeRO-1/2/3 with ep 1, 2, 4 and under tp x ZeRO vs one process
     precision.py chapter 01   the FP16 loss scaler under ZeRO, tp, pp: the shard's grad unscaled, an inf skips all ranks
     grade.py     exercises    ``@graded`` tasks (one per chapter file), ``run_graded`` for the check cells
