@@ -70,6 +70,17 @@ def test_fused_kernel_matches_reference(device, r, dtype):
     _compare(*_operands(37, 45, 51, r, dtype, device, seed=r), s=16 / r)
 
 
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """torch.empty filled with NaN: the kernels must store every element of y, g, dx and the dA / dB partials."""
+    empty = torch.empty
+
+    def poisoned(*a, **k):
+        t = empty(*a, **k)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
 def _small_tiles(splits=None):
     # 16-wide tiles: several programs per axis, K/O/row loops with ragged last steps, the rank padded to >= 16 and
     # (r > 16) looped over in the GEMM's adapter step; `splits` row chunks for dA / dB
@@ -80,7 +91,7 @@ def _small_tiles(splits=None):
 @pytest.mark.triton
 @pytest.mark.parametrize("r", [1, 5, 16, 37, 64])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_fused_kernel_small_tiles_and_loops(device, r, splits):
+def test_fused_kernel_small_tiles_and_loops(device, r, splits, nan_empty):
     x, W, A, B, dy = _operands(37, 45, 51, r, torch.float32, device, seed=7)
     _compare(x, W, A, B, dy, s=2.0, blocks=_small_tiles(splits))
 
@@ -88,7 +99,7 @@ def test_fused_kernel_small_tiles_and_loops(device, r, splits):
 @pytest.mark.triton
 @pytest.mark.parametrize("r", [3, 64, 100])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_fused_kernel_gpu_tiles(device, monkeypatch, r, dtype):
+def test_fused_kernel_gpu_tiles(device, monkeypatch, r, dtype, nan_empty):
     # The GPU's own launch configuration (what lora_tiles picks on CUDA, 132 SMs for the row split), run here:
     # 128 x 256 x 64 GEMM tiles in grouped order (fp16), loops over K and O, the dA / dB rows split in chunks.
     from minite.kernels import _common
@@ -101,7 +112,7 @@ def test_fused_kernel_gpu_tiles(device, monkeypatch, r, dtype):
 
 @pytest.mark.triton
 @pytest.mark.parametrize("N, K, O", [(0, 20, 30), (3, 16, 0), (4, 0, 6)], ids=["no rows", "no outputs", "no inputs"])
-def test_fused_kernel_empty_dims(device, N, K, O):
+def test_fused_kernel_empty_dims(device, N, K, O, nan_empty):
     # every kernel's grid or loop is empty somewhere: y, dx, dA, dB still come out (zeros where the sum is empty);
     # O = 0 used to fail in the backward's reshape of dy (2, 3, 0) -> (-1, 0)
     x, W, A, B, dy = _operands(N, K, O, 3, torch.float32, device, seed=5)
