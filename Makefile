@@ -13,6 +13,8 @@
 #   make bundle      dist/minite-course.zip: the course for learners, without solutions/ (and tests/)
 #   make bench       every benchmark: kernel ones need CUDA (they say so and exit on CPU); bench_train also runs on CPU
 #   make scale       chapter 14: each parallel/recompute technique vs its baseline on the CPU (memory, bytes, time)
+#   make gpu-report [OUT=DIR]   on one GPU, <= 9 min, no network: the main job, the suite on CUDA, every benchmark
+#                    beside its peers; summary.md + one .tgz into OUT (on a CPU: says so, lists its stages)
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -28,7 +30,8 @@ NPROC := $(shell nproc 2>/dev/null || echo 2)
 # Library tests + notebooks, spread over the cores; notebooks stay whole per worker (--dist loadfile).
 PYTEST_JOBS ?= $(NPROC)
 
-.PHONY: notebooks setup train test test-lib test-notebooks check-fast lab exercises grade check bundle bench scale clean-venv
+.PHONY: notebooks setup train test test-lib test-notebooks check-fast lab exercises grade check bundle bench scale \
+	gpu-report clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	@echo "== setting up $(VENV) (once; re-run when pyproject.toml or the Makefile change) =="
@@ -138,6 +141,12 @@ bench: $(STAMP)
 # Chapter 14: memory per rank, bytes sent, step time and loss curve of every layout on the CPU (~4 min on 2 cores)
 scale: $(STAMP)
 	$(PY) benchmarks/bench_scale.py $(ARGS)
+
+# The GPU machine is bare (torch and triton preinstalled, no network): no .venv, no set-up; its own python3 runs
+# the report, which installs nothing from the network (benchmarks/gpu_report.py --list: the stages and limits).
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-report:
+	$(GPU_PY) benchmarks/gpu_report.py $(if $(OUT),--out $(OUT),)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -47,7 +47,7 @@ from minite.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from minite.compile import compile_model, eager_mode
+from minite.compile import CompileClock, blocks_of, compile_model, eager_mode
 from minite.config import ConfigError, RunConfig, apply_overrides, config_help, make_config
 from minite.data import BatchSampler, DataError, PreparedData, prepare
 from minite.errors import DivergenceError
@@ -174,7 +174,8 @@ class Run:
     val_loss: float = float("nan")
     val_step: int = -1  # the step of the last evaluation
     elapsed_before: float = 0.0  # seconds the run had taken before a resume
-    train_time: float = 0.0
+    train_time: float = 0.0  # seconds in train_step, compilation included
+    clock: CompileClock = field(default_factory=CompileClock)  # compiling vs steady state, in this job
     losses: dict = field(default_factory=dict)  # {step: the global batch's train loss}
     grad_norm: torch.Tensor | None = None  # the last step's global gradient norm, before clipping
     tb: object = None  # --train.tensorboard: rank 0's SummaryWriter
@@ -352,25 +353,30 @@ def loop(run: Run, callback: Callable[[int, float], None] | None = None) -> dict
     start_step = run.step
     tokens_per_step = t.batch_size * t.grad_accum * run.plan.block
     pbar = _progress_bar(run) if t.progress and run.par.is_main else None
+    run.clock.start(run.compiled, len(blocks_of(run.model)), pbar)  # "compiling", until the first step is done
     try:
         while True:
             fresh = run.step != start_step or run.plan.resume is None  # a resumed step was evaluated before
             if (fresh and run.step % t.eval_interval == 0) or run.step == t.max_iters:
-                _evaluate(run, log)
+                with run.clock.timed(steps=0):  # the first evaluation builds the inference graphs
+                    _evaluate(run, log)
             if fresh and run.step > 0 and (run.step % (t.ckpt_interval or t.eval_interval) == 0
                                            or run.step in (t.max_iters, t.stop_at)):
                 _checkpoint(run, log)
             if run.step >= (t.stop_at or t.max_iters):  # stop_at: end this job; the schedule runs to max_iters
                 break
             ts = time.perf_counter()
-            loss = train_step(run)
+            with run.clock.timed(steps=1):
+                loss = train_step(run)
             run.train_time += time.perf_counter() - ts
+            if run.step == start_step + 1:
+                run.clock.first_step(run.plan.t0)
             if not math.isfinite(loss) and run.scaler is None:  # fp16: the loss scaler skips such steps itself
                 raise DivergenceError(f"the loss is {loss} at step {run.step}: training diverged. The last "
                                       f"checkpoint ({run.out / 'ckpt.pt'}) is kept; lower --train.lr, or check "
                                       "the model's numbers (--model.rope_base, --model.norm_eps)")
             run.losses[run.step] = loss
-            tps = tokens_per_step * (run.step - start_step) / max(run.train_time, 1e-9)
+            tps = run.clock.rate(tokens_per_step, run.step - start_step, run.train_time)  # steady state
             if run.step % t.log_interval == 0 or run.step == t.max_iters:
                 norm = {} if run.grad_norm is None else {"grad_norm": round(float(run.grad_norm), 6)}
                 _write(run, log, step=run.step, loss=round(loss, 6), lr=_lr_at(run.step - 1, t),
@@ -382,6 +388,7 @@ def loop(run: Run, callback: Callable[[int, float], None] | None = None) -> dict
             if callback is not None:
                 callback(run.step, loss)
     finally:
+        run.clock.stop()
         if pbar is not None:
             pbar.set_postfix(val=f"{run.val_loss:.3f}@{run.val_step}", refresh=True)  # the final evaluation's
             pbar.close()
@@ -390,10 +397,11 @@ def loop(run: Run, callback: Callable[[int, float], None] | None = None) -> dict
             run.tb.close()
     if run.par.is_main:
         _plot(run.out / "log.jsonl", run.out / "loss.png")
-    tps = tokens_per_step * (run.step - start_step) / max(run.train_time, 1e-9)
+    tps = run.clock.rate(tokens_per_step, run.step - start_step, run.train_time)
     return {"val_loss": run.val_loss, "best_val_loss": run.best_val, "steps": run.step, "losses": run.losses,
             "tokens_per_s": tps, "train_time_s": run.train_time, "wall_time_s": time.perf_counter() - run.plan.t0,
-            "params": run.model.num_params(), "sample": _sample(run), "out_dir": str(run.out), "config": run.cfg}
+            "compile": run.compiled, **run.clock.summary(), "params": run.model.num_params(), "sample": _sample(run),
+            "out_dir": str(run.out), "config": run.cfg}
 
 
 def _open_log(run: Run):
@@ -485,9 +493,9 @@ def _checkpoint(run: Run, log, name: str = "ckpt.pt") -> None:
 
 def _progress_bar(run: Run):
     from tqdm import tqdm
-    tty = sys.stderr.isatty()  # in a log file (CI, nohup) redraw every 15 s, not every step
+    tty = sys.stderr.isatty()  # in a log file (CI, nohup) redraw every second, not every step
     return tqdm(total=run.cfg.train.max_iters, initial=run.step, unit="step", dynamic_ncols=True, file=sys.stderr,
-                mininterval=0.1 if tty else 15.0)
+                mininterval=0.1 if tty else 1.0, miniters=1)  # miniters=1: a slow evaluation never silences it
 
 
 def _sample(run: Run) -> str:
@@ -598,6 +606,16 @@ def default_preset(overrides: dict) -> str:
         return "gpu"
 
 
+def closing_line(s: dict) -> str:
+    """Val loss | wall time, when the first step ended | compile time and graphs | the steady-state rate."""
+    comp = "compile off" if s.get("compile", "off") == "off" else \
+        f"compile {s['compile_time_s']:.1f} s ({s['compile_graphs']} graphs, {s['compile']})"
+    return (f"val loss {s['val_loss']:.4f} (best {s['best_val_loss']:.4f}) after {s['steps']} steps | "
+            f"{s['wall_time_s']:.1f} s wall, first step at {s.get('first_step_s', math.nan):.1f} s | {comp} | "
+            f"{s['tokens_per_s']:,.0f} tokens/s steady ({s.get('steady_steps', 0)} steps, "
+            f"{s.get('steady_time_s', s['train_time_s']):.1f} s)")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
@@ -620,8 +638,7 @@ def main(argv: list[str] | None = None) -> int:
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun rank 0 reports for the run
         return 0
     s = summary
-    print(f"\nval loss {s['val_loss']:.4f} (best {s['best_val_loss']:.4f}) after {s['steps']} steps | "
-          f"{s['wall_time_s']:.1f} s wall ({s['train_time_s']:.1f} s training) | {s['tokens_per_s']:,.0f} tokens/s")
+    print("\n" + closing_line(s))
     print(f"log: {s['out_dir']}/log.jsonl  plot: {s['out_dir']}/loss.png  checkpoint: {s['out_dir']}/ckpt.pt")
     if s["sample"]:
         print("\n--- sample (temperature 0.8) ---" + s["sample"] + "\n---")
