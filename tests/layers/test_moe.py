@@ -167,6 +167,33 @@ def test_bias_moves_once_per_step_by_the_summed_load():
     assert torch.equal(moe.expert_bias, want)
 
 
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_bias_step_under_recompute_trains_as_without(mode):
+    # minite.train's recompute modes re-run a block's forward in the backward (selective: every op it does not
+    # save, the count's in-place add among them): the counts double, the bias and every weight stay bit-identical.
+    from minite.recompute import apply_recompute
+
+    def run(recompute):
+        torch.manual_seed(0)
+        m = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16, backend="torch",
+                          moe_num_experts=4, moe_balance="bias"))
+        apply_recompute(m, recompute)
+        opt, g = torch.optim.AdamW(m.parameters(), lr=1e-2), torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for _ in range(2):  # gradient accumulation: one bias step for both micro-batches
+                x = torch.randint(0, 32, (2, 8), generator=g)
+                m(x, x)[1].backward()
+            routed = m.blocks[0].mlp.routed.clone()
+            opt.step()
+            step_expert_bias(m)
+            opt.zero_grad()
+        return m.state_dict(), routed
+
+    (want, routed), (got, routed2) = run("none"), run(mode)
+    assert torch.equal(routed2, 2 * routed) and want["blocks.0.mlp.expert_bias"].abs().sum() > 0
+    assert all(torch.equal(want[k], got[k]) for k in want)
+
+
 def test_bad_rates_and_capacities_are_refused_by_name():
     # issue 36: bias_rate=nan was accepted and made expert_bias all NaN one backward later; capacity_factor=inf
     # raised an OverflowError (math.ceil) at the first training step. A dropless layer is capacity_factor=0.
