@@ -18,7 +18,9 @@ RULES = [
     ("minite/kernels/attention.py", 780),
     ("minite/kernels/cross_entropy.py", 335),  # CE and the fused linear-CE: 3 ops, 2 autograd formulas, +inf rule
     ("minite/kernels/rmsnorm.py", 320),      # RMSNorm and LayerNorm: 4 ops, 2 autograd formulas, typed device/dtype
-    ("minite/formats/specs.py", 305),        # bit specs, reference + Triton encode/decode, typed public API
+    # bit specs, reference + Triton encode/decode, typed public API; issue 35: the scale format E8M0 (ScaleSpec)
+    # in the same language: its spec, reference and Triton encode/decode
+    ("minite/formats/specs.py", 405),
     ("minite/hf.py", 350),                   # Llama <-> GPT mapping, the layer swap, padded batches, the MoE refusal
     # resolve, build, step, loop, the CLI, their checks; a statement a line; the TensorBoard writer (issue 26) and the
     # MoE routing in the log line (chapter 16); the default preset from the rank's device; sampling in eval mode;

@@ -11,7 +11,8 @@ the tensor slides down into E4M3's subnormals. Block scaling gives each small bl
         with emax_elem the exponent of the element format's largest normal (8 for E4M3: 448 = 1.75 * 2^8).
 
 E8M0 is an exponent without sign or mantissa: 8 bits b, value 2^(b - 127); b = 0xFF is NaN; there is no zero
-and no infinity. Its range, 2^-127 .. 2^127, is fp32's.
+and no infinity. Its range, 2^-127 .. 2^127, is fp32's. It is a format like E4M3 (formats/specs.py):
+``encode(x, E8M0)``, ``decode(bits, E8M0)``, ``bit_string(b, E8M0)``.
 
 Edge rules (the kernels in kernels/fp8_block.py follow them bit for bit):
 * an all-zero block: blockwise scale 1; MX exponent -127 (bits 0). Its elements are 0 either way.
@@ -28,11 +29,9 @@ Everything here is PyTorch: it is the spec the Triton kernels are tested against
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from minite.formats.specs import E4M3, E5M2
+from minite.formats.specs import E4M3, E5M2, E8M0, ScaleSpec, _encode_scale_ref, decode_ref
 
 __all__ = ["ScaleSpec", "E8M0", "e8m0_encode", "e8m0_decode", "BlockScaledTensor", "mx_scale_bits_ref",
            "quantize_blockwise_ref", "quantize_mx_ref", "elem_emax", "check_block_args", "BLOCK_1x128",
@@ -44,73 +43,28 @@ MX_BLOCK = 32               # OCP MX: 32 elements share one E8M0 scale
 
 
 # ------------------------------------------------------------------------------------------------- E8M0
-@dataclass(frozen=True)
-class ScaleSpec:
-    """An unsigned exponent-only format (OCP MX's E8M0): value = 2^(bits - bias), ``nan_bits`` is NaN."""
-    name: str
-    exp_bits: int
-    bias: int
-    nan_bits: int
-
-    @property
-    def bits(self) -> int:
-        return self.exp_bits
-
-    @property
-    def emin(self) -> int:            # bits 0 -> 2^-127
-        return -self.bias
-
-    @property
-    def emax(self) -> int:            # bits 0xFE -> 2^127 (0xFF is NaN)
-        return (1 << self.exp_bits) - 2 - self.bias
-
-    @property
-    def min(self) -> float:
-        return 2.0 ** self.emin
-
-    @property
-    def max(self) -> float:
-        return 2.0 ** self.emax
-
-    def encode(self, x: torch.Tensor, rounding: str = "floor") -> torch.Tensor:
-        return e8m0_encode(x, rounding)
-
-    def decode(self, bits: torch.Tensor) -> torch.Tensor:
-        return e8m0_decode(bits)
-
-
-E8M0 = ScaleSpec("e8m0", 8, 127, 0xFF)
-
-
+# E8M0 is a format like the element formats: ``encode(x, E8M0)`` / ``decode(bits, E8M0)`` (formats/specs.py).
+# These two are the uint8 spellings the MX code stores, and e8m0_encode can also round up.
 def e8m0_encode(x: torch.Tensor, rounding: str = "floor") -> torch.Tensor:
     """Positive values -> E8M0 bits (uint8): the exponent of a power of two near x.
 
-    rounding "floor": 2^floor(log2 x) (the MX rule rounds amax's exponent down); "ceil": 2^ceil(log2 x).
-    Powers of two encode exactly either way. Out of range clamps to 2^-127 / 2^127; x <= 0, inf and NaN have no
-    E8M0 value and encode to NaN (0xFF).
+    rounding "floor": 2^floor(log2 x) (the MX rule rounds amax's exponent down; ``encode(x, E8M0)``); "ceil":
+    2^ceil(log2 x). Powers of two encode exactly either way. Out of range clamps to 2^-127 / 2^127; x <= 0, inf
+    and NaN have no E8M0 value and encode to NaN (0xFF).
     """
     if rounding not in ("floor", "ceil"):
         raise ValueError(f"e8m0_encode: rounding must be 'floor' or 'ceil', got {rounding!r}")
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise ValueError(f"e8m0_encode expects a floating tensor, got {getattr(x, 'dtype', type(x).__name__)}")
-    xd = x.detach().double()
-    mant, exp = torch.frexp(xd)                           # x = mant * 2^exp, mant in [0.5, 1)
-    e = exp.long() - 1                                    # floor(log2 x)
-    if rounding == "ceil":
-        e = e + (mant != 0.5).long()                      # not a power of two: one up
-    e = e.clamp(E8M0.emin, E8M0.emax)
-    bits = torch.where((xd > 0) & torch.isfinite(xd), e + E8M0.bias, torch.full_like(e, E8M0.nan_bits))
-    return bits.to(torch.uint8)
+    return _encode_scale_ref(x, E8M0, True, rounding).to(torch.uint8)
 
 
 def e8m0_decode(bits: torch.Tensor) -> torch.Tensor:
-    """E8M0 bits (any integer tensor, low 8 bits read) -> float32 2^(bits - 127); 0xFF -> NaN. 2^-127 is an
-    fp32 subnormal: still exact."""
+    """E8M0 bits (any integer tensor, low 8 bits read) -> float32 2^(bits - 127); 0xFF -> NaN: ``decode(bits,
+    E8M0, backend="torch")``."""
     if not isinstance(bits, torch.Tensor) or bits.is_floating_point() or bits.dtype == torch.bool:
         raise ValueError(f"e8m0_decode expects an integer tensor, got {getattr(bits, 'dtype', type(bits).__name__)}")
-    b = bits.long() & 0xFF
-    v = torch.ldexp(torch.ones_like(b, dtype=torch.float64), (b - E8M0.bias).double())
-    return torch.where(b == E8M0.nan_bits, float("nan"), v).float()
+    return decode_ref(bits, E8M0)
 
 
 def elem_emax(fp8_dtype: torch.dtype) -> int:

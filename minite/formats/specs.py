@@ -1,4 +1,5 @@
-"""Floating-point formats from their bits (chapter 01): FP32, FP16, BF16, E4M3, E5M2.
+"""Floating-point formats from their bits (chapter 01): FP32, FP16, BF16, E4M3, E5M2; and (chapter 15) the scale
+format E8M0, in the same language: ``encode``/``decode``/``round_to_format``/``bit_string`` take either kind.
 
 A format is (exponent bits E, mantissa bits M, bias, special-value rule); everything else is derived:
 
@@ -15,6 +16,11 @@ Overflow rule of ``encode`` (a value whose round-to-nearest-even result is above
   with ``saturate=False`` E4M3 overflows to NaN (it has no inf).
 ``saturate=True`` maps finite overflow *and* ±inf to ±max; NaN stays NaN.
 
+A scale format (``ScaleSpec``: OCP MX's E8M0) is an exponent alone: no sign, no mantissa, value 2^(bits - bias),
+the all-ones pattern NaN, no zero or inf. ``encode`` takes the exponent of a positive value rounded down (the MX
+rule; ``mx.e8m0_encode`` also rounds up); out of range it clamps to min / max (``saturate=False``: above max is
+NaN); x <= 0, inf and NaN have no value and encode to NaN.
+
 Bit patterns are int32 tensors: the low ``spec.bits`` bits hold the pattern (0 <= b < 2**bits); for FP32
 the int32 with the float's bits. Sections: 1. ``FormatSpec``, references ``encode_ref``/``decode_ref`` (torch
 integer ops: the spec); 2. Triton helpers ``encode_bits_tl``/``decode_bits_tl`` (chapter 02's fp8 kernels use
@@ -30,8 +36,9 @@ from minite import _validate as _v
 from minite._triton import interpreting, tl, triton
 from minite.backend import resolve_backend
 
-__all__ = ["FormatSpec", "FP32", "FP16", "BF16", "E4M3", "E5M2", "FORMATS", "encode", "decode", "encode_ref",
-           "decode_ref", "round_to_format", "bit_string", "encode_bits_tl", "decode_bits_tl"]
+__all__ = ["FormatSpec", "ScaleSpec", "FP32", "FP16", "BF16", "E4M3", "E5M2", "E8M0", "FORMATS", "encode", "decode",
+           "encode_ref", "decode_ref", "round_to_format", "bit_string", "encode_bits_tl", "decode_bits_tl",
+           "decode_scale_tl"]
 
 
 # --------------------------------------------------------------------------------------------- 1. spec
@@ -91,15 +98,63 @@ E5M2 = FormatSpec("e5m2", 5, 2, 15, torch_dtype=getattr(torch, "float8_e5m2", No
 FORMATS = (FP32, FP16, BF16, E4M3, E5M2)
 
 
+@dataclass(frozen=True)
+class ScaleSpec:
+    """An unsigned exponent-only format (OCP MX's E8M0): value = 2^(bits - bias), ``nan_bits`` is NaN."""
+    name: str
+    exp_bits: int
+    bias: int
+    nan_bits: int
+    saturate: bool = True           # default overflow rule of encode(): clamp to max (True) or NaN (False)
+    man_bits: int = 0               # no mantissa (and no sign): the fields an element format also has
+
+    @property
+    def bits(self) -> int:
+        return self.exp_bits
+
+    @property
+    def emin(self) -> int:          # bits 0 -> 2^-bias
+        return -self.bias
+
+    @property
+    def emax(self) -> int:          # the pattern below nan_bits
+        return (1 << self.exp_bits) - 2 - self.bias
+
+    @property
+    def min(self) -> float:
+        return 2.0 ** self.emin
+
+    @property
+    def max(self) -> float:
+        return 2.0 ** self.emax
+
+
+E8M0 = ScaleSpec("e8m0", 8, 127, 0xFF)          # fp32's exponent range, 2^-127 .. 2^127
+
+
 def bit_string(bits: int, spec: FormatSpec) -> str:
     """'s eeeee mmmmmmmmmm' for one pattern, e.g. bit_string(0x3C00, FP16) == '0 01111 0000000000'."""
     b = format(int(bits) & ((1 << spec.bits) - 1), f"0{spec.bits}b")
-    return f"{b[0]} {b[1:1 + spec.exp_bits]} {b[1 + spec.exp_bits:]}"
+    return b if isinstance(spec, ScaleSpec) else f"{b[0]} {b[1:1 + spec.exp_bits]} {b[1 + spec.exp_bits:]}"
+
+
+def _encode_scale_ref(x: torch.Tensor, spec: ScaleSpec, saturate: bool, rounding: str = "floor") -> torch.Tensor:
+    """Positive values -> the exponent of a power of two near x (rounded down, or up with "ceil"), int64."""
+    xd = x.detach().double()
+    mant, exp = torch.frexp(xd)                           # x = mant * 2^exp, mant in [0.5, 1)
+    e = exp.long() - 1                                    # floor(log2 x)
+    if rounding == "ceil":
+        e = e + (mant != 0.5).long()                      # not a power of two: one up
+    bits = e.clamp(spec.emin, spec.emax) + spec.bias
+    bad = ~((xd > 0) & torch.isfinite(xd)) | ((e > spec.emax) & (not saturate))
+    return torch.where(bad, torch.full_like(bits, spec.nan_bits), bits)
 
 
 def encode_ref(x: torch.Tensor, spec: FormatSpec, saturate: bool | None = None) -> torch.Tensor:
     """Reference: fp32 values -> int32 bit patterns of `spec`, round-to-nearest-even, with integer ops only."""
     sat = spec.saturate if saturate is None else saturate
+    if isinstance(spec, ScaleSpec):
+        return _encode_scale_ref(x.float(), spec, sat).to(torch.int32)
     E, M = spec.exp_bits, spec.man_bits
     u = x.float().view(torch.int32).long() & 0xFFFFFFFF          # work in int64: no sign-bit surprises
     sign, a = u >> 31, u & 0x7FFFFFFF                              # sign, |x| as bits
@@ -123,6 +178,10 @@ def encode_ref(x: torch.Tensor, spec: FormatSpec, saturate: bool | None = None) 
 
 def decode_ref(bits: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
     """Reference: int bit patterns of `spec` -> float32 values (exact: every format here fits in fp32)."""
+    if isinstance(spec, ScaleSpec):  # 2^(b - bias); 2^-127 is an fp32 subnormal, still exact
+        b = bits.long() & ((1 << spec.bits) - 1)
+        v = torch.ldexp(torch.ones_like(b, dtype=torch.float64), (b - spec.bias).double())
+        return torch.where(b == spec.nan_bits, float("nan"), v).float()
     E, M = spec.exp_bits, spec.man_bits
     b = bits.long() & ((1 << spec.bits) - 1)
     sign, e, m = b >> (E + M), (b >> M) & ((1 << E) - 1), b & ((1 << M) - 1)
@@ -214,23 +273,55 @@ def decode_bits_tl(bits, EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr, FN: tl.
 
 
 @triton.jit
+def _encode_scale_tl(x, EXP_BITS: tl.constexpr, BIAS: tl.constexpr, SATURATE: tl.constexpr):
+    # fp32 -> a scale format's bits: floor(log2 x) is fp32's exponent field minus 127 (an fp32 subnormal, field 0,
+    # is below 2^-126 and clamps to emin >= -127); x <= 0, inf, NaN -> NaN (all ones)
+    NAN_BITS: tl.constexpr = (1 << EXP_BITS) - 1
+    u = x.to(tl.int32, bitcast=True)
+    e = ((u >> 23) & 0xFF) - 127
+    bits = tl.minimum(tl.maximum(e, -BIAS), NAN_BITS - 1 - BIAS) + BIAS
+    bad = (u <= 0) | (e == 128)                        # sign bit or zero; inf / NaN
+    if not SATURATE:
+        bad = bad | (e > NAN_BITS - 1 - BIAS)
+    return tl.where(bad, NAN_BITS, bits)
+
+
+@triton.jit
+def decode_scale_tl(bits, EXP_BITS: tl.constexpr, BIAS: tl.constexpr):
+    """int32 bits of a scale format (E8M0: 8, 127) -> fp32 2^(bits - BIAS); all ones -> NaN. Exponents below
+    -126 are fp32 subnormals (2^-127: 0x00400000). The block GEMMs decode their E8M0 scales with it."""
+    e = (bits & ((1 << EXP_BITS) - 1)) - BIAS
+    v = tl.where(e >= -126, (e + 127) << 23, 1 << tl.maximum(e + 149, 0))
+    return tl.where(e == (1 << EXP_BITS) - 1 - BIAS, 0x7FC00000, v).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _encode_kernel(X_ptr, Y_ptr, N, EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr, SATURATE: tl.constexpr,
-                   FN: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    # one program encodes BLOCK_SIZE consecutive values of the flat (N,) fp32 input
+                   FN: tl.constexpr, SCALE_BIAS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    # one program encodes BLOCK_SIZE consecutive values of the flat (N,) fp32 input; SCALE_BIAS: a scale format's
+    # bias (0: an element format)
     offs = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < N
     x = tl.load(X_ptr + offs, mask=mask, other=0.0)
-    tl.store(Y_ptr + offs, encode_bits_tl(x, EXP_BITS, MAN_BITS, SATURATE, FN), mask=mask)
+    if SCALE_BIAS:
+        y = _encode_scale_tl(x, EXP_BITS, SCALE_BIAS, SATURATE)
+    else:
+        y = encode_bits_tl(x, EXP_BITS, MAN_BITS, SATURATE, FN)
+    tl.store(Y_ptr + offs, y, mask=mask)
 
 
 @triton.jit
 def _decode_kernel(B_ptr, Y_ptr, N, EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr, FN: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr):
+                   SCALE_BIAS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     # one program decodes BLOCK_SIZE consecutive int32 patterns of the flat (N,) input
     offs = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < N
     b = tl.load(B_ptr + offs, mask=mask, other=0)
-    tl.store(Y_ptr + offs, decode_bits_tl(b, EXP_BITS, MAN_BITS, FN), mask=mask)
+    if SCALE_BIAS:
+        y = decode_scale_tl(b, EXP_BITS, SCALE_BIAS)
+    else:
+        y = decode_bits_tl(b, EXP_BITS, MAN_BITS, FN)
+    tl.store(Y_ptr + offs, y, mask=mask)
 
 
 # --------------------------------------------------------------------------------------------- 3. launchers
@@ -240,13 +331,21 @@ def _block_size(n: int) -> int:
     return max(16, min(16384 if interpreting() else 1024, triton.next_power_of_2(max(n, 1))))
 
 
+def _fn(spec) -> bool:
+    return getattr(spec, "fn", False)
+
+
+def _scale_bias(spec) -> int:
+    return spec.bias if isinstance(spec, ScaleSpec) else 0
+
+
 def encode_triton(x: torch.Tensor, spec: FormatSpec, saturate: bool | None = None) -> torch.Tensor:
     sat = spec.saturate if saturate is None else saturate
     xf = x.float().contiguous().view(-1)                                 # (N,)
     y = torch.empty(xf.shape, dtype=torch.int32, device=x.device)       # (N,)
     bs = _block_size(xf.numel())
     _encode_kernel[(triton.cdiv(xf.numel(), bs),)](xf, y, xf.numel(), spec.exp_bits, spec.man_bits, bool(sat),
-                                                   spec.fn, BLOCK_SIZE=bs)
+                                                   _fn(spec), _scale_bias(spec), BLOCK_SIZE=bs)
     return y.view(x.shape)
 
 
@@ -255,23 +354,25 @@ def decode_triton(bits: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
     b = (bits.to(torch.int32) & mask).contiguous().view(-1)              # (N,)
     y = torch.empty(b.shape, dtype=torch.float32, device=bits.device)   # (N,)
     bs = _block_size(b.numel())
-    _decode_kernel[(triton.cdiv(b.numel(), bs),)](b, y, b.numel(), spec.exp_bits, spec.man_bits, spec.fn,
-                                                  BLOCK_SIZE=bs)
+    _decode_kernel[(triton.cdiv(b.numel(), bs),)](b, y, b.numel(), spec.exp_bits, spec.man_bits, _fn(spec),
+                                                  _scale_bias(spec), BLOCK_SIZE=bs)
     return y.view(bits.shape)
 
 
 # --------------------------------------------------------------------------------------------- 5. functional
 def _check_spec(spec) -> None:
-    if not isinstance(spec, FormatSpec):
-        raise TypeError(f"spec must be a FormatSpec (FP32, FP16, BF16, E4M3, E5M2), got {type(spec).__name__}")
+    if not isinstance(spec, (FormatSpec, ScaleSpec)):
+        raise TypeError("spec must be a FormatSpec (FP32, FP16, BF16, E4M3, E5M2) or a ScaleSpec (E8M0), got "
+                        f"{type(spec).__name__}")
 
 
-def encode(x: torch.Tensor, spec: FormatSpec, *, saturate: bool | None = None,
+def encode(x: torch.Tensor, spec: FormatSpec | ScaleSpec, *, saturate: bool | None = None,
            backend: str | None = None) -> torch.Tensor:
     """Round `x` to `spec` (nearest, ties to even) and return the bit patterns as int32 (see module doc).
 
     `x`: a floating tensor of at most 32 bits (fp32/fp16/bf16/fp8: converted to fp32 exactly).
-    `saturate`: overflow to ±max (True) or to ±inf / NaN (False); None: the format's rule (E4M3 saturates).
+    `saturate`: overflow to ±max (True) or to ±inf / NaN (False); None: the format's rule (E4M3, E8M0 saturate).
+    E8M0 (a ``ScaleSpec``): the exponent of x rounded down, see the module doc.
     """
     _check_spec(spec)
     saturate = _v.boolean("encode", "saturate", saturate, allow_none=True)  # "no" is a truthy string
@@ -284,7 +385,7 @@ def encode(x: torch.Tensor, spec: FormatSpec, *, saturate: bool | None = None,
     return encode_ref(x, spec, saturate)
 
 
-def decode(bits: torch.Tensor, spec: FormatSpec, *, backend: str | None = None) -> torch.Tensor:
+def decode(bits: torch.Tensor, spec: FormatSpec | ScaleSpec, *, backend: str | None = None) -> torch.Tensor:
     """Bit patterns of `spec` (any integer tensor; only the low spec.bits bits are read) -> float32 values."""
     _check_spec(spec)
     if not isinstance(bits, torch.Tensor) or bits.is_floating_point() or bits.is_complex() or bits.dtype == torch.bool:
@@ -295,7 +396,7 @@ def decode(bits: torch.Tensor, spec: FormatSpec, *, backend: str | None = None) 
     return decode_ref(bits, spec)
 
 
-def round_to_format(x: torch.Tensor, spec: FormatSpec, *, saturate: bool | None = None,
+def round_to_format(x: torch.Tensor, spec: FormatSpec | ScaleSpec, *, saturate: bool | None = None,
                     backend: str | None = None) -> torch.Tensor:
     """The nearest value of `spec` to each element of `x`, as float32 (``decode(encode(x))``)."""
     return decode(encode(x, spec, saturate=saturate, backend=backend), spec, backend=backend)

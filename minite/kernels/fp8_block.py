@@ -45,7 +45,7 @@ from minite.formats.mx import (
     quantize_blockwise_ref,
     quantize_mx_ref,
 )
-from minite.formats.specs import decode_bits_tl, encode_bits_tl
+from minite.formats.specs import decode_bits_tl, decode_scale_tl, encode_bits_tl
 from minite.kernels._common import gpu_tiles, launchable, op, register_op
 
 __all__ = ["block_scaled_gemm_ref", "quantize_blockwise", "quantize_mx", "block_scaled_gemm", "quantize_block_fwd",
@@ -108,13 +108,6 @@ def _quantize_block_kernel(X_ptr, Y_ptr, S_ptr, R, C, X_row_stride, S_row_stride
         tl.store(S_ptr + pid_r * S_row_stride + pid_c + tl.arange(0, BLOCK_R) * 0, s_out, mask=first)
     else:
         tl.store(S_ptr + rows * S_row_stride + pid_c, s_out, mask=rows < R)
-
-
-@triton.jit
-def _e8m0_to_fp32(bits):
-    # 2^(bits - 127) from bits (int32): the exponent field, except 0 (2^-127, an fp32 subnormal) and 255 (NaN)
-    v = tl.where(bits == 0, 0x00400000, bits << 23)
-    return tl.where(bits == 255, 0x7FC00000, v).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -217,9 +210,9 @@ def _mx_gemm_kernel(A_ptr, B_ptr, C_ptr, SA_ptr, SB_ptr, M, N, K,
         a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)   # fp8
         b = tl.load(b_ptrs, mask=(k[:, None] < K) & (offs_n[None, :] < N), other=0.0)
         # each scale repeated over its SCALE_K elements along K
-        xa = tl.reshape(tl.broadcast_to(_e8m0_to_fp32(sa.to(tl.int32))[:, :, None], (BLOCK_M, G, SCALE_K)),
+        xa = tl.reshape(tl.broadcast_to(decode_scale_tl(sa.to(tl.int32), 8, 127)[:, :, None], (BLOCK_M, G, SCALE_K)),
                         (BLOCK_M, BLOCK_K))
-        xb = tl.reshape(tl.broadcast_to(_e8m0_to_fp32(sb.to(tl.int32))[:, None, :], (G, SCALE_K, BLOCK_N)),
+        xb = tl.reshape(tl.broadcast_to(decode_scale_tl(sb.to(tl.int32), 8, 127)[:, None, :], (G, SCALE_K, BLOCK_N)),
                         (BLOCK_K, BLOCK_N))
         a = _fp8_to_fp32(a, BF16_MMA) * xa                            # exact (a power of two)
         b = _fp8_to_fp32(b, BF16_MMA) * xb

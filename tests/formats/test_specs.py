@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from minite._triton import tl, triton
+from minite.formats.mx import e8m0_decode, e8m0_encode
 from minite.formats.specs import (
     BF16,
     E4M3,
     E5M2,
+    E8M0,
     FP16,
     FP32,
     FormatSpec,
@@ -214,6 +216,28 @@ def test_reference_and_triton_agree_on_odd_size(device):
         assert torch.equal(run_on(encode, x, spec, "triton", device), encode(x, spec, backend="torch"))
 
 
+# --------------------------------------------------------------------- the scale format E8M0, in the same language
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_e8m0_is_a_format_like_the_others(backend, device):
+    # Issue 35: decode(bits, E8M0) refused ("spec must be a FormatSpec"). Now every pattern decodes as torch's own
+    # float8_e8m0fnu does, encode takes a value's exponent rounded down (OCP MX), and bit_string prints it.
+    bits = torch.arange(256, dtype=torch.int32)
+    want = bits.to(torch.uint8).view(torch.float8_e8m0fnu).float()
+    got = run_on(decode, bits, E8M0, backend, device)
+    assert torch.equal(got[:255], want[:255]) and got[255].isnan() and got[0] == 2.0 ** -127
+    assert torch.equal(run_on(encode, got[:255], E8M0, backend, device), bits[:255])      # round trip
+    x = torch.tensor([3.0, 1.0, 0.75, 6.0, 3e38, 2.0 ** -140, 1e-45, 2.0 ** -126, 0.0, -0.0, -2.0, float("inf"),
+                      float("nan")])
+    assert run_on(encode, x, E8M0, backend, device).tolist() == [128, 127, 126, 129, 254, 0, 0, 1] + [255] * 5
+    assert torch.equal(run_on(round_to_format, x[:4], E8M0, backend, device), torch.tensor([2.0, 1.0, 0.5, 4.0]))
+    assert torch.equal(run_on(encode, x, E8M0, backend, device, saturate=False),
+                       run_on(encode, x, E8M0, backend, device))                 # fp32 never rounds down past 2^127
+    assert bit_string(127, E8M0) == "01111111" and (E8M0.bits, E8M0.min, E8M0.max) == (8, 2.0 ** -127, 2.0 ** 127)
+    # the MX code's uint8 spellings agree
+    torch.testing.assert_close(e8m0_decode(bits), decode(bits, E8M0, backend="torch"), rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(e8m0_encode(x).long(), encode(x, E8M0, backend="torch").long())
+
+
 def test_bad_inputs():
     with pytest.raises(ValueError, match="float64"):
         encode(torch.zeros(3, dtype=torch.float64), FP16)
@@ -221,7 +245,7 @@ def test_bad_inputs():
         encode(torch.zeros(3, dtype=torch.int32), FP16)
     with pytest.raises(ValueError, match="integer tensor"):
         decode(torch.zeros(3), FP16)
-    with pytest.raises(TypeError, match="FormatSpec"):
+    with pytest.raises(TypeError, match=r"FormatSpec \(FP32, FP16, BF16, E4M3, E5M2\) or a ScaleSpec \(E8M0\)"):
         encode(torch.zeros(3), "fp16")
     with pytest.raises(AttributeError):
         FP16.man_bits = 3                                               # frozen
