@@ -28,8 +28,8 @@ def _e(*shape, dtype=BF16):
 # ------------------------------------------------------------------------------------------------ attention
 def attention():
     """bench_attention.py: B*T = 16k tokens, H = 2048 / D, D = 64 and 128, causal and not (bf16; fp16 at D=128);
-    the GPT's GQA (4 query heads per kv head) and the varlen (thd) layout at D = 128."""
-    from minite.kernels.attention import attention_bwd, attention_fwd
+    the GPT's GQA (4 query heads per kv head) and the varlen (thd) layout at D = 128; the GPT's fused-qkv ops."""
+    from minite.kernels.attention import attention_bwd, attention_fwd, attention_qkv_bwd, attention_qkv_fwd
 
     def run(D, causal, dtype=BF16, T=4096, group=1):
         B, H = 16384 // T, 2048 // D
@@ -50,6 +50,13 @@ def attention():
     q, k, v = _e(4 * T, H, D), _e(4 * T, H // 4, D), _e(4 * T, H // 4, D)
     o, lse = attention_fwd(q, k, v, True, cu_seqlens=cu, max_seqlen=T)
     attention_bwd(torch.empty_like(o), q, k, v, o, lse, True, cu_seqlens=cu, max_seqlen=T)
+    # the GPT's training step: RoPE + attention on views of the fused qkv projection (GPT-2 124M: 12 heads of 64,
+    # T = 1024, batch 16), q/k/v/o/do with token stride (H + 2 KVH) D or H D; and a GQA 4 model at D = 128
+    for B, T, H, KVH, D in ((16, 1024, 12, 12, 64), (4, 4096, 16, 4, 128)):
+        qkv, cos, sin = _e(B, T, (H + 2 * KVH) * D), _e(T, D // 2, dtype=torch.float32), _e(T, D // 2,
+                                                                                            dtype=torch.float32)
+        o, lse, qk = attention_qkv_fwd(qkv, cos, sin, H, KVH, True, None)
+        attention_qkv_bwd(torch.empty_like(o), qkv, qk, o, lse, cos, sin, H, KVH, True, None)
 
 
 # ------------------------------------------------------------------------------------------------- decode

@@ -260,22 +260,25 @@ def _attn_bwd_pre_kernel(O, DO, DELTA, CU, T_Q, H, sob, soh, sot, sdb, sdh, sdt,
 # dK/dV rows are per key: whatever a non-finite k_j or v_j does stays in row j (which some row sees, so it is NaN
 # in the reference too), and this kernel needs no scrub; its masked loops mask P only.
 @triton.jit
-def _dkdv_loop(k, v, dk, dv, Q, DO, LSE, DELTA, q_st, do_st, lo, hi, offs_n, offs_d, Tq, off, qk_scale,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
-    # Query blocks lo .. hi of one query head against this program's keys. Q, DO, LSE, DELTA: at query 0.
-    for m0 in range(lo, hi, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        q = _tile(Q, offs_m, q_st, offs_d, Tq, MASKED, HEAD_DIM, BLOCK_D)
-        do = _tile(DO, offs_m, do_st, offs_d, Tq, MASKED, HEAD_DIM, BLOCK_D)
+def _dkdv_loop(k, v, dk, dv, Q, DO, LSE, DELTA, q_sh, q_st, do_sh, do_st, l_sh, lo, hi, offs_n, offs_d, Tq, off,
+               qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr):
+    # Query blocks lo .. hi of each of the GROUP query heads that read these keys, as one flat loop (a loop over
+    # heads around it spilled registers on sm_90). Q, DO, LSE, DELTA: query 0 of the first head; *_sh: head strides.
+    nb = (hi - lo) // BLOCK_M
+    for it in range(0, nb * GROUP):
+        j = it // nb
+        offs_m = lo + (it - j * nb) * BLOCK_M + tl.arange(0, BLOCK_M)
+        q = _tile(Q + j * q_sh, offs_m, q_st, offs_d, Tq, MASKED, HEAD_DIM, BLOCK_D)
+        do = _tile(DO + j * do_sh, offs_m, do_st, offs_d, Tq, MASKED, HEAD_DIM, BLOCK_D)
         if UPCAST:
             q, do = q.to(tl.float32), do.to(tl.float32)
         if MASKED:
-            lse2 = tl.load(LSE + offs_m, mask=offs_m < Tq, other=0.0) * 1.4426950408889634
-            delta = tl.load(DELTA + offs_m, mask=offs_m < Tq, other=0.0)
+            lse2 = tl.load(LSE + j * l_sh + offs_m, mask=offs_m < Tq, other=0.0) * 1.4426950408889634
+            delta = tl.load(DELTA + j * l_sh + offs_m, mask=offs_m < Tq, other=0.0)
         else:
-            lse2 = tl.load(LSE + offs_m) * 1.4426950408889634
-            delta = tl.load(DELTA + offs_m)
+            lse2 = tl.load(LSE + j * l_sh + offs_m) * 1.4426950408889634
+            delta = tl.load(DELTA + j * l_sh + offs_m)
         s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale  # (BLOCK_N, BLOCK_M) = (S^T), log2
         p_t = tl.exp2(s_t - lse2[None, :])  # P^T, recomputed
         if MASKED:
@@ -322,17 +325,16 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, T_Q, T_K, H, KVH,
         lo = tl.minimum(tl.maximum(n0 - off, 0) // BLOCK_M * BLOCK_M, end)
         dhi = tl.minimum((tl.maximum(n0 + BLOCK_N - 1 - off, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M, end)
     full = tl.maximum(tl.minimum(Tq // BLOCK_M * BLOCK_M, end), dhi)
-    for j in range(0, GROUP):
-        h = g * GROUP + j
-        Qh = Q + b * sqb + h * sqh + start * sqt
-        DOh = DO + b * sdob + h * sdoh + start * sdot
-        row = _lse_row(b, h, start, H, T_Q, VARLEN)
-        dk, dv = _dkdv_loop(k, v, dk, dv, Qh, DOh, LSE + row, DELTA + row, sqt, sdot, lo, dhi, offs_n, offs_d, Tq,
-                            off, qk_scale, True, CAUSAL, UPCAST, PREC, HEAD_DIM, BLOCK_D, BLOCK_M)
-        dk, dv = _dkdv_loop(k, v, dk, dv, Qh, DOh, LSE + row, DELTA + row, sqt, sdot, dhi, full, offs_n, offs_d, Tq,
-                            off, qk_scale, False, CAUSAL, UPCAST, PREC, HEAD_DIM, BLOCK_D, BLOCK_M)
-        dk, dv = _dkdv_loop(k, v, dk, dv, Qh, DOh, LSE + row, DELTA + row, sqt, sdot, full, end, offs_n, offs_d, Tq,
-                            off, qk_scale, True, CAUSAL, UPCAST, PREC, HEAD_DIM, BLOCK_D, BLOCK_M)
+    h = g * GROUP  # the first of the GROUP query heads that read kv head g
+    Qh = Q + b * sqb + h * sqh + start * sqt
+    DOh = DO + b * sdob + h * sdoh + start * sdot
+    row = _lse_row(b, h, start, H, T_Q, VARLEN)  # LSE / Delta rows: one head further is T_Q further, both layouts
+    dk, dv = _dkdv_loop(k, v, dk, dv, Qh, DOh, LSE + row, DELTA + row, sqh, sqt, sdoh, sdot, T_Q, lo, dhi, offs_n,
+                        offs_d, Tq, off, qk_scale, True, CAUSAL, UPCAST, PREC, HEAD_DIM, BLOCK_D, BLOCK_M, GROUP)
+    dk, dv = _dkdv_loop(k, v, dk, dv, Qh, DOh, LSE + row, DELTA + row, sqh, sqt, sdoh, sdot, T_Q, dhi, full, offs_n,
+                        offs_d, Tq, off, qk_scale, False, CAUSAL, UPCAST, PREC, HEAD_DIM, BLOCK_D, BLOCK_M, GROUP)
+    dk, dv = _dkdv_loop(k, v, dk, dv, Qh, DOh, LSE + row, DELTA + row, sqh, sqt, sdoh, sdot, T_Q, full, end, offs_n,
+                        offs_d, Tq, off, qk_scale, True, CAUSAL, UPCAST, PREC, HEAD_DIM, BLOCK_D, BLOCK_M, GROUP)
     _put(DK + b * sdkb + g * sdkh + start * sdkt, offs_n, sdkt, offs_d, Tk, dk * scale, HEAD_DIM)
     _put(DV + b * sdvb + g * sdvh + start * sdvt, offs_n, sdvt, offs_d, Tk, dv, HEAD_DIM)
 
@@ -410,7 +412,8 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, T_Q, T_K, H, KVH, qk_sc
 # it lowers to wgmma with no warpgroup computing another's rows. (BLOCK_M queries, BLOCK_N keys, warps, stages).
 _GPU_TILES = {  # kind -> {BLOCK_D: tile}
     "fwd": {64: (128, 128, 8, 3), 128: (128, 64, 8, 3)},
-    "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 3)},  # dots: S, dP (128 x 64), dQ (128 x D)
+    "dq": {64: (128, 64, 8, 3), 128: (128, 32, 8, 3)},  # dots: S, dP (128 x BLOCK_N), dQ (128 x D); 128 x 64
+    # at D = 128 takes 255 registers and spills packed (varlen): 128 x 32, as Triton's tutorial, takes 208
     "dkdv": {64: (64, 128, 8, 3), 128: (32, 128, 8, 3)},  # dots: S^T, dP^T (128 keys x BLOCK_M), dK, dV (128 x D)
 }
 

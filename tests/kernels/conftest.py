@@ -14,6 +14,7 @@ import torch
 import minite
 import minite.ops  # noqa: F401  (imports every concept module, so every op is declared)
 from minite.kernels._common import FORMULAS, OPS, calling_ops
+from minite.kernels.attention import _like as _attn_like  # o and the gradients are stored in their input's order
 
 
 def _acc(x):
@@ -30,9 +31,14 @@ FAKES = {
     "fp8_quantize_update": lambda x, h, s, dt, m, a: (x.new_empty(x.shape, dtype=dt), s.new_empty(s.shape)),
     "fp8_linear_mm": lambda x, w, qx, sx, qw, *_: x.new_empty((qx.shape[0], qw.shape[0])),
     "fp8_gemm": lambda a, b, sa, sb, dt, split: a.new_empty((a.shape[0], b.shape[1]), dtype=dt),
-    "attention_fwd": lambda q, k, v, c, s, cu, m: (torch.empty_like(q), q.new_empty(
+    "attention_fwd": lambda q, k, v, c, s, cu, m: (_attn_like(q), q.new_empty(
         (q.shape[0], q.shape[1], q.shape[2]) if cu is None else (q.shape[1], q.shape[0]), dtype=torch.float32)),
-    "attention_bwd": lambda do, q, k, v, *_: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)),
+    "attention_bwd": lambda do, q, k, v, *_: (_attn_like(q), _attn_like(k), _attn_like(v)),
+    "attention_qkv_fwd": lambda qkv, cos, sin, h, kvh, c, s: (
+        qkv.new_empty((*qkv.shape[:2], h, 2 * cos.shape[1])), qkv.new_empty((qkv.shape[0], h, qkv.shape[1]),
+                                                                            dtype=torch.float32),
+        qkv.new_empty((*qkv.shape[:2], h + kvh, 2 * cos.shape[1]))),
+    "attention_qkv_bwd": lambda do, qkv, *_: qkv.new_empty(qkv.shape),
     "decode_attention": lambda q, *_: torch.empty_like(q),
     "lora_fwd": lambda x2, w, a, b, s: (x2.new_empty((x2.shape[0], w.shape[0])),
                                         x2.new_empty((x2.shape[0], a.shape[0]), dtype=torch.float32)),

@@ -79,6 +79,60 @@ def test_kernel_matches_fp64_under_flag_attention_rule(device, B, H, KVH, Tq, Tk
 
 
 @pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_strided_views_read_in_place(device, dtype):
+    # q, k, v as (B, H, T, D) views of (B, T, heads, D) memory with room between tokens (a qkv projection's
+    # layout), do a transposed view too: the kernels take each tensor's strides. Same o, dq, dk, dv as dense
+    # inputs, o stored in q's (B, T, H, D) order, and no copy of q, k, v (the launcher reads them in place).
+    B, T, H, KVH, D = 2, 37, 4, 2, 16
+    base = _rand(B, T, H + 2 * KVH + 1, D, seed=5, dtype=dtype, device=device).detach()  # one spare head
+    q, k, v = (base[:, :, a:b].transpose(1, 2).requires_grad_() for a, b in ((0, H), (H, H + KVH),
+                                                                              (H + KVH, H + 2 * KVH)))
+    assert not q.is_contiguous() and q.stride(2) == (H + 2 * KVH + 1) * D
+    do = _rand(B, T, H, D, seed=6, dtype=dtype, device=device).detach().transpose(1, 2)
+    o = attention(q, k, v, backend="triton")
+    assert o.shape == (B, H, T, D) and o.transpose(1, 2).is_contiguous()  # (B, T, H, D) memory
+    got = (o, *_grads(o, (q, k, v), do))
+    dense = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
+    od = attention(*dense, backend="triton")
+    want = (od, *_grads(od, dense, do.contiguous()))
+    for name, g, w in zip(("o", "dq", "dk", "dv"), got, want):
+        assert torch.equal(g, w), name
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype,causal", [(torch.float32, True), (torch.float16, True), (torch.float32, False)])
+def test_attention_qkv_matches_rope_and_reference(device, dtype, causal):
+    # The GPT's path: RoPE + attention on the fused qkv, d(qkv) in one buffer, against RoPE + the fp64 naive
+    # attention under FlagAttention's rule (through _check_flag_rule on the rotated q, k) and the torch path.
+    from minite.kernels.attention import attention_qkv
+    from minite.kernels.rope import rope_cos_sin, rope_ref
+    B, T, H, KVH, D = 2, 41, 4, 2, 32
+    qkv = _rand(B, T, (H + 2 * KVH) * D, seed=7, dtype=dtype, device=device)
+    cos, sin = (c.to(device) for c in rope_cos_sin(T, D))
+    do = _rand(B, T, H, D, seed=8, dtype=dtype, device=device).detach()
+    o = attention_qkv(qkv, cos, sin, H, KVH, causal=causal, backend="triton")
+    assert o.shape == (B, T, H, D) and o.is_contiguous()
+    (dqkv,) = _grads(o, (qkv,), do)
+
+    def ref(x, dt):  # rope_ref + naive attention in dtype dt
+        x4 = x.view(B, T, H + 2 * KVH, D)
+        q, k = (rope_ref(x4[:, :, a:b], cos, sin, layout="bthd") for a, b in ((0, H), (H, H + KVH)))
+        return _naive(*(t.transpose(1, 2).to(dt) for t in (q, k, x4[:, :, H + KVH:])), causal)[0].transpose(1, 2)
+    x64 = qkv.detach().double().requires_grad_()
+    o64 = ref(x64, torch.float64)
+    (d64,) = _grads(o64, (x64,), do.double())
+    xt = qkv.detach().clone().requires_grad_()
+    ot = ref(xt, dtype)
+    (dt,) = _grads(ot, (xt,), do)
+    floor = dtype_tols(dtype)["atol"]
+    for what, a, r, t in (("o", o, o64, ot), ("dqkv", dqkv, d64, dt)):
+        err, err_t = (a.double() - r).abs().max().item(), (t.double() - r).abs().max().item()
+        assert err <= 2 * err_t + floor, f"{what}: kernel err {err:.3g} > 2 x torch err {err_t:.3g}"
+    assert_close(o, attention_qkv(qkv, cos, sin, H, KVH, causal=causal, backend="torch"), dtype=dtype, name="torch")
+
+
+@pytest.mark.triton
 def test_scale_and_odd_head_dim(device):
     # A scale that is not 1/sqrt(D), and D = 24 (padded to 32 inside the kernel with masked loads).
     q, k, v = (_rand(1, 2, 9, 24, seed=s, device=device) for s in (4, 5, 6))
@@ -219,7 +273,7 @@ def test_tiles_are_legal():
     # tests/kernels/test_attention_sm90.py: the forward at D = 64 and 128, dQ 128 queries, dK/dV 128 keys.
     assert _tiles("fwd", 4096, 4096, 64, torch.bfloat16, True) == (128, 128, 8, 3)
     assert _tiles("fwd", 4096, 4096, 128, torch.bfloat16, True) == (128, 64, 8, 3)
-    assert _tiles("dq", 4096, 4096, 128, torch.float16, True) == (128, 64, 8, 3)
+    assert _tiles("dq", 4096, 4096, 128, torch.float16, True) == (128, 32, 8, 3)
     assert _tiles("dkdv", 4096, 4096, 128, torch.bfloat16, True) == (32, 128, 8, 3)
 
 

@@ -21,7 +21,8 @@ from minite.kernels.attention import attention_ref
 from minite.kernels.lora import lora_linear_ref
 from minite.testing import dtype_tols
 
-OPS = ["attention_fwd", "attention_bwd", "decode_attention", "lora_fwd", "lora_bwd"]
+OPS = ["attention_fwd", "attention_bwd", "attention_qkv_fwd", "attention_qkv_bwd", "decode_attention", "lora_fwd",
+       "lora_bwd"]
 ROOT = Path(__file__).resolve().parents[2] / "minite"
 # Teaching kernels launched only from eager code that no registered op calls (chapter 01's bit encoders).
 EAGER_ONLY = {"_encode_kernel", "_decode_kernel"}
@@ -74,7 +75,14 @@ def _cases(ops, device):
         y, g = ops.lora_fwd(x2, w, a, b, 2.0)
     kc, vc = (_randn(2, 2, 40, 16, seed=s, device=device) for s in (8, 9))
     lens = torch.tensor([17, 40], dtype=torch.int32, device=device)
+    qkv = _randn(2, 9, (4 + 2 * 2) * 16, seed=11, device=device)  # (B, T, (H + 2 KVH) D), GQA 2, D = 16
+    cos, sin = (f(torch.arange(9.0, device=device)[:, None] * torch.arange(1.0, 9.0, device=device)) for f in (
+        torch.cos, torch.sin))  # (T, D/2)
+    with torch.no_grad():
+        oq, lseq, qk = ops.attention_qkv_fwd(qkv, cos, sin, 4, 2, True, None)
     return {
+        "attention_qkv_fwd": (qkv.requires_grad_(), cos, sin, 4, 2, True, None),
+        "attention_qkv_bwd": (torch.ones_like(oq), qkv.detach(), qk, oq, lseq, cos, sin, 4, 2, True, None),
         "attention_fwd": (q, k, v, True, None, None, 0),
         "attention_fwd_varlen": (qv, kv, vv, True, 0.3, cu, m),
         "attention_bwd": (torch.ones_like(o), q.detach(), k.detach(), v.detach(), o.detach(), lse, True, None, None,
@@ -89,7 +97,8 @@ def _cases(ops, device):
 
 @pytest.mark.triton
 @pytest.mark.parametrize("case", ["attention_fwd", "attention_fwd_varlen", "attention_bwd", "attention_bwd_varlen",
-                                  "decode_attention", "lora_fwd", "lora_bwd"])
+                                  "attention_qkv_fwd", "attention_qkv_bwd", "decode_attention", "lora_fwd",
+                                  "lora_bwd"])
 def test_opcheck(case, device, reference_ops):
     if device.type == "cpu" and not minite.interpreting():
         pytest.skip("no Triton here")
@@ -116,6 +125,23 @@ def test_attention_op_fullgraph_matches_reference(ref_ops, varlen, device):
     got = _value_and_grads(torch.compile(f, fullgraph=True, backend="aot_eager"), (q, k, v))
     want = _value_and_grads(ref, (q, k, v))
     for name, a, b in zip(("o", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, **dtype_tols(torch.float32), msg=lambda s, n=name: f"{n}: {s}")
+
+
+@pytest.mark.triton
+def test_attention_qkv_op_fullgraph_matches_reference(ref_ops, device):
+    # The GPT's op pair (RoPE + attention on the fused qkv, one d(qkv) buffer) under torch.compile(fullgraph=True):
+    # o and d(qkv) equal the PyTorch path of attention_qkv (rope_ref + SDPA), GQA 2, odd T.
+    from minite.kernels.attention import attention_qkv
+    qkv = _randn(2, 13, (4 + 2 * 2) * 16, seed=12, device=device, requires_grad=True)
+    ang = torch.arange(13.0, device=device)[:, None] * 0.3 ** torch.arange(8.0, device=device)  # (T, D/2)
+    cos, sin = ang.cos(), ang.sin()
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: ref_ops.attention_qkv_fwd(x, cos, sin, 4, 2, True, 0.3)[0], fullgraph=True,
+                      backend="aot_eager")
+    got = _value_and_grads(f, (qkv,))
+    want = _value_and_grads(lambda x: attention_qkv(x, cos, sin, 4, 2, scale=0.3, backend="torch"), (qkv,))
+    for name, a, b in zip(("o", "dqkv"), got, want):
         torch.testing.assert_close(a, b, **dtype_tols(torch.float32), msg=lambda s, n=name: f"{n}: {s}")
 
 
