@@ -2,17 +2,27 @@
 
 The CPU interpreter (``TRITON_INTERPRET=1``) runs a kernel's Python semantics; it never runs the GPU compiler, so
 it accepts what an H100 refuses. Triton's compiler itself needs no GPU: ``triton.compile(ASTSource(...),
-target=GPUTarget("cuda", 90, 32))`` goes TTIR -> TTGIR -> LLVM -> PTX -> cubin here. The gate has two halves:
+target=GPUTarget("cuda", 90, 32))`` goes TTIR -> TTGIR -> LLVM -> PTX -> cubin here.
 
 1. **Record** (``record_launches``): while the tests run under the interpreter, every ``kernel[grid](...)`` launch
-   of a minite kernel is written down: the kernel, each argument's Triton type (``*bf16``, ``i32``, a float),
-   the constexprs and ``num_warps``/``num_stages``. Distinct launches only (a JSON line each).
-2. **Compile** (``python -m minite.gpu_compile RECORDS...``): each distinct launch for sm_90 and sm_80, with its
-   float scalars typed twice: ``fp32``, as an eager launch passes a Python float, and ``fp64``, as Inductor types
-   it when ``torch.compile`` traces a ``triton_op`` (the H100 crash of 2026-11-25: an fp64 ``qk_scale`` turned
-   the loop-carried ``m_i`` into fp64). It fails on a compile error, on an ``f64`` value that survives past the
-   kernel's entry when no input is fp64 (a float scalar leaking into fp32 state), on shared memory over the
-   architecture's per-block limit, and on register spills in the kernels the benchmarks time.
+   of a minite kernel is written down (a JSON line per distinct launch): the kernel, its constexprs,
+   ``num_warps``/``num_stages``, and each argument as the JIT specialises it (Triton's own binder computes it:
+   a pointer with ``data_ptr() % 16 == 0`` and an integer ``% 16 == 0`` get ``tt.divisibility = 16``, an integer
+   equal to 1 becomes a constexpr). Compiled without that, a kernel has other vector widths, no cp.async
+   pipelining and other registers: the old gate's phantom spills.
+2. **Capture a GPU's launches** (``capture_gpu_launches``, ``--examples``): the interpreter tests pick small
+   tiles. minite/gpu_examples.py calls every family's launchers at the benchmarks' shapes with the launchers
+   choosing a GPU's tiles (``_common.gpu_tiles``), recording each launch without running it.
+3. **Compile** (``python -m minite.gpu_compile RECORDS... [--examples]``): each distinct launch for sm_90 and
+   sm_80, with its float scalars typed twice: ``fp32``, as an eager launch passes a Python float, and ``fp64``,
+   as Inductor types it when ``torch.compile`` traces a ``triton_op`` (the H100 crash of 2026-11-25: an fp64
+   ``qk_scale`` turned the loop-carried ``m_i`` into fp64). Every launch fails on a compile error, on an ``f64``
+   value past the kernel's entry when no input is fp64, and on shared memory over the architecture's per-block
+   limit. A GPU tile also fails, on sm_90, on what makes Hopper slow: register spills (``ptxas -v``; the
+   budget in gpu_examples.SPILL_BUDGET, 0 by default), a ``tl.dot`` that misses wgmma (any with M >= 64; one with
+   fewer rows only where the kernel's module says why, ``MMA_SYNC_OK = {"_kernel": "why"}``), a wgmma layout
+   that replicates work across warpgroups (``warpsPerCTA[0] * 16`` above the dot's M), and an FP8 dot that
+   accumulates past its promotion interval. It is compiled for sm_80 when it may not fit an A100 (SM80_SHARE).
 
 **FP8 promotion interval (the convention a kernel follows).** A kernel with an FP8 ``tl.dot`` states, in its own
 module, how many products one output element may sum in the tensor core's reduced-precision FP8 accumulator

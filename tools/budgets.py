@@ -28,7 +28,10 @@ RULES = [
     # time apart from the steady state: the timed calls, the "compiling" notice, the closing line's fields
     ("minite/train.py", 650),
     ("minite/models/gpt.py", 330),           # the GPT and (chapter 16) its MoE blocks: config, balance loss, stats
-    ("minite/gpu_compile.py", 340),          # the sm_90/sm_80 gate: record, compile, ptxas, report
+    # the sm_90/sm_80 gate: record with the JIT's specialisation, capture a GPU's launches, compile, ptxas (cached),
+    # read the sm_90 build (wgmma, replicated layouts, fp8 promotion intervals), report (issue 32)
+    ("minite/gpu_compile.py", 690),
+    ("minite/gpu_examples.py", 300),         # one function per kernel family: its launches at the benchmarks' shapes
     ("minite/data.py", 360),                 # corpus preparation: registry, user file, tokenizers, batches, lock
     # five sections, each field's doc and its check; sub-section keys; chapter 15: --fp8.recipe / --fp8.min_dim
     ("minite/config.py", 350),
