@@ -11,6 +11,10 @@ log-sum-exp L_s; a second kernel merges them exactly:
 
 GQA: the GROUP = H / KVH query heads that share kv head g are packed as rows of one tile (padded to 16 rows, the
 GPU's minimum tl.dot size), so each K/V block is loaded once for the whole group: the cache is read once per step.
+
+Short contexts take one pass (S = 1): the partial kernel then writes the final output itself, and no merge kernel
+runs. Up to SINGLE_PASS_MAX_LEN keys one program per (b, g) streams the whole context in about the time of the
+merge kernel's launch; past it the splits' parallelism pays for the second launch.
 """
 from __future__ import annotations
 
@@ -24,7 +28,13 @@ from minite._triton import interpreting, tl, triton
 from minite.backend import resolve_backend
 from minite.kernels._common import launchable, op, register_op
 
-__all__ = ["decode_attention_ref", "decode_attention", "num_splits_heuristic", "lse_merge_ref"]
+__all__ = ["decode_attention_ref", "decode_attention", "num_splits_heuristic", "lse_merge_ref", "SINGLE_PASS_MAX_LEN"]
+
+# The longest context attended in one pass when the caller leaves num_splits to the launcher (and by
+# minite.decoding's CUDA-graph step). Unmeasured estimate for batch 1 on an H100/H200: one program streams a kv
+# head's K and V (L * D * 4 bytes in bf16, 128 KB at L = 512, D = 64) at ~30-60 GB/s, 2-4 us, about what the
+# merge kernel's launch and the partials' round trip cost; longer contexts are split (flash-decoding).
+SINGLE_PASS_MAX_LEN = 512
 
 
 # ------------------------------------------------------------------------------------------ 1. reference
@@ -58,9 +68,10 @@ def lse_merge_ref(o_parts: torch.Tensor, lse_parts: torch.Tensor):
 @triton.jit
 def _decode_partial_kernel(Q, K, V, LEN, O_PART, L_PART, H, KVH, T_MAX, D, CHUNK, qk_scale,
                            GROUP: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, BLOCK_G: tl.constexpr,
-                           BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+                           BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_LSE: tl.constexpr):
     # Grid (B * KVH, S): program (b*KVH + g, s) attends the GROUP query heads of kv head g to keys
     # [s * CHUNK, (s + 1) * CHUNK) of sequence b, and writes normalised partial O (fp32) and its LSE (ln).
+    # One pass (S = 1, WRITE_LSE False): O_PART is the output (B, H, D) itself, in its dtype; no LSE, no merge.
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes a Python float as fp64: keep m_i fp32
     bg = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1).to(tl.int64)
@@ -103,8 +114,10 @@ def _decode_partial_kernel(Q, K, V, LEN, O_PART, L_PART, H, KVH, T_MAX, D, CHUNK
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     part = (b * H + heads) * S + s  # partials (B, H, S, D) and (B, H, S)
-    tl.store(O_PART + part[:, None] * D + offs_d[None, :], o, mask=r_ok[:, None] & d_ok[None, :])
-    tl.store(L_PART + part, lse, mask=r_ok)
+    tl.store(O_PART + part[:, None] * D + offs_d[None, :], o.to(O_PART.dtype.element_ty),
+             mask=r_ok[:, None] & d_ok[None, :])
+    if WRITE_LSE:
+        tl.store(L_PART + part, lse, mask=r_ok)
 
 
 @triton.jit
@@ -152,9 +165,11 @@ def num_splits_heuristic(n_programs: int, n_sms: int, n_blocks: int, max_splits:
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
                             scale: float | None = None, num_splits: int | None = None,
                             max_len: int | None = None) -> torch.Tensor:
-    """Launch partial + merge. q (B, H, D); caches (B, KVH, T_max, D) contiguous; lengths (B,) int on q's device.
-    max_len: an upper bound of lengths known on the host (the cache keeps one), default T_max. No argument checks
-    here (torch.compile and CUDA graphs call this directly): bad values cost speed, never a read past the cache."""
+    """Launch partial + merge, or one pass. q (B, H, D); caches (B, KVH, T_max, D) contiguous; lengths (B,) int on
+    q's device (any integer dtype: no cast kernel). max_len: an upper bound of lengths known on the host (the cache
+    keeps one), default T_max. num_splits: None chooses one pass up to SINGLE_PASS_MAX_LEN keys, else the wave
+    heuristic; 1 is one pass (the output written by the partial kernel, no merge). No argument checks here
+    (torch.compile and CUDA graphs call this directly): bad values cost speed, never a read past the cache."""
     B, H, D = q.shape
     KVH, T_max = k_cache.shape[1], k_cache.shape[2]
     q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
@@ -162,19 +177,24 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     max_len = T_max if max_len is None else max(1, min(max_len, T_max))
     BLOCK_N = 64 if D <= 64 else 32
     n_blocks = triton.cdiv(max_len, BLOCK_N)
-    S = max(1, num_splits) if num_splits else num_splits_heuristic(B * KVH, _num_sms(q.device), n_blocks)
+    if num_splits:
+        S = max(1, num_splits)
+    else:
+        S = 1 if max_len <= SINGLE_PASS_MAX_LEN else num_splits_heuristic(B * KVH, _num_sms(q.device), n_blocks)
     chunk = triton.cdiv(n_blocks, S) * BLOCK_N  # whole key blocks per split
     S = triton.cdiv(max_len, chunk)
-    o_part = torch.empty((B, H, S, D), dtype=torch.float32, device=q.device)  # (B, H, S, D)
-    l_part = torch.empty((B, H, S), dtype=torch.float32, device=q.device)  # (B, H, S)
-    lens = lengths.to(device=q.device, dtype=torch.int32)
+    o = torch.empty_like(q)  # (B, H, D)
+    # one pass: the partial kernel writes o itself ((B, H, 1, D) is o's layout) and no LSE (l_part is a dummy)
+    o_part = o if S == 1 else torch.empty((B, H, S, D), dtype=torch.float32, device=q.device)  # (B, H, S, D)
+    l_part = o if S == 1 else torch.empty((B, H, S), dtype=torch.float32, device=q.device)  # (B, H, S)
     BLOCK_D = max(16, triton.next_power_of_2(D))
     launchable(_decode_partial_kernel)[(B * KVH, S)](
-        q, k_cache, v_cache, lens, o_part, l_part, H, KVH, T_max, D, chunk, scale * 1.4426950408889634,
+        q, k_cache, v_cache, lengths.to(q.device), o_part, l_part, H, KVH, T_max, D, chunk, scale * 1.4426950408889634,
         GROUP=H // KVH, UPCAST=q.dtype == torch.bfloat16 and interpreting(),
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        BLOCK_G=max(16, triton.next_power_of_2(H // KVH)), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N)
-    o = torch.empty_like(q)
+        BLOCK_G=max(16, triton.next_power_of_2(H // KVH)), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, WRITE_LSE=S > 1)
+    if S == 1:
+        return o
     launchable(_lse_merge_kernel)[(B * H,)](o_part, l_part, o, S, D, BLOCK_S=max(2, triton.next_power_of_2(S)),
                                             BLOCK_D=BLOCK_D)
     return o

@@ -118,7 +118,10 @@ class KVCache(nn.Module):
         if max(new) > self.max_len:
             raise ValueError(f"KVCache overflow: advancing lengths {self.host_lengths} by {ns} gives {new}, "
                              f"past max_len={self.max_len}")
-        self.lengths.copy_(torch.tensor(new, dtype=torch.int64))
+        if all(x == ns[0] for x in ns):
+            self.lengths.add_(ns[0])  # on the device: no host-to-device copy (a pageable one waits for the stream)
+        else:  # a right-padded prefill: once per prompt
+            self.lengths.copy_(torch.tensor(new, dtype=torch.int64))
         self.host_lengths = new
 
     def _counts(self, n) -> list[int]:

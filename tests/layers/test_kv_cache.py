@@ -1,11 +1,18 @@
 """KV cache and split-KV decode (chapter 08): cached logits equal full recomputation at every step (equal and
 different prompt lengths, torch and Triton backends), the decode kernel and the LSE merge against references,
-the split heuristic, overflow errors, and generation with and without the cache."""
+the split heuristic and the one-pass threshold, overflow errors, and generation with and without the cache."""
 import pytest
 import torch
 
+from minite.kernels import decode as decode_mod
 from minite.kernels.attention import attention
-from minite.kernels.decode import decode_attention, decode_attention_ref, lse_merge_ref, num_splits_heuristic
+from minite.kernels.decode import (
+    SINGLE_PASS_MAX_LEN,
+    decode_attention,
+    decode_attention_ref,
+    lse_merge_ref,
+    num_splits_heuristic,
+)
 from minite.layers.kv_cache import KVCache, cache_bytes_per_token
 from minite.models.gpt import GPT, GPTConfig
 from minite.testing import assert_close, dtype_tols
@@ -112,7 +119,8 @@ def test_generate_under_bf16_autocast_with_cache_equals_without(device, use_trit
 @pytest.mark.triton
 @pytest.mark.parametrize("H,KVH,D,dtype,splits", [(4, 4, 16, torch.float32, None), (8, 2, 64, torch.float16, 3),
                                                   (4, 1, 32, torch.float32, 7), (6, 2, 128, torch.float16, None),
-                                                  (4, 2, 24, torch.bfloat16, 2)])
+                                                  (4, 2, 24, torch.bfloat16, 2), (4, 2, 24, torch.bfloat16, 1),
+                                                  (3, 3, 40, torch.float16, 1)])
 def test_decode_kernel_matches_reference(device, H, KVH, D, dtype, splits):
     B, T_max = 4, 150
     q = _randn(B, H, D, seed=1, dtype=dtype, device=device)
@@ -141,6 +149,26 @@ def test_lse_merge_of_chunks_equals_full_attention(device):
     o_full, lse_full = attention(q, k, v, causal=False, return_lse=True, backend="triton")
     assert_close(o, o_full, name="merged out")
     assert_close(lse, lse_full, name="merged lse")
+
+
+@pytest.mark.triton
+def test_one_pass_up_to_the_threshold_split_past_it(device, monkeypatch):
+    # num_splits=None: one pass (one kernel, which writes the output itself: no merge) while max_len is at most
+    # SINGLE_PASS_MAX_LEN keys, the split-KV kernels (partials + merge) past it. Both equal the reference.
+    launched = []
+    real = decode_mod.launchable
+    monkeypatch.setattr(decode_mod, "launchable", lambda k: launched.append(k.fn.__name__) or real(k))
+    B, H, KVH, D, T_max = 1, 4, 2, 16, SINGLE_PASS_MAX_LEN + 100
+    q = _randn(B, H, D, seed=1, device=device)
+    k, v = _randn(B, KVH, T_max, D, seed=2, device=device), _randn(B, KVH, T_max, D, seed=3, device=device)
+    for n, max_len, kernels in ((300, 300, ["_decode_partial_kernel"]),
+                                (300, SINGLE_PASS_MAX_LEN, ["_decode_partial_kernel"]),
+                                (T_max - 3, None, ["_decode_partial_kernel", "_lse_merge_kernel"])):
+        launched.clear()
+        lengths = torch.tensor([n], device=device)
+        got = decode_attention(q, k, v, lengths, max_len=max_len, backend="triton")
+        assert launched == kernels, (n, max_len, launched)
+        assert_close(got, decode_attention_ref(q, k, v, lengths), name=f"L={n} max_len={max_len}")
 
 
 def test_split_heuristic():

@@ -1,11 +1,15 @@
 """The graph-capturable decode step (minite/decoding.py): the same tokens and logits as the ordinary cached forward,
-per-sequence positions, one compiled graph for every step (what a CUDA graph needs), and clear errors."""
+per-sequence positions, one compiled graph for every step (what a CUDA graph needs), the kernels Inductor makes of
+it, and clear errors."""
 import copy
+import re
 
 import pytest
 import torch
 
+import minite
 from minite.decoding import Decoder, decode_step
+from minite.kernels._common import OPS, calling_ops
 from minite.layers.kv_cache import KVCache
 from minite.models.gpt import GPT, GPTConfig
 from minite.testing import assert_close
@@ -25,11 +29,13 @@ def _prompt(B=2, T=5, seed=1):
     return torch.randint(0, 61, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.triton)])
-def test_step_matches_the_cached_forward_at_uneven_positions(backend, device):
+@pytest.mark.parametrize("backend,split_kv", [("torch", False), pytest.param("triton", False, marks=pytest.mark.triton),
+                                              pytest.param("triton", True, marks=pytest.mark.triton)])
+def test_step_matches_the_cached_forward_at_uneven_positions(backend, split_kv, device):
     # A right-padded prefill leaves the sequences at positions 3 and 7: the step rotates, stores and attends each
-    # at its own position, like the ordinary path (which takes host positions).
-    m = _gpt(backend).to(device)
+    # at its own position, like the ordinary path (which takes host positions). Triton: the one-pass decode kernel,
+    # and the split-KV one (a cache past SINGLE_PASS_MAX_LEN, one kv head: split on the CPU's 4 pretend SMs).
+    m = _gpt(backend, **(dict(block_size=600, n_kv_head=1) if split_kv else {})).to(device)
     cache = KVCache.for_model(m, 2)
     with torch.no_grad():
         m(_prompt(T=7).to(device), kv_cache=cache, lengths=[3, 7])
@@ -37,7 +43,7 @@ def test_step_matches_the_cached_forward_at_uneven_positions(backend, device):
         for step in range(4):
             tok = _prompt(T=1, seed=10 + step).to(device)
             want = m(tok, kv_cache=ref_cache)[0]
-            got = decode_step(m, tok, cache)
+            got = decode_step(m, tok, cache, split_kv)
             assert_close(got, want, name=f"logits, step {step}")
             assert cache.lengths.tolist() == ref_cache.lengths.tolist() == [4 + step, 8 + step]
             cache.host_lengths = list(ref_cache.host_lengths)
@@ -68,6 +74,51 @@ def test_compiled_step_is_one_graph_for_every_step():
     got = m.generate(idx, 12, temperature=0, decoder=dec)
     assert torch.equal(got, m.generate(idx, 12, temperature=0))
     assert cnt.frame_count == 1, cnt.frame_count
+
+
+def _launches(code: str) -> dict:
+    """What the step launches, read from Inductor's output code (its call()): calls of the kernels it generated,
+    extern_kernels.* (the GEMMs it leaves to the BLAS) and torch.ops.* (custom ops and other fallbacks)."""
+    body = code[code.index("def call(self, args)"):]
+    body = "\n".join(line for line in body.splitlines() if not line.lstrip().startswith("#"))
+    names = set(re.findall(r"^(\w+) = async_compile\.", code, re.M))
+    return {"generated": sum(n in names for n in re.findall(r"^\s+(\w+)(?:\.run)?\(", body, re.M)),
+            "extern": len(re.findall(r"\bextern_kernels\.\w+\(", body)),
+            "custom": len(re.findall(r"\btorch\.ops\.[\w.]+\(", body))}
+
+
+@pytest.mark.triton
+def test_inductor_makes_at_most_110_launches_of_a_12_layer_step():
+    """The graph a GPU replays per token, built by Inductor on the CPU and counted (issue 33: <= 110 at 12 layers).
+
+    The step is the Triton backend's, traced as on a GPU: minite's decode kernel is one registered op a layer (on a
+    GPU torch.ops.minite.decode_attention; here the same body registered as a CPU op); norms, RoPE, the cache write
+    and SwiGLU are torch ops for Inductor to fuse. Counted with _launches on get_code's output (no C++ compiled):
+    before this step was written for Inductor (parent of the commit that adds this test), 135 = 62 generated + 73
+    external (the torch backend, the only one Inductor could compile on a CPU then: 2 norms, RoPE + cache write,
+    masked softmax, SwiGLU generated and 4 GEMMs + 2 attention bmm external a layer; on the H200 the Triton
+    backend's eager step dispatched 244 kernels). Now 110 = 49 generated (embedding + norm, per layer RoPE + cache
+    write, residual add + norm twice, silu * up; the length update fused into the last) + 49 external GEMMs + 12
+    decode ops; the torch backend (SDPA) gives 111 = 50 + 49 + 12."""
+    if not minite.interpreting():
+        pytest.skip("counted on the CPU, where the decode kernel runs as a CPU op under the interpreter")
+    from torch._inductor.utils import get_code
+
+    ns = "minite_decode_count"
+    if not hasattr(getattr(torch.ops, ns), "decode_attention"):
+        body, mutates = OPS["decode_attention"]
+        custom = torch.library.custom_op(f"{ns}::decode_attention", body, mutates_args=mutates, device_types="cpu")
+        custom.register_fake(lambda q, *_: torch.empty_like(q))
+    m = _gpt("triton", n_layer=12)
+    cache = KVCache.for_model(m, 1)  # empty: the step at position 0 (nothing runs: get_code only generates)
+    step = torch.compile(decode_step, fullgraph=True, backend="inductor")
+    # op() inside calling_ops(ns) is torch.ops.<ns>.*, as torch.ops.minite.* on a GPU; no cache (get_code's graph
+    # has no source to save)
+    with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
+        codes = calling_ops(ns, lambda _ctx: get_code(step, m, _prompt(B=1, T=1), cache))(None)
+    n = _launches("\n".join(codes))
+    assert n["custom"] == 12 and n["extern"] == 4 * 12 + 1, n  # one decode op and 4 GEMMs a layer, the LM head
+    assert sum(n.values()) <= 110, n
 
 
 def test_bad_calls_are_refused_by_name():
