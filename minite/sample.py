@@ -176,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         p.error(f"--{e}")
     device = _device(p, args.device)
+    started = False  # text printed: an error then starts on a line of its own
     try:
         model, tok = load_model(args.ckpt, device)
         _set_threads(model, tok, args)
@@ -184,13 +185,14 @@ def main(argv: list[str] | None = None) -> int:
             if args.num_samples > 1:
                 print(f"--- sample {i + 1} ---")
             print(tok.decode(tok.encode(args.prompt or "\n")), end="", flush=True)
+            started = True
             for (piece,) in stream(model, tok, args.prompt, max_new_tokens=args.max_new_tokens, generator=g,
                                    temperature=args.temperature, top_k=args.top_k, use_cache=not args.no_cache,
                                    compile=args.compile):
                 print(piece, end="", flush=True)
             print()
     except (CheckpointError, ValueError) as e:
-        print(f"\nerror: {e}", file=sys.stderr)
+        print(("\n" if started else "") + f"error: {e}", file=sys.stderr)
         return 2
     return 0
 

@@ -25,9 +25,9 @@ import pytest
 from test_grading import ROOT, solve, tiny_solution, write
 
 from minite.grading import STUB, assemble, grade, make_exercise
-from minite.grading.confine import abi
+from minite.grading.confine import usable
 
-CONFINED = abi() > 0 and os.environ.get("MINITE_GRADE_CONFINE") != "0"  # Landlock: the kernel writes no course file
+CONFINED = usable() > 0 and os.environ.get("MINITE_GRADE_CONFINE") != "0"  # Landlock: the kernel writes no course file
 
 ADD_OK = ("offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)\nmask = offs < n\n"
           "tl.store(Z + offs, tl.load(X + offs, mask=mask) + tl.load(Y + offs, mask=mask), mask=mask)")

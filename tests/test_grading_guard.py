@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from minite.grading.confine import abi
+from minite.grading.confine import usable
 from minite.grading.guard import Snapshot
 from minite.grading.sandbox import _CONFINE_SOURCE
 
@@ -33,7 +33,7 @@ attempt("devnull", lambda: open(os.devnull, "w").write("x"))
 """
 
 
-@pytest.mark.skipif(abi() < 1, reason="no Landlock on this system: the grader names changes instead (tested below)")
+@pytest.mark.skipif(usable() < 1, reason="no Landlock on this system: the grader names changes instead (tested below)")
 def test_a_confined_process_writes_only_in_its_scratch_folder(tmp_path):
     scratch, course = tmp_path / "scratch", tmp_path / "course"
     scratch.mkdir()

@@ -76,6 +76,28 @@ def restrict(writable: list[str]) -> int:
     return version
 
 
+_WORKS: dict[str, int] = {}
+
+
+def usable() -> int:
+    """The ABI, if a process here can really confine itself (a container's seccomp may refuse the last step):
+    tried once in a forked child. 0: no."""
+    if "abi" not in _WORKS:
+        version = abi()
+        if version > 0:
+            pid = os.fork()
+            if pid == 0:  # the child: confine itself, report, exit without running anything of the parent's
+                try:
+                    restrict(["/dev"])
+                    os._exit(0)
+                except BaseException:  # noqa: BLE001 - any failure means "no"
+                    os._exit(1)
+            _, status = os.waitpid(pid, 0)
+            version = version if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0 else 0
+        _WORKS["abi"] = version
+    return _WORKS["abi"]
+
+
 def _launch(argv: list[str]) -> None:
     """``SCRATCH [SCRATCH...] -- PROGRAM ARGS...``: confine to the scratch folders (and /dev), then exec."""
     cut = argv.index("--")

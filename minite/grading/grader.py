@@ -100,7 +100,7 @@ def _task_names(path: Path) -> set[str]:
 def _confinement() -> int:
     """The Landlock ABI the student's kernel is confined with (0: not confined; MINITE_GRADE_CONFINE=0 turns it
     off, for the tests of the unconfined path)."""
-    return 0 if os.environ.get("MINITE_GRADE_CONFINE") == "0" else confine.abi()
+    return 0 if os.environ.get("MINITE_GRADE_CONFINE") == "0" else confine.usable()
 
 
 def unreadable(student, solution, why: str) -> GradeReport:
