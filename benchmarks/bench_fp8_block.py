@@ -11,7 +11,8 @@ At M = N = K = S, times (ms, TFLOP/s):
   decides when FP8 pays.
 
 and the GEMMs' error against the fp64 product of the same fp8 operands, beside the same math in fp32 PyTorch
-(dequantize, fp32 matmul). Writes benchmarks/results/fp8_block_<device-name-slug>.json naming the device.
+(dequantize, fp32 matmul), and beside ``torch._scaled_mm`` on the very same fp8 data (unit scales).
+Writes benchmarks/results/fp8_block_<device-name-slug>.json naming the device.
 It needs CUDA and fp8 tensor cores (sm_89+); on a CPU it says so and exits.
 """
 from __future__ import annotations
@@ -74,6 +75,25 @@ def run(S: int, do_bench) -> list[dict]:
         out.append({"table": "error", "impl": impl, "S": S, "rows": n,
                     "max_err_over_std": (got.double() - exact).abs().max().item() / sd,
                     "fp32_torch_max_err_over_std": (ref32.double() - exact).abs().max().item() / sd})
+    # issue 32's bar: the block GEMMs' error at most torch._scaled_mm's on the same fp8 data (unit scales: all three
+    # sum the very same products; cuBLAS and blockwise promote every 128, MX sums in fp32 on bf16 wgmma)
+    from minite.formats import BlockScaledTensor
+    x8, w8 = a8[:n], w8
+    exact = x8.double() @ w8.double().t()
+    one, K = torch.ones((), device="cuda"), S
+    unit = {"scaled_mm tensorwise": lambda: torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one,
+                                                             out_dtype=torch.float32),
+            "minite blockwise": lambda: block_scaled_gemm(
+                BlockScaledTensor(x8, torch.ones(n, K // 128, device="cuda"), (1, 128), "blockwise"),
+                BlockScaledTensor(w8, torch.ones(S // 128, K // 128, device="cuda"), (128, 128), "blockwise").t(),
+                out_dtype=torch.float32),
+            "minite mx": lambda: block_scaled_gemm(
+                BlockScaledTensor(x8, torch.full((n, K // 32), 127, dtype=torch.uint8, device="cuda"), (1, 32), "mx"),
+                BlockScaledTensor(w8, torch.full((S, K // 32), 127, dtype=torch.uint8, device="cuda"), (1, 32),
+                                  "mx").t(), out_dtype=torch.float32)}
+    for impl, fn in unit.items():
+        out.append({"table": "error, same fp8 data", "impl": impl, "S": S, "rows": n,
+                    "max_err_over_std": (fn().double() - exact).abs().max().item() / exact.std().item()})
     return out
 
 
@@ -97,9 +117,11 @@ def main(argv: list[str] | None = None) -> int:
         if r["table"] == "gemm":
             extra = f"{r['tflops']:7.0f} TFLOP/s" if "tflops" in r else ""
             print(f"{r['S']:6d}^3 {r['impl']:26s} {r['ms']:8.3f} ms {extra}")
-        else:
+        elif r["table"] == "error":
             print(f"{r['S']:6d}^3 {r['impl']:26s} error {r['max_err_over_std']:.2e} "
                   f"(fp32 torch {r['fp32_torch_max_err_over_std']:.2e})")
+        else:
+            print(f"{r['S']:6d}^3 {r['impl']:26s} error {r['max_err_over_std']:.2e} (same fp8 data, unit scales)")
     common.save_results("fp8_block", results, device=name, out=args.out, peak_bf16=peak_bf16, peak_fp8=peak_fp8,
                         peak_from=key)
     return 0

@@ -45,8 +45,9 @@ import json, math, contextlib, random
 import matplotlib.pyplot as plt
 import minite
 from minite._triton import triton, tl
-from minite.formats import (E8M0, quantize, quantize_blockwise_ref, quantize_mx_ref, mx_scale_bits_ref, e8m0_decode,
-                            fp8_autocast, DelayedScaling, CurrentScaling, BlockwiseScaling, MXFP8Scaling)
+from minite.formats import (E8M0, E4M3, encode, decode, bit_string, quantize, quantize_blockwise_ref, quantize_mx_ref,
+                            mx_scale_bits_ref, fp8_autocast, DelayedScaling, CurrentScaling, BlockwiseScaling,
+                            MXFP8Scaling)
 from minite.kernels.fp8_block import block_scaled_gemm, block_scaled_gemm_ref, quantize_blockwise, quantize_mx
 from minite.testing import assert_close, fp8_dot_tolerance
 from minite.models.gpt import GPT, GPTConfig
@@ -112,7 +113,8 @@ for name, e in errs.items():
 # $$s_b = \frac{m}{\operatorname{amax}_b}, \qquad q = \operatorname{rne}_8\big(\operatorname{clamp}(s_b x,\,-m,\,m)\big),
 # \qquad \hat x = q\, s_b^{-1}$$
 #
-# an fp32 scale per block (1 for an all-zero block). The block's largest value lands exactly on 448.
+# an fp32 scale per block (1 for an all-zero block). The block's largest value lands exactly on 448. A block that
+# holds inf or NaN gets a NaN scale: it decodes to NaN, never to a finite stand-in (E4M3 has no inf).
 #
 # **MX (OCP Microscaling v1.0, §6.3).** The shared scale of a block of 32 is a power of two,
 #
@@ -120,18 +122,23 @@ for name, e in errs.items():
 #
 # where $e_{\max}$ is the exponent of the element format's largest normal: 448 = 1.75 · 2⁸, so $e_{\max} = 8$ for
 # E4M3 (15 for E5M2). Dividing by a power of two is exact, and $X$ needs no mantissa: it is stored as **E8M0**,
-# 8 exponent bits, bias 127, no sign, no zero, no infinity, `0xFF` = NaN. Here are a few of its values, decoded by
-# minite and by torch's own `float8_e8m0fnu` dtype:
+# 8 exponent bits, bias 127, no sign, no zero, no infinity, `0xFF` = NaN. It is a format like chapter 01's: the
+# same `encode`, `decode` and `bit_string` take `E8M0` as they take `E4M3`. Here are a few of its values, decoded
+# by minite and by torch's own `float8_e8m0fnu` dtype:
 
 # %% tags=["nbval-check-output"]
 bits = torch.tensor([0, 1, 119, 126, 127, 128, 254, 255], dtype=torch.int32)
-ours = e8m0_decode(bits)
+ours = decode(bits, E8M0)
 theirs = bits.to(torch.uint8).view(torch.float8_e8m0fnu).float()
 for b, v, t in zip(bits.tolist(), ours.tolist(), theirs.tolist()):
     value = "NaN" if b == 255 else f"2^{b - 127:+4d} = {v:.6g}"
-    print(f"E8M0 bits {b:3d} = 0x{b:02X} -> {value}  (torch: {t:.6g})")
+    print(f"E8M0 bits {bit_string(b, E8M0)} = 0x{b:02X} -> {value}  (torch: {t:.6g})")
 assert torch.equal(ours[:-1], theirs[:-1]) and math.isnan(ours[-1]) and math.isnan(theirs[-1])
 print(f"range: {E8M0.min:.3g} .. {E8M0.max:.3g}, the same as fp32's normal exponents")
+# encoding keeps a value's exponent, rounded down (the MX rule below); E4M3 for comparison rounds to nearest
+x = torch.tensor([6.0, 0.75, 448.0, 500.0])
+print("E8M0:", encode(x, E8M0).tolist(), "->", decode(encode(x, E8M0), E8M0).tolist())
+print("E4M3:", [bit_string(b, E4M3) for b in encode(x, E4M3).tolist()], "->", decode(encode(x, E4M3), E4M3).tolist())
 
 # %% [markdown]
 # **What the power of two costs.** $\operatorname{amax}/X = \operatorname{amax} / 2^{\lfloor\log_2\operatorname{amax}\rfloor - 8}$
@@ -156,7 +163,7 @@ print(f"mean relative error: MX-32 {((q.dequantize() - x).abs() / x.abs())[nz].m
 # same block size (blockwise also spends the whole range: its amax lands on 448, not somewhere in [256, 448]).
 # (This is why NVIDIA's MXFP8 recipes round the scale
 # *up* instead, `2^⌈log₂(amax/448)⌉`: no clamping, at the cost of up to one binade of unused range. minite follows
-# the OCP rule, with `e8m0_encode(x, "ceil")` available for the other.) Choosing the E8M0 scale is exercise task 1.
+# the OCP rule; `e8m0_encode(x, "ceil")` rounds up for the other.) Choosing the E8M0 scale is exercise task 1.
 #
 # **The kernels agree with the references bit for bit.** minite's quantize kernel (`minite/kernels/fp8_block.py`)
 # does one pass per block: load, amax, scale, encode with chapter 01's integer `encode_bits_tl`, store the fp8 bits
@@ -290,12 +297,17 @@ for M, K, N in ((33, 200, 45), (64, 256, 130)):
     print(f"PASS: blockwise_matmul vs fp64 (within 2x fp32 torch's error) and vs minite [{M}x{K}x{N}]")
 
 # %% [markdown]
-# minite's kernel is the same loop with two additions: B may be scaled per 128 × 1 *column* slice instead of per
-# tile (the weight-gradient GEMM needs that, below), and the MX variant, whose K step is 32 and whose scales are
-# E8M0 bytes decoded in the kernel (exercise task 3 writes an MX GEMM). On an H100 it runs 64 × 64 tiles at 8 warps
-# (blockwise) and 64 × 128 (MX): the largest the sm_90 compiler's register report allows without spilling (two
-# fp32 accumulators per tile). **It has not been timed on a GPU yet**: `benchmarks/bench_fp8_block.py` compares it
-# with bf16 and with cuBLAS's row-wise FP8 (`torch._scaled_mm`) at 4096³ and 8192³.
+# minite's kernel is the same loop with three changes: B may be scaled per 128 × 1 *column* slice instead of per
+# tile (the weight-gradient GEMM needs that, below); the scales are loaded *before* the dot, so that their latency
+# hides behind the tensor cores, and a 128 × 128 weight tile gives B one scale per program; and it runs 128 × 128
+# tiles at 8 warps, two warpgroups of `m64n128k32` FP8 wgmma (the faithful sm_90 build: 176 registers, no spills).
+# Its promotion interval is stated in the file (`PROMOTION_INTERVAL`: the K-block, 128, as cuBLAS promotes) and the
+# compile gate checks the build against it. MX is a kernel of its own: an E8M0 scale is a power of two, so
+# fp8 · 2^e is *exact* in bf16 (8 significant bits hold E4M3's 4, and bf16 has fp32's exponents); it dequantizes
+# each 64-wide K slab in registers and runs a bf16 wgmma into one fp32 accumulator (exercise task 3 writes an MX
+# GEMM the simple way, one FP8 dot per 32-wide group). **Neither has been timed on a GPU yet**:
+# `benchmarks/bench_fp8_block.py` compares them with bf16 and with cuBLAS's FP8 (`torch._scaled_mm`) at 4096³ and
+# 8192³.
 #
 # **In a linear layer** every GEMM scales its operands along *its own* K:
 #
@@ -456,7 +468,8 @@ print(f"PASS: every FP8 recipe's val loss within 0.05 of the fp32-bf16 band [{lo
 # ## 7. Where it is used
 #
 # * `python -m minite.train --precision fp8 --fp8.recipe=delayed|current|blockwise|mxfp8 [--fp8.min_dim=2048]`.
-# * `minite.formats`: `E8M0`, `e8m0_encode`/`e8m0_decode`, `BlockScaledTensor`, `quantize_blockwise_ref`,
+# * `minite.formats`: `E8M0` (a format like `E4M3`: `encode`, `decode`, `bit_string`; `e8m0_encode(x, "ceil")`
+#   rounds up), `BlockScaledTensor`, `quantize_blockwise_ref`,
 #   `quantize_mx_ref`, `mx_scale_bits_ref`, and the recipes `BlockwiseScaling`, `MXFP8Scaling` (with `min_dim`, as
 #   `DelayedScaling` and `CurrentScaling` now have).
 # * `minite/kernels/fp8_block.py`: the quantize kernel (1 × 128, 128 × 128, MX-32), `block_scaled_gemm`, and the
