@@ -573,6 +573,11 @@ def test_a_notebook_that_cannot_be_read_scores_zero_in_one_line(tmp_path, sol_pa
         assert len(notes) == 1 and str(p) in notes[0], block[0]
         assert block[1].startswith(" 0/3"), block
     assert "not a readable notebook" in printed and "not UTF-8" in printed and "cannot read" in printed
+    garbage = tmp_path / "garbage.ipynb"  # no --solution: the notebook, not a missing solution, is named
+    garbage.write_text("garbage")
+    assert main(["grade", str(garbage), "--strict"]) == 1
+    out = capsys.readouterr().out
+    assert "is not a readable notebook (.ipynb JSON): NotJSONError" in out and out.endswith("score: 0/0\n"), out
 
 
 def test_two_cells_with_one_task_name_are_not_graded_and_say_why():

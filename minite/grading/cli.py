@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from . import __doc__ as _package_doc
-from .grader import grade, unreadable
+from .grader import _read_student, grade, unreadable
 from .notebook import _repo_root, generate_all
 from .sandbox import DEFAULT_TIMEOUT
 
@@ -61,7 +61,6 @@ def _generate(args) -> int:
 def _selfcheck(args) -> int:
     """Run the notebook as it is and say which of its check cells passed. Its check cells are the student's own
     copy, so this is feedback, not a grade (grading swaps in the course's pristine checks: `grade`)."""
-    from .grader import _read_student
     from .notebook import check_cells
     from .sandbox import _execute
     nb, why = _read_student(Path(args.notebook))
@@ -100,7 +99,8 @@ def _grade_one(nb: str, args, lint: bool):
         return grade(nb, args.solution, timeout=args.timeout, lint=lint)
     except (OSError, ValueError, RuntimeError) as err:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
-        return unreadable(nb, None, f"not graded: {first}")
+        _, why = _read_student(Path(nb)) if Path(nb).exists() else (None, "")
+        return unreadable(nb, None, why or f"not graded: {first}")  # no solution found: the notebook may be why
 
 
 def main(argv: list[str] | None = None, *, lint: bool = True) -> int:
@@ -128,5 +128,5 @@ def main(argv: list[str] | None = None, *, lint: bool = True) -> int:
         for rep in reports:
             print(rep.summary())
     if args.strict:
-        return 0 if all(rep.score == rep.total for rep in reports) else 1
+        return 0 if all(rep.total and rep.score == rep.total for rep in reports) else 1  # 0/0: not graded
     return 0
