@@ -77,6 +77,12 @@ def decode():
         T = 1024
         decode_attention_triton(_e(B, H, D), _e(B, KVH, T, D), _e(B, KVH, T, D),
                                 torch.full((B,), T, dtype=torch.int32))
+    # minite.decoding's CUDA-graph step up to SINGLE_PASS_MAX_LEN keys: one pass (num_splits=1, no merge kernel, the
+    # output stored by the partial kernel), on the cache's int64 lengths, in the benchmark's cache (T_max = 1033)
+    for B, H, KVH, D in ((1, 12, 3, 64), (1, 32, 8, 128)):
+        T = 1033
+        decode_attention_triton(_e(B, H, D), _e(B, KVH, T, D), _e(B, KVH, T, D),
+                                torch.full((B,), 257, dtype=torch.int64), None, 1, None)
 
 
 # --------------------------------------------------------------------------------------------------- lora
@@ -114,7 +120,8 @@ def fp8_gemm():
 # ---------------------------------------------------------------------------------------------- fp8_block
 def fp8_block():
     """bench_fp8_block.py at M = N = K = 4096: blockwise (A per 1 x 128, B per 128 x 128: DeepSeek-V3) and MX
-    (1 x 32, E8M0), each with its quantize kernels."""
+    (1 x 32, E8M0), each with its quantize kernels; and the linear layer's weight gradient, whose B (x) is scaled
+    per 128 x 1 column slice (a vector of B scales, not a scalar)."""
     from minite.kernels.fp8_block import block_scaled_gemm_fwd, quantize_block_fwd
 
     S = 4096
@@ -122,6 +129,7 @@ def fp8_block():
     qa = quantize_block_fwd(x, (1, 128), "blockwise")
     qw = quantize_block_fwd(w, (128, 128), "blockwise")
     block_scaled_gemm_fwd(qa, qw.t(), BF16)
+    block_scaled_gemm_fwd(qa, quantize_block_fwd(w, (1, 128), "blockwise").t(), BF16)   # B per 128 x 1
     ma, mw = quantize_block_fwd(x, (1, 32), "mx"), quantize_block_fwd(w, (1, 32), "mx")
     block_scaled_gemm_fwd(ma, mw.t(), BF16)
 

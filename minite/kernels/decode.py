@@ -18,7 +18,6 @@ merge kernel's launch; past it the splits' parallelism pays for the second launc
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -26,7 +25,7 @@ import torch
 from minite import _validate as _v
 from minite._triton import interpreting, tl, triton
 from minite.backend import resolve_backend
-from minite.kernels._common import launchable, op, register_op
+from minite.kernels._common import launchable, op, register_op, sm_count
 
 __all__ = ["decode_attention_ref", "decode_attention", "num_splits_heuristic", "lse_merge_ref", "SINGLE_PASS_MAX_LEN"]
 
@@ -35,6 +34,11 @@ __all__ = ["decode_attention_ref", "decode_attention", "num_splits_heuristic", "
 # head's K and V (L * D * 4 bytes in bf16, 128 KB at L = 512, D = 64) at ~30-60 GB/s, 2-4 us, about what the
 # merge kernel's launch and the partials' round trip cost; longer contexts are split (flash-decoding).
 SINGLE_PASS_MAX_LEN = 512
+
+# The sm_90 gate (minite/gpu_compile.py) asks why a dot is not on wgmma: decoding has one query token per head.
+MMA_SYNC_OK = {"_decode_partial_kernel": "M is the GROUP = H / KVH query heads of one kv head (4 in the GPT), "
+               "padded to 16 rows: a 64-row wgmma tile would be >= 75 % padding, and the kernel is bound by reading "
+               "K and V, not by its dots"}
 
 
 # ------------------------------------------------------------------------------------------ 1. reference
@@ -138,15 +142,6 @@ def _lse_merge_kernel(O_PART, L_PART, O, S, D, BLOCK_S: tl.constexpr, BLOCK_D: t
 
 
 # ------------------------------------------------------------------------------------------ 3. launchers
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device, asked once per device (no driver query per call). On the
-    CPU interpreter programs run one after another: pretend 4 so the split path is exercised but stays cheap."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 def num_splits_heuristic(n_programs: int, n_sms: int, n_blocks: int, max_splits: int = 128) -> int:
     """FlashAttention's wave-efficiency rule. With n_programs = B * KVH already filling >= 80 % of the SMs, do not
     split. Otherwise try S = 1 .. : a launch of n_programs * S programs runs in ceil(waves) waves, waves =
@@ -180,7 +175,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if num_splits:
         S = max(1, num_splits)
     else:
-        S = 1 if max_len <= SINGLE_PASS_MAX_LEN else num_splits_heuristic(B * KVH, _num_sms(q.device), n_blocks)
+        S = 1 if max_len <= SINGLE_PASS_MAX_LEN else num_splits_heuristic(B * KVH, sm_count(q.device), n_blocks)
     chunk = triton.cdiv(n_blocks, S) * BLOCK_N  # whole key blocks per split
     S = triton.cdiv(max_len, chunk)
     o = torch.empty_like(q)  # (B, H, D)
