@@ -157,12 +157,11 @@ def _block_scaled_gemm_kernel(A_ptr, B_ptr, C_ptr, SA_ptr, SB_ptr, M, N, K,
         sb_ptrs = SB_ptr + (offs_n // SCALE_N) * SB_col_stride         # (BLOCK_N,) a column's scale
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        # the scales first: their loads are in flight while the tensor cores work on the K-block
+        # the scales first: their loads are in flight while the tensor cores work on the K-block (B's scales per
+        # column after it: 32 more registers held across the dot spilled at 128 x 128)
         sa = tl.load(sa_ptrs + kb * SA_col_stride, mask=offs_m < M, other=0.0)
         if B_SCALAR:
             sb = tl.load(sb_ptrs + kb * SB_row_stride)
-        else:
-            sb = tl.load(sb_ptrs + kb * SB_row_stride, mask=offs_n < N, other=0.0)
         k = kb * BLOCK_K + offs_k
         a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)   # fp8
         b = tl.load(b_ptrs, mask=(k[:, None] < K) & (offs_n[None, :] < N), other=0.0)
@@ -173,6 +172,7 @@ def _block_scaled_gemm_kernel(A_ptr, B_ptr, C_ptr, SA_ptr, SB_ptr, M, N, K,
         if B_SCALAR:
             acc += part * (sa * sb)[:, None]                           # promotion, scaled: once per K-block
         else:
+            sb = tl.load(sb_ptrs + kb * SB_row_stride, mask=offs_n < N, other=0.0)
             acc += (part * sa[:, None]) * sb[None, :]
         a_ptrs += BLOCK_K * A_col_stride
         b_ptrs += BLOCK_K * B_row_stride
@@ -265,9 +265,11 @@ def quantize_block_fwd(x: torch.Tensor, block, kind: str, fp8_dtype=torch.float8
 # specialisation; minite/gpu_examples.py's shapes), NOT yet timed on a GPU. 128 x 128 at 8 warps: two warpgroups
 # of m64n128 wgmma (N = 128 per warpgroup: the operands' shared-memory reads keep up with the tensor cores; 64 x 64
 # ran m64n32 at 0.29x torch._scaled_mm). Blockwise (BLOCK_K = the scale block, 128): fp8 wgmma m64n128k32, 176
-# registers, 0 spills, cp.async 4 stages (128 KB). MX: bf16 wgmma m64n128k16, BLOCK_K = MX_BLOCK_K = 64 (two E8M0
-# groups a slab): 165 registers, 0 spills; a 128-wide slab needs 255 registers, the most a thread may have.
-GPU_TILES = {"blockwise": (128, 128, 8, 4), "mx": (128, 128, 8, 4)}
+# registers, 0 spills, cp.async 4 stages (128 KB). B scaled per 128 x 1 column (the weight gradient): one warpgroup
+# of 64 x 128 (234 registers, 0 spills; 2 blocks fit an SM), as 128 x 128 spills its B scales (a vector, not a
+# scalar). MX: bf16 wgmma m64n128k16, BLOCK_K = MX_BLOCK_K = 64 (two E8M0 groups a slab): 165 registers, 0 spills;
+# a 128-wide slab needs 255 registers, the most a thread may have.
+GPU_TILES = {"blockwise": (128, 128, 8, 4), "blockwise_cols": (64, 128, 4, 4), "mx": (128, 128, 8, 4)}
 MX_BLOCK_K = 64  # MX: K per loop step (a multiple of the scale block)
 
 # The FP8 promotion interval each kernel states (minite/gpu_compile.py's convention, checked by the gate on the
@@ -296,7 +298,8 @@ def block_scaled_mm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torc
     on_gpu = gpu_tiles(a)
     if on_gpu and not mx and sk < 32:  # an fp8 tl.dot needs K >= 32 on the GPU
         raise ValueError(f"block_scaled_gemm: on the GPU the scale block along K must be >= 32, got {sk}")
-    bm, bn, warps, stages = tiles or _tiles(M, N, on_gpu, "mx" if mx else "blockwise")
+    kind = "mx" if mx else "blockwise" if sn % 128 == 0 else "blockwise_cols"
+    bm, bn, warps, stages = tiles or _tiles(M, N, on_gpu, kind)
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
     args = (a, b, out, sa, sb, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
             out.stride(0), out.stride(1), sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1))
