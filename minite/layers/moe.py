@@ -219,10 +219,13 @@ class MoE(nn.Module):
 def step_expert_bias(model: nn.Module) -> None:
     """The loss-free balance's step, once per optimizer step (call it next to ``opt.step()``): every MoE layer of
     `model` under balance="bias" moves its bias by the load its training forwards counted since the last call
-    (``routed``: the whole step's micro-batches, summed over the batch's ranks by the exchange) and empties it."""
+    (``routed``: the whole step's micro-batches, summed over the batch's ranks by the exchange) and empties it. The
+    bias belongs to the router: a frozen router (a LoRA fine-tune's base, whose checkpoint holds only the adapters)
+    keeps its bias as well."""
     for m in model.modules():
         if isinstance(m, MoE) and m.balance == "bias":
-            update_bias(m.expert_bias, m.routed, m.bias_rate)
+            if m.router.weight.requires_grad:
+                update_bias(m.expert_bias, m.routed, m.bias_rate)
             m.routed.zero_()
 
 

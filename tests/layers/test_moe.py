@@ -141,6 +141,10 @@ def test_bias_update_sign_and_balance():
     twin(x).sum().backward()
     step_expert_bias(twin)
     assert torch.equal(bias, m.expert_bias) and not torch.equal(bias, twin.expert_bias)
+    m.router.weight.requires_grad_(False)  # a frozen router (LoRA's base) keeps its bias, and the count is emptied
+    m(x).sum().backward()
+    step_expert_bias(m)
+    assert torch.equal(bias, m.expert_bias) and not m.routed.any()
 
 
 def test_bias_moves_once_per_step_by_the_summed_load():
