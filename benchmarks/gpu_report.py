@@ -179,7 +179,8 @@ def stage_env(ctx: dict, limit: float) -> dict:
         env["PYTHONPATH"] = os.pathsep.join([str(site), env["PYTHONPATH"]])
         out["wheels"] = {"count": len(wheels), "rc": r["rc"], "seconds": r["seconds"]}
     probe = ("import json, importlib, importlib.metadata as md, torch, triton, platform\n"
-             "mods = ['minite', 'pytest', 'xdist', 'nbval', 'ipykernel', 'jupytext', 'liger_kernel', 'matplotlib']\n"
+             "mods = ['minite', 'pytest', 'xdist', 'pytest_timeout', 'nbval', 'ipykernel', 'jupytext', 'liger_kernel', "
+             "'matplotlib']\n"
              "def has(m):\n    try:\n        importlib.import_module(m); return True\n    except Exception:\n"
              "        return False\n"
              "p = torch.cuda.get_device_properties(0)\n"
@@ -234,7 +235,7 @@ def stage_main(ctx: dict, limit: float) -> dict:
            "--train.overwrite=True"]
     r = run(cmd, limit, work / "main.log", ctx["env"])
     numbers = parse_main((work / "main.log").read_text(errors="replace"))
-    ctx["main"] = {"command": " ".join(cmd[1:]), "data": note, **numbers}
+    ctx["main"] = {"command": " ".join(["python -m minite.train", *data]), "data": note, **numbers}
     (work / "main.json").write_text(json.dumps(ctx["main"], indent=1))
     return {**r, "note": note}
 
@@ -253,7 +254,7 @@ def stage_suite(ctx: dict, limit: float) -> dict:
     if not have.get("xdist", True) or not have.get("pytest", True):
         return {"rc": None, "skipped": "pytest / pytest-xdist not importable"}
     workers = max(1, min(14, (os.cpu_count() or 2) - 2))
-    targets = ["tests"]
+    targets = ["tests"] + (["--timeout=150"] if have.get("pytest_timeout") else [])  # a hung test frees its worker
     note = f"{workers} workers"
     if have.get("nbval", False):
         targets += ["notebooks", "--nbval-lax", "--nbval-current-env", "--nbval-cell-timeout=120"]
@@ -374,7 +375,7 @@ def render(report: dict) -> str:
             status = f"skipped: {st['skipped']}"
         else:
             status = "TIMED OUT" if st.get("timed_out") else "ok" if st.get("rc") == 0 else f"rc {st.get('rc')}"
-        note = f"; {st['note']}" if st.get("note") else ""
+        note = f"; {st['note'][:240]}" if st.get("note") else ""
         lines.append(f"| {name} | {limits.get(name, '?')} (ran under {st.get('limit_s', '-')}) | "
                      f"{st.get('seconds', '-')} | {status}{note} |")
     m = report.get("main")
@@ -499,10 +500,13 @@ def main(argv: list[str] | None = None) -> int:
         if stage.name not in args.stages:
             continue
         print(f"== {stage.name} (up to {window:.0f} s): {stage.what}", flush=True)
+        t0 = time.monotonic()
         try:
             result = RUNNERS[stage.name](ctx, window) if window >= 3 else {"rc": None, "skipped": "no time left"}
         except Exception as e:  # a stage that breaks is recorded; the others still run
-            result = {"rc": None, "note": f"the stage broke: {type(e).__name__}: {e}"}
+            result = {"rc": None, "note": f"the stage broke: {type(e).__name__}: {str(e)[-300:]}"}
+        result.setdefault("seconds", round(time.monotonic() - t0, 1))
+        result["limit_s"] = round(window)
         report["stages"][stage.name] = result
         print(f"   {json.dumps(result)[:300]}", flush=True)
         finish(report, ctx, Path(args.out), since)  # after every stage: what finished is written
