@@ -1,4 +1,6 @@
 #!/bin/bash
+# The whole measurement in one command, each stage under its own limit, <= 9 minutes: make gpu-report
+# (benchmarks/gpu_report.py). This script keeps single stages at hand for a session that wants one of them.
 # One batched GPU session (see benchmarks/README or the gpu helper's report): env check, GPU tests, every benchmark.
 # Usage on the device machine, from the repo root: bash benchmarks/gpu_run.sh OUTDIR [STAGES...]
 # A 30-minute lease, in order of what nothing else can measure: env suite (the CUDA tests, ~10 min) | attention
