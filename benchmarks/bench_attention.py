@@ -9,9 +9,14 @@ FLOPs: forward 4 * B * H * T^2 * D (two matmuls), halved when causal; backward 2
 one of them recomputing S), so forward+backward is 3.5x. TFLOP/s = FLOPs / time. Saved to
 benchmarks/results/attention_<device>.json and .png.
 
-Decode: a GPT (--n_layer/--n_embd/--n_head/--n_kv_head) generates one token after a context of L tokens, either
-recomputing the whole context (no cache: O(L) work per token) or with the KVCache (one token through the model,
-attention reads L cached keys). Tokens/s against L, saved to benchmarks/results/decode_<device>.json and .png.
+Decode: a GPT (--n_layer/--n_embd/--n_head/--n_kv_head; on a GPU by default issue 33's 12 x 768, 12 heads, 4 kv
+heads) generates one token after a context of L tokens, either recomputing the whole context (no cache: O(L) work
+per token) or with the KVCache (one token through the model, attention reads L cached keys). On a GPU also:
+minite's decode step captured as a CUDA graph (minite.decoding.Decoder, "reduce-overhead"), and its peer, the same
+model and weights written in plain PyTorch (F.rms_norm, RoPE in torch, a static KV cache written by index_copy_,
+SDPA over the cache with a mask; gpt-fast's decode loop) under torch.compile(mode="reduce-overhead"). Each row:
+tokens/s and its share of the HBM roofline (the bytes a cached step must read, every weight and the L cached keys
+and values, over the device's peak bandwidth). Saved to benchmarks/results/decode_<device>.json and .png.
 """
 from __future__ import annotations
 
@@ -106,7 +111,13 @@ def run_decode(lengths, device, n_layer, n_embd, n_head, n_kv_head, steps=8) -> 
     m = GPT(cfg).to(device).eval()
     if device == "cuda":
         m = m.to(torch.bfloat16)
+    else:
+        print("decode: the CUDA-graph rows (minite's Decoder and the plain-PyTorch torch.compile peer) run on a GPU "
+              "only; on the CPU: no cache and the eager KV cache")
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    peak, peak_key = common.peak_bandwidth(common.device_name(device)) if device == "cuda" else (None, None)
+    weights = sum(p.numel() * p.element_size() for p in m.parameters())
+    peer = PlainPeer(m, Tmax) if device == "cuda" else None  # one compiled graph for every L
     out = []
     for L in lengths:
         idx = torch.randint(0, 256, (1, L), device=device)
@@ -127,15 +138,109 @@ def run_decode(lengths, device, n_layer, n_embd, n_head, n_kv_head, steps=8) -> 
                     dec(tok, cache)
                 times.append(("kv cache + CUDA graph", _best(lambda: dec(tok, cache), steps, sync,
                                                              before=lambda: _refill(m, idx, cache))))
+                times.append(("plain torch, reduce-overhead", peer.seconds(m, idx, cache, steps, sync)))
         # what one cached step must read at least: every weight once, and the L cached keys and values of every
         # layer (issue 20 reports tokens/s as a share of the HBM roofline: bytes / bandwidth / seconds)
-        weights = sum(p.numel() * p.element_size() for p in m.parameters())
         kv = sum(t[:, :, :L].numel() * t.element_size() for t in cache.k + cache.v)
         for impl, s in times:
-            out.append({"impl": impl, "L": L, "ms_per_token": 1e3 * s, "tokens_per_s": 1 / s,
-                        "bytes_per_token": weights + kv if impl != "no cache" else None})
-        print(f"L={L:6d}  " + "   ".join(f"{impl} {1 / s:9.1f} tok/s" for impl, s in times))
+            r = {"impl": impl, "L": L, "ms_per_token": 1e3 * s, "tokens_per_s": 1 / s,
+                 "bytes_per_token": weights + kv if impl != "no cache" else None}
+            if peak and r["bytes_per_token"]:
+                r["pct_hbm_roofline"] = 100 * r["bytes_per_token"] / s / peak
+            out.append(r)
+        graph, peer_s = dict(times).get("kv cache + CUDA graph"), dict(times).get("plain torch, reduce-overhead")
+        if graph and peer_s:  # issue 33's bar: minite's graph at least as fast as the plain-PyTorch one
+            out[-2]["speedup_vs_plain_torch"] = peer_s / graph
+            print(f"L={L:6d}  minite's CUDA-graph step vs the plain-PyTorch peer: {peer_s / graph:.2f}x")
+        print(f"L={L:6d}  " + "   ".join(
+            f"{r['impl']} {r['tokens_per_s']:8.1f} tok/s" + (f" ({r['pct_hbm_roofline']:.1f}% of HBM)"
+                                                           if "pct_hbm_roofline" in r else "")
+            for r in out if r["L"] == L))
+    if peak:
+        print(f"HBM roofline: weights {weights / 1e6:.1f} MB + the cached K/V, at {peak / 1e12:.2f} TB/s "
+              f"({peak_key}): {peak / weights:.0f} tok/s at most")
     return out
+
+
+class PlainDecoder(torch.nn.Module):
+    """The peer: a minite GPT's decode step in plain PyTorch, as gpt-fast writes it (F.rms_norm, RoPE in torch ops,
+    a static KV cache written with index_copy_ at the position, SDPA over the whole cache with a position mask,
+    enable_gqa), no minite op. Same weights (the GPT's own tensors); equal positions across the batch. step(tok,
+    pos): tok (B, 1), pos (1,) int64 on the device -> logits (B, 1, V_pad); the caller moves pos on (gpt-fast's
+    ``input_pos += 1``, outside the graph)."""
+
+    def __init__(self, m, batch: int, T_max: int):
+        super().__init__()
+        c, p = m.config, next(m.parameters())
+        self.H, self.KVH, self.D, self.eps, self.T_max = c.n_head, c.n_kv_head, c.n_embd // c.n_head, c.norm_eps, T_max
+        self.wte, self.norm_f = m.wte.weight, m.norm_f.weight
+        self.layers = [(b.norm1.weight, b.attn.qkv.weight, b.attn.proj.weight, b.norm2.weight, b.mlp.gate_up.weight,
+                        b.mlp.down.weight) for b in m.blocks]
+        rot = m.blocks[0].attn.rotary
+        self.cos, self.sin = rot.cos, rot.sin  # (block_size, D/2)
+        shape = (batch, self.KVH, T_max, self.D)
+        self.k = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in self.layers]
+        self.v = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in self.layers]
+
+    def _rope(self, x, cos, sin):  # x (B, 1, heads, D), cos/sin (1, D/2): rotate halves in fp32
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+
+    def step(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        B, H, KVH, D = tok.shape[0], self.H, self.KVH, self.D
+        C = H * D
+        x = F.embedding(tok, self.wte)  # (B, 1, C)
+        cos, sin = self.cos[pos][:, None].float(), self.sin[pos][:, None].float()  # (1, 1, D/2)
+        mask = (torch.arange(self.T_max, device=tok.device) <= pos).view(1, 1, 1, -1)  # keys 0 .. pos
+        for (n1, wqkv, wo, n2, wgu, wd), kc, vc in zip(self.layers, self.k, self.v):
+            q, k, v = F.linear(F.rms_norm(x, (C,), n1, self.eps), wqkv).split([H * D, KVH * D, KVH * D], dim=-1)
+            q = self._rope(q.view(B, 1, H, D), cos, sin).transpose(1, 2)  # (B, H, 1, D)
+            kc.index_copy_(2, pos, self._rope(k.view(B, 1, KVH, D), cos, sin).transpose(1, 2))
+            vc.index_copy_(2, pos, v.view(B, 1, KVH, D).transpose(1, 2))
+            y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=True)  # (B, H, 1, D)
+            x = x + F.linear(y.transpose(1, 2).reshape(B, 1, C), wo)
+            gate, up = F.linear(F.rms_norm(x, (C,), n2, self.eps), wgu).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, wd)
+        return F.linear(F.rms_norm(x, (C,), self.norm_f, self.eps), self.wte)  # (B, 1, V_pad)
+
+
+class PlainPeer:
+    """PlainDecoder (batch 1) under torch.compile(mode="reduce-overhead"): its cache, weights and position marked
+    static (gpt-fast keeps them as module buffers: the graph reads and writes them in place), compiled once."""
+
+    def __init__(self, m, T_max: int):
+        self.dec = PlainDecoder(m, 1, T_max)
+        self.pos = torch.zeros(1, dtype=torch.int64, device=next(m.parameters()).device)
+        d = self.dec
+        for t in (d.wte, d.norm_f, d.cos, d.sin, self.pos, *d.k, *d.v, *(w for layer in d.layers for w in layer)):
+            torch._dynamo.mark_static_address(t)
+        self.step = torch.compile(d.step, mode="reduce-overhead", fullgraph=True)
+
+    def seconds(self, m, idx, cache, steps, sync) -> float:
+        """Seconds per token from the context of `idx`, which minite's prefill leaves in `cache` (copied into the
+        peer's own cache); the peer's logits are checked against minite's cached forward first."""
+        L, tok = idx.shape[1], idx[:, -1:]
+
+        def refill():
+            _refill(m, idx, cache)
+            for a, b in zip(self.dec.k + self.dec.v, cache.k + cache.v):
+                a.copy_(b)
+            self.pos.fill_(L)
+
+        def one():
+            logits = self.step(tok, self.pos)
+            self.pos.add_(1)  # gpt-fast's input_pos += 1, outside the graph
+            return logits
+
+        refill()
+        want = m(tok, kv_cache=cache)[0].float()  # minite's cached forward at position L
+        for _ in range(3):  # compile, record, replay
+            refill()
+            got = one().float()
+        err = ((got - want).norm() / want.norm()).item()
+        if not err < 3e-2:  # never time a wrong peer (bf16 through every layer: ~1e-2 expected)
+            raise RuntimeError(f"plain-PyTorch peer: logits differ from minite's by {err:.3g} (relative L2) at L={L}")
+        return _best(one, steps, sync, before=refill)
 
 
 def _refill(m, idx, cache):
@@ -164,7 +269,7 @@ def plot_decode(results, device, model, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
-    for impl in ("no cache", "kv cache", "kv cache + CUDA graph"):
+    for impl in ("no cache", "kv cache", "kv cache + CUDA graph", "plain torch, reduce-overhead"):
         rs = [r for r in results if r["impl"] == impl]
         if not rs:
             continue
@@ -185,13 +290,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--decode", action="store_true", help="measure decode tokens/s with and without the KV cache")
     p.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
-    p.add_argument("--n_layer", type=int, default=4)
-    p.add_argument("--n_embd", type=int, default=256)
-    p.add_argument("--n_head", type=int, default=4)
+    p.add_argument("--n_layer", type=int, default=None, help="default: 12 on a GPU (issue 33's model), 4 on the CPU")
+    p.add_argument("--n_embd", type=int, default=None, help="default: 768 on a GPU, 256 on the CPU")
+    p.add_argument("--n_head", type=int, default=None, help="default: 12 on a GPU, 4 on the CPU")
     p.add_argument("--n_kv_head", type=int, default=4)
     args = p.parse_args(argv)
     if args.decode:
         dev = "cuda" if torch.cuda.is_available() else "cpu"
+        for k, gpu, cpu in (("n_layer", 12, 4), ("n_embd", 768, 256), ("n_head", 12, 4)):
+            if getattr(args, k) is None:
+                setattr(args, k, gpu if dev == "cuda" else cpu)
         name = common.device_name(dev)
         model = f"GPT {args.n_layer}x{args.n_embd}, H={args.n_head}, KVH={args.n_kv_head}"
         results = run_decode(args.lengths, dev, args.n_layer, args.n_embd, args.n_head, args.n_kv_head)
