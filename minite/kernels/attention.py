@@ -688,7 +688,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, scale: fl
               return_lse: bool = False, backend: str | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Scaled dot-product attention; q (B, H, T_q, D), k/v (B, KVH, T_k, D) -> (B, H, T_q, D) in q's dtype.
     ``scale`` defaults to 1/sqrt(D); causal is bottom-right aligned. ``return_lse=True`` also returns the
-    (B, H, T_q) fp32 log-sum-exp in natural-log units (-inf for rows that see no key)."""
+    (B, H, T_q) fp32 log-sum-exp in natural-log units (-inf for rows that see no key).
+    q, k, v may be strided views (e.g. ``x.view(B, T, H, D).transpose(1, 2)``): the Triton path reads them in
+    place, and stores the output in q's memory order, as SDPA's flash path does."""
     _check(q, k, v)
     scale = _v.scale("attention", scale)  # None, or finite and > 0
     if resolve_backend(q, backend) == "triton":

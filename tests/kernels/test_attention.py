@@ -349,8 +349,8 @@ def test_train_cli_with_triton_attention_matches_sdpa(tmp_path, make_corpus, mon
     from minite.kernels import attention as att
     make_corpus(tmp_path / "corpus.txt", n_chars=4000, marks=".")
     launches = []
-    real = att.attention_fwd
-    monkeypatch.setattr(att, "attention_fwd", lambda *a, **k: launches.append(1) or real(*a, **k))
+    real = att.attention_qkv_fwd  # the GPT's op: RoPE + attention on the fused qkv projection
+    monkeypatch.setattr(att, "attention_qkv_fwd", lambda *a, **k: launches.append(1) or real(*a, **k))
     losses, train_fn = {}, mtrain.train
     for be in ("torch", "triton"):
         argv = ["--data", str(tmp_path / "corpus.txt"), f"--out_dir={tmp_path / be}", f"--model.backend={be}",

@@ -18,11 +18,13 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 OPS = ["softmax_fwd", "softmax_bwd", "rmsnorm_fwd", "rmsnorm_bwd", "layernorm_fwd", "layernorm_bwd", "rope",
        "swiglu_fwd", "swiglu_bwd", "cross_entropy_fwd", "cross_entropy_bwd", "fp8_gemm"]
 OTHER_OPS = ["linear_cross_entropy", "fp8_quantize_update", "fp8_linear_mm", "attention_fwd", "attention_bwd",
+             "attention_qkv_fwd", "attention_qkv_bwd",
              "decode_attention", "lora_fwd", "lora_bwd",  # test_compile_fused.py, test_compile_attention.py
              "grouped_gemm_fwd", "grouped_gemm_dw",  # test_grouped_gemm.py
              "block_quantize", "block_scaled_mm"]  # test_fp8_block.py
 WITH_GRAD = {"softmax_fwd", "rmsnorm_fwd", "layernorm_fwd", "rope", "swiglu_fwd", "cross_entropy_fwd",
-             "linear_cross_entropy", "fp8_linear_mm", "attention_fwd", "lora_fwd", "grouped_gemm_fwd"}
+             "linear_cross_entropy", "fp8_linear_mm", "attention_fwd", "attention_qkv_fwd", "lora_fwd",
+             "grouped_gemm_fwd"}
 
 
 def _randn(*shape, seed=0, dtype=torch.float32, device="cpu", requires_grad=False):
