@@ -237,7 +237,10 @@ print("PASS: 4 chunks merged with their LSEs equal attention over the whole cach
 # %% [markdown]
 # The chunks are 64 keys wide (whole key blocks). Sequence 1 holds 57 keys, all in chunk 0: chunks 1–3 hold none
 # of them, report LSE $= -\infty$ and weigh nothing in the merge. minite's `decode_attention` is this kernel plus the merge as a second Triton kernel,
-# head dims padded to a power of two, bf16 upcast on the interpreter, and the split count from the heuristic.
+# head dims padded to a power of two, bf16 upcast on the interpreter, and the split count from the heuristic, for
+# contexts past `SINGLE_PASS_MAX_LEN` (512) keys. Up to there it runs one pass ($S = 1$): the partial kernel writes
+# the output itself and no merge runs, since one program streams a short context in about the time the merge
+# kernel's launch would cost.
 #
 # ## 5. Measured: tokens/s with and without the cache
 #
@@ -290,6 +293,11 @@ print(out.tolist()[0], "cached == uncached:", torch.equal(out, same))
 # `torch.compile(fullgraph=True)` traces it as **one** graph for every position: no recompilation as the positions
 # move, no host read (either would break capture). `Decoder(model, compile="reduce-overhead")` adds the CUDA graph
 # on a GPU (`python -m minite.sample --compile reduce-overhead`, and a third series in the benchmark above).
+#
+# Inside the graph the number of kernels is what bounds a batch-1 step (each costs a few microseconds however
+# little it reads). So `decode_step` writes the norms with their residual adds, RoPE with the cache write, and
+# SwiGLU in torch ops, which Inductor fuses (a minite op is a kernel of its own and a fusion barrier), and keeps
+# minite's decode kernel: at 12 layers, 110 launches a token as Inductor builds the graph (a test counts them).
 
 # %% tags=["nbval-check-output"]
 # CHECK: the graph-capturable step
