@@ -29,8 +29,8 @@ SPILL_BUDGET: dict[str, int] = {
     # fp8_gemm's "split" tile (dgrad, wgrad): 256 x 128 holds two fp32 accumulators (the K-block's partial sum and
     # the promoted one), 128 + 128 per thread at 8 warps: 255 registers and one spilled. Kept: it was the fastest of
     # 8 tilings on an H100 (1020 TFLOP/s; 128 x 128 869, 128 x 256 605: benchmarks/bench_fp8_gemm.py --sweep).
-    "_fp8_gemm_kernel[A_col_stride=1,BLOCK_K=128,BLOCK_M=256,BLOCK_N=128,B_row_stride=1,C_col_stride=1,GROUP_M=8,"
-    "SPLIT_ACC=True; *bf16/*fp32/*fp8e4nv; warps=8]": 4,
+    "_fp8_gemm_kernel[A_col_stride=1,BLOCK_K=128,BLOCK_M=256,BLOCK_N=128,B_row_stride=1,C_col_stride=1,FP8_MMA=True,"
+    "GROUP_M=8,SPLIT_ACC=True; *bf16/*fp32/*fp8e4nv; warps=8]": 4,
 }
 
 

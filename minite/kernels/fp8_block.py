@@ -45,8 +45,9 @@ from minite.formats.mx import (
     quantize_blockwise_ref,
     quantize_mx_ref,
 )
-from minite.formats.specs import decode_bits_tl, decode_scale_tl, encode_bits_tl
+from minite.formats.specs import decode_scale_tl, encode_bits_tl
 from minite.kernels._common import gpu_tiles, launchable, op, register_op
+from minite.kernels.fp8_gemm import fp8_to_fp32_tl
 
 __all__ = ["block_scaled_gemm_ref", "quantize_blockwise", "quantize_mx", "block_scaled_gemm", "quantize_block_fwd",
            "block_scaled_gemm_fwd", "block_quantize", "block_scaled_mm", "BlockFP8LinearFunction", "GPU_TILES"]
@@ -111,18 +112,6 @@ def _quantize_block_kernel(X_ptr, Y_ptr, S_ptr, R, C, X_row_stride, S_row_stride
 
 
 @triton.jit
-def _fp8_to_fp32(x, HW: tl.constexpr):
-    # fp8 -> fp32, exact. HW: the GPU's cast. The interpreter's own cast reads E4M3's NaN (S.1111.111) as ±480,
-    # so there the bits are decoded with chapter 01's integer decode.
-    if HW:
-        return x.to(tl.float32)
-    bits = x.to(tl.uint8, bitcast=True).to(tl.int32)
-    if x.dtype == tl.float8e4nv:
-        return decode_bits_tl(bits, 4, 3, True)
-    return decode_bits_tl(bits, 5, 2, False)
-
-
-@triton.jit
 def _grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     # (pid_m, pid_n) in grouped order: GROUP_M row tiles share their B column tiles while those are in L2
     pid = tl.program_id(0).to(tl.int64)
@@ -168,7 +157,7 @@ def _block_scaled_gemm_kernel(A_ptr, B_ptr, C_ptr, SA_ptr, SB_ptr, M, N, K,
         if FP8_MMA:
             part = tl.dot(a, b)                                        # fresh: BLOCK_K products in FP8's accumulator
         else:  # the interpreter: exact fp32 products of the decoded values
-            part = tl.dot(_fp8_to_fp32(a, False), _fp8_to_fp32(b, False), input_precision="ieee")
+            part = tl.dot(fp8_to_fp32_tl(a, False), fp8_to_fp32_tl(b, False), input_precision="ieee")
         if B_SCALAR:
             acc += part * (sa * sb)[:, None]                           # promotion, scaled: once per K-block
         else:
@@ -214,8 +203,8 @@ def _mx_gemm_kernel(A_ptr, B_ptr, C_ptr, SA_ptr, SB_ptr, M, N, K,
                         (BLOCK_M, BLOCK_K))
         xb = tl.reshape(tl.broadcast_to(decode_scale_tl(sb.to(tl.int32), 8, 127)[:, None, :], (G, SCALE_K, BLOCK_N)),
                         (BLOCK_K, BLOCK_N))
-        a = _fp8_to_fp32(a, BF16_MMA) * xa                            # exact (a power of two)
-        b = _fp8_to_fp32(b, BF16_MMA) * xb
+        a = fp8_to_fp32_tl(a, BF16_MMA) * xa                            # exact (a power of two)
+        b = fp8_to_fp32_tl(b, BF16_MMA) * xb
         if BF16_MMA:
             acc = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)    # exact casts; products exact in fp32
         else:  # the interpreter computes bf16 wrongly: the same values in fp32

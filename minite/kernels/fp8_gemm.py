@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import torch
 
-from minite._triton import tl, triton
+from minite._triton import interpreting, tl, triton
 from minite.backend import resolve_backend
 from minite.formats.fp8 import Float8Tensor
+from minite.formats.specs import decode_bits_tl
 from minite.kernels._common import gpu_tiles, launchable, op, register_op
 
-__all__ = ["fp8_gemm", "fp8_gemm_ref", "fp8_gemm_fwd", "ACCUMULATE", "PROMOTION_INTERVAL"]
+__all__ = ["fp8_gemm", "fp8_gemm_ref", "fp8_gemm_fwd", "ACCUMULATE", "PROMOTION_INTERVAL", "fp8_to_fp32_tl"]
 
 _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ACCUMULATE = ("fast", "split")  # never promote / promote every BLOCK_K elements of K to fp32
@@ -45,10 +46,22 @@ def fp8_gemm_ref(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype = torc
 
 # ----------------------------------------------------------------------------------------------- 2. kernel
 @triton.jit
+def fp8_to_fp32_tl(x, HW: tl.constexpr):
+    """fp8 -> fp32, exact. HW: the GPU's cast. The interpreter's own cast reads E4M3's NaN (S.1111.111) as ±480,
+    so there the bits are decoded with chapter 01's integer decode (chapter 15's kernels use it too)."""
+    if HW:
+        return x.to(tl.float32)
+    bits = x.to(tl.uint8, bitcast=True).to(tl.int32)
+    if x.dtype == tl.float8e4nv:
+        return decode_bits_tl(bits, 4, 3, True)
+    return decode_bits_tl(bits, 5, 2, False)
+
+
+@triton.jit
 def _fp8_gemm_kernel(A_ptr, B_ptr, C_ptr, A_scale_inv_ptr, B_scale_inv_ptr, M, N, K,
                      A_row_stride, A_col_stride, B_row_stride, B_col_stride, C_row_stride, C_col_stride,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, SPLIT_ACC: tl.constexpr):
+                     GROUP_M: tl.constexpr, SPLIT_ACC: tl.constexpr, FP8_MMA: tl.constexpr):
     # C (M, N) = A (M, K) @ B (K, N). One program per (BLOCK_M, BLOCK_N) tile of C.
     pid = tl.program_id(0).to(tl.int64)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -72,7 +85,9 @@ def _fp8_gemm_kernel(A_ptr, B_ptr, C_ptr, A_scale_inv_ptr, B_scale_inv_ptr, M, N
         b_mask = ((k0 + offs_k)[:, None] < K) & (offs_n[None, :] < N)
         a = tl.load(a_ptrs, mask=a_mask, other=0.0)                    # fp8 tile, stays fp8
         b = tl.load(b_ptrs, mask=b_mask, other=0.0)
-        if SPLIT_ACC:
+        if not FP8_MMA:  # the interpreter: exact fp32 products of the decoded values (NaN stays NaN)
+            acc = tl.dot(fp8_to_fp32_tl(a, False), fp8_to_fp32_tl(b, False), acc, input_precision="ieee")
+        elif SPLIT_ACC:
             # Promote every BLOCK_K products: the MMA chain of one K-block runs in the tensor core's ~14-bit
             # accumulator, then is added to `acc` in full fp32 (what cuBLAS does unless fast accumulation is on).
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
@@ -150,7 +165,8 @@ def fp8_gemm_raw(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_
     launchable(_fp8_gemm_kernel)[grid](a, b, out, a_scale_inv.reshape(1), b_scale_inv.reshape(1), M, N, K,
                                        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
                                        out.stride(1), BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=8,
-                                       SPLIT_ACC=split_acc, num_warps=warps, num_stages=stages)
+                                       SPLIT_ACC=split_acc, FP8_MMA=not interpreting(), num_warps=warps,
+                                       num_stages=stages)
     return out
 
 

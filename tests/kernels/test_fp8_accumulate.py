@@ -29,6 +29,19 @@ def test_modes_match_the_reference(device, accumulate, b_layout):
 
 
 @pytest.mark.triton
+@pytest.mark.parametrize("accumulate", ["split", "fast"])
+def test_a_nan_operand_gives_nan_where_the_reference_does(device, accumulate):
+    # Issue 36: the interpreter's fp8 cast reads E4M3's NaN (0x7F) as 480, so a NaN in `a` came out finite; the
+    # kernel now decodes the bits there (the GPU's own cast and MMA propagate NaN).
+    x, w = torch.randn(9, 70), torch.randn(11, 70)
+    x[2, 5], w[4, 60] = float("nan"), float("nan")
+    a, b = quantize(x.to(device)), quantize(w.to(device)).t()
+    got = fp8_gemm(a, b, out_dtype=torch.float32, accumulate=accumulate, backend="triton")
+    want = fp8_gemm_ref(a, b, torch.float32)
+    assert torch.equal(got.isnan(), want.isnan()) and got.isnan().sum() == 9 + 11 - 1, got.isnan().sum()
+
+
+@pytest.mark.triton
 def test_k_major_copy_is_a_transpose(device):
     t = torch.randint(0, 256, (33, 70), dtype=torch.uint8).to(device)
     assert G._k_major(t, 1) is t  # already K-contiguous: no copy
