@@ -179,9 +179,10 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     chunk = triton.cdiv(n_blocks, S) * BLOCK_N  # whole key blocks per split
     S = triton.cdiv(max_len, chunk)
     o = torch.empty_like(q)  # (B, H, D)
-    # one pass: the partial kernel writes o itself ((B, H, 1, D) is o's layout) and no LSE (l_part is a dummy)
+    # one pass: the partial kernel writes o itself ((B, H, 1, D) is o's layout) and no LSE. l_part is then a dummy
+    # of its own, not o: torch.compile's functional form of the launch would clone each written argument apart.
     o_part = o if S == 1 else torch.empty((B, H, S, D), dtype=torch.float32, device=q.device)  # (B, H, S, D)
-    l_part = o if S == 1 else torch.empty((B, H, S), dtype=torch.float32, device=q.device)  # (B, H, S)
+    l_part = torch.empty((B, H, S) if S > 1 else (1,), dtype=torch.float32, device=q.device)  # (B, H, S)
     BLOCK_D = max(16, triton.next_power_of_2(D))
     launchable(_decode_partial_kernel)[(B * KVH, S)](
         q, k_cache, v_cache, lengths.to(q.device), o_part, l_part, H, KVH, T_max, D, chunk, scale * 1.4426950408889634,
