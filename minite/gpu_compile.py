@@ -516,11 +516,15 @@ def describe(rec: dict) -> str:
 
 def _facts(res: dict) -> str:
     """One GPU tile's sm_90 build in a line: registers, spills, wgmma / mma.sync, replication, fp8 interval."""
-    shapes = sorted({f"{d['M']}x{d['N']}x{d['K']}" for d in res.get("dots", [])})
+    dots = res.get("dots", [])
+    shapes = sorted({f"{d['M']}x{d['N']}x{d['K']}" for d in dots})
+    acc = sorted({d["imprecise"] for d in dots if d["a"].startswith("f8") and d["imprecise"] is not None})
+    iv = res.get("interval")
+    fp8 = "" if iv is None else (f" maxNumImpreciseAcc {'/'.join(map(str, acc))}: " +
+                                 ("never promoted" if iv >= 2**30 else f"promoted every {iv} products"))
     return (f"regs {res.get('n_regs')} spills {res.get('n_spills')} smem {res.get('shared', 0) // 1024}K "
-            f"wgmma {res.get('wgmma')} mma.sync {res.get('mma_sync')} dots {' '.join(shapes) or '-'}"
-            f"{' REPLICATED' if res.get('replicated') else ''}"
-            f"{'' if res.get('interval') is None else ' fp8-interval %d' % res['interval']}")
+            f"wgmma {res.get('wgmma')} mma.sync {res.get('mma_sync')} dots {' '.join(shapes) or '-'} "
+            f"replicated {'YES' if res.get('replicated') else 'no'}{fp8}")
 
 
 # A GPU tile is compiled for sm_80 too when its sm_90 build takes more than this share of an A100's shared memory
