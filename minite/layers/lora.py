@@ -18,7 +18,7 @@ B = 0 makes the adapted model *equal* to the base at step 0, and A != 0 gives B 
 ``LoRALinear`` *is* a ``minite.nn.Linear`` (it takes over the base layer's weight and bias Parameters, so the
 base's state_dict keys do not change) and calls ``Linear.forward`` for the base product: inside
 ``fp8_autocast`` the base GEMMs run in FP8 while the adapter runs in the activation dtype (bf16 in a bf16 model).
-Outside FP8, with the Triton backend and no dropout, the whole layer is one fused kernel (kernels/lora.py).
+Outside FP8, with the Triton backend and no dropout, the layer runs fused (kernels/lora.py): x A^T once, then one GEMM.
 """
 from __future__ import annotations
 
@@ -162,7 +162,7 @@ class LoRALinear(Linear):
             return y
         fused = (not is_fp8_enabled() and isinstance(self.lora_dropout, nn.Identity)
                  and resolve_backend(x, self.backend) == "triton")
-        if fused:  # one kernel: x is read once for both x W^T and x A^T
+        if fused:  # x A^T once, then ONE GEMM whose last K-step adds (s x A^T) B^T: y is written once
             from minite.kernels.lora import lora_linear
             dev = x.device.type  # under torch.autocast, run in its dtype as F.linear would (a Function is not cast)
             dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
