@@ -2,7 +2,7 @@
 without the KV cache.
 
     python benchmarks/bench_attention.py [--dims 64 128] [--seqlens 512 1024 ... 16384] [--dtype bf16]   # GPU only
-    python benchmarks/bench_attention.py --decode [--lengths 64 128 256 512 1024]                       # any device
+    python benchmarks/bench_attention.py --decode [--lengths 64 128 256 512 1024] [--gemv-tuning]       # any device
 
 Attention (GPU): B * T = 16k tokens, H = 2048 / D heads (FlashAttention's benchmark shape), causal and not.
 FLOPs: forward 4 * B * H * T^2 * D (two matmuls), halved when causal; backward 2.5x the forward (five matmuls,
@@ -294,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n_embd", type=int, default=None, help="default: 768 on a GPU, 256 on the CPU")
     p.add_argument("--n_head", type=int, default=None, help="default: 12 on a GPU, 4 on the CPU")
     p.add_argument("--n_kv_head", type=int, default=4)
+    p.add_argument("--gemv-tuning", action="store_true",
+                   help="decode: Inductor's coordinate_descent_tuning for both compiled rows (minite's and the peer's; "
+                        "gpt-fast's setting: batch-1 matmuls become generated GEMVs, fusable with norms and SwiGLU)")
     args = p.parse_args(argv)
     if args.decode:
         dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -302,8 +305,11 @@ def main(argv: list[str] | None = None) -> int:
                 setattr(args, k, gpu if dev == "cuda" else cpu)
         name = common.device_name(dev)
         model = f"GPT {args.n_layer}x{args.n_embd}, H={args.n_head}, KVH={args.n_kv_head}"
+        if args.gemv_tuning:
+            import torch._inductor.config as inductor_config
+            inductor_config.coordinate_descent_tuning = True
         results = run_decode(args.lengths, dev, args.n_layer, args.n_embd, args.n_head, args.n_kv_head)
-        path = common.save_results("decode", results, device=name, model=model)
+        path = common.save_results("decode", results, device=name, model=model, gemv_tuning=args.gemv_tuning)
         plot_decode(results, name, model, path.with_suffix(".png"))
         return 0
     if not common.require_cuda("bench_attention"):
