@@ -434,7 +434,7 @@ def _tiles(kind: str, T_q: int, T_k: int, D: int, dtype: torch.dtype, gpu: bool)
         bm, bn, nw, ns = (32, 64, 4, 1) if kind == "dkdv" else (64, 32, 4, 1)
     bm = min(bm, max(16, triton.next_power_of_2(T_q)))  # short sequences (decode, T = 1): one small tile
     bn = min(bn, max(16, triton.next_power_of_2(T_k)))
-    if gpu and (bn if kind == "dkdv" else bm) < 128:
+    if gpu and dtype != torch.float32 and (bn if kind == "dkdv" else bm) < 128:
         nw = min(nw, 4)  # the dots' M (keys for dK/dV, queries otherwise) has 16 rows per warp: no replication
     return bm, bn, nw, ns
 

@@ -268,7 +268,8 @@ def test_tiles_are_legal():
                             bm, bn, nw, ns = _tiles(kind, Tq, Tk, D, dtype, gpu)
                             what = (kind, Tq, Tk, D, dtype, gpu, bm, bn, nw)
                             assert bm >= 16 and bn >= 16 and bm & (bm - 1) == 0 and bn & (bn - 1) == 0, what
-                            assert not gpu or nw * 16 <= max(64, bn if kind == "dkdv" else bm), what
+                            assert not gpu or dtype == torch.float32 or \
+                                nw * 16 <= max(64, bn if kind == "dkdv" else bm), what  # fp32: FMA dots
     # The sm_90 tiles at long sequences (bf16/fp16), checked against the faithful compile in
     # tests/kernels/test_attention_sm90.py: the forward at D = 64 and 128, dQ 128 queries, dK/dV 128 keys.
     assert _tiles("fwd", 4096, 4096, 64, torch.bfloat16, True) == (128, 128, 8, 3)
