@@ -271,7 +271,7 @@ def test_tiles_are_legal():
                             assert not gpu or dtype == torch.float32 or \
                                 nw * 16 <= max(64, bn if kind == "dkdv" else bm), what  # fp32: FMA dots
     # The sm_90 tiles at long sequences (bf16/fp16), checked against the faithful compile in
-    # tests/kernels/test_attention_sm90.py: the forward at D = 64 and 128, dQ 128 queries, dK/dV 128 keys.
+    # the gate (minite/gpu_examples.py's attention): the forward at D = 64 and 128, dQ 128 queries, dK/dV 128 keys.
     assert _tiles("fwd", 4096, 4096, 64, torch.bfloat16, True) == (128, 128, 8, 3)
     assert _tiles("fwd", 4096, 4096, 128, torch.bfloat16, True) == (128, 64, 8, 3)
     assert _tiles("dq", 4096, 4096, 128, torch.float16, True) == (128, 32, 8, 3)
