@@ -136,7 +136,7 @@ def _block_scaled_gemm_kernel(A_ptr, B_ptr, C_ptr, SA_ptr, SB_ptr, M, N, K,
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                   # (BLOCK_N,)
     offs_k = tl.arange(0, BLOCK_K)                                     # (BLOCK_K,)
     a_ptrs = A_ptr + offs_m[:, None] * A_row_stride + offs_k[None, :] * A_col_stride   # (BLOCK_M, BLOCK_K)
-    b_ptrs = B_ptr + offs_k[:, None] * B_row_stride + offs_n[None, :] * B_col_stride   # (BLOCK_N, BLOCK_K)
+    b_ptrs = B_ptr + offs_k[:, None] * B_row_stride + offs_n[None, :] * B_col_stride   # (BLOCK_K, BLOCK_N)
     sa_ptrs = SA_ptr + offs_m * SA_row_stride                          # (BLOCK_M,) each row's scale, K-block 0
     # B's scale: one per program and K-block when a scale tile spans the whole column tile (128 x 128 weights)
     B_SCALAR: tl.constexpr = SCALE_N % BLOCK_N == 0
