@@ -328,7 +328,8 @@ RUNNERS = {"env": stage_env, "main": stage_main, "suite": stage_suite, "gpt_step
 
 
 # ------------------------------------------------------------------------------------------------ the summary
-MEASURED = {"impl", "ms", "ms_per_step", "params", "flops_per_token", "counts", "timer", "peak_gib", "bytes"}
+MEASURED = {"impl", "ms", "ms_per_step", "ms_per_token", "params", "flops_per_token", "counts", "timer", "peak_gib",
+            "bytes"}
 
 
 def peer_ratios(rows: list) -> list[str]:
@@ -336,7 +337,8 @@ def peer_ratios(rows: list) -> list[str]:
     point (the same non-measured fields): above 1 = minite faster."""
     groups: dict = {}
     for r in rows:
-        ms = r.get("ms", r.get("ms_per_step")) if isinstance(r, dict) else None
+        ms = next((r[k] for k in ("ms", "ms_per_step", "ms_per_token") if k in r), None) if isinstance(r, dict) \
+            else None
         if not isinstance(ms, (int, float)) or ms <= 0 or "impl" not in r:
             continue
         key = tuple((k, v) for k, v in r.items() if k not in MEASURED and isinstance(v, (str, int, bool))
@@ -402,7 +404,7 @@ def render(report: dict) -> str:
         lines += ["GPT step: MFU = tokens/s x (6N + 12 L C T) / 989 TFLOP/s (dense bf16 H100/H200); issue 33's "
                   "target: minite's step <= 0.9x nanoGPT's time, i.e. >= 1.11 here"] if "gpt_step" in ratios else []
         for name, rs in ratios.items():
-            lines.append(f"- **{name}**: " + "; ".join(rs) if rs else f"- **{name}**: no peer rows")
+            lines.append(f"- **{name}**: " + "; ".join(rs) if rs else f"- **{name}**: no minite row beside a peer")
     for b in report.get("benches", []):
         if b.get("rc") != 0:
             what = b.get("skipped") or ("timed out" if b.get("timed_out") else f"rc {b['rc']}")
