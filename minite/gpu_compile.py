@@ -307,6 +307,8 @@ def _ptxas_usage(ptx: str, arch: int) -> dict:
         r = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}{'a' if arch == 90 else ''}",
                             str(src), "-o", str(Path(d) / "k.o")], capture_output=True, text=True)
     log = r.stdout + r.stderr
+    if r.returncode:  # no register report is no pass
+        raise RuntimeError(f"ptxas -v failed: {log.strip()[-400:]}")
     regs = re.search(r"Used (\d+) registers", log)
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
     out = {"n_regs": int(regs.group(1)) if regs else None, "n_spills": max(spills, default=0)}
