@@ -410,12 +410,14 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, T_Q, T_K, H, KVH, qk_sc
 # GPU tiles (fp16/bf16, picked when ``gpu_tiles``), each chosen by compiling for sm_90 as the JIT does (the gate:
 # python -m minite.gpu_compile --examples attention): every tl.dot has M >= 64 rows per warpgroup, so it lowers to
 # wgmma with no warpgroup computing another's rows, and none spills (triton 3.7.1: forward 227 / 252 registers at
-# D = 64 / 128 causal, dQ 176 / 201, dK/dV 254 / 255). (BLOCK_M queries, BLOCK_N keys, warps, stages).
+# D = 64 / 128 causal, dQ 176 / 201, dK/dV 199 / 255). (BLOCK_M queries, BLOCK_N keys, warps, stages).
 _GPU_TILES = {  # kind -> {BLOCK_D: tile}
     "fwd": {64: (128, 128, 8, 3), 128: (128, 64, 8, 3)},
     "dq": {64: (128, 64, 8, 3), 128: (128, 32, 8, 3)},  # dots: S, dP (128 x BLOCK_N), dQ (128 x D); 128 x 64
     # at D = 128 takes 255 registers and spills packed (varlen): 128 x 32, as Triton's tutorial, takes 208
-    "dkdv": {64: (64, 128, 8, 3), 128: (32, 128, 8, 3)},  # dots: S^T, dP^T (128 keys x BLOCK_M), dK, dV (128 x D)
+    # dots: S^T, dP^T (128 keys x BLOCK_M), dK, dV (128 x D). 64 queries at D = 64 took 254 registers (no margin
+    # for another ptxas), 32 take 199, as in Triton's tutorial.
+    "dkdv": {64: (32, 128, 8, 3), 128: (32, 128, 8, 3)},
 }
 
 
