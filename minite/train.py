@@ -48,7 +48,7 @@ from minite.checkpoint import (
     set_rng_state,
 )
 from minite.compile import CompileClock, blocks_of, compile_model, eager_mode
-from minite.config import ConfigError, RunConfig, apply_overrides, config_help, make_config
+from minite.config import ConfigError, RunConfig, apply_overrides, config_help, make_config, valid_keys
 from minite.data import BatchSampler, DataError, PreparedData, prepare
 from minite.errors import DivergenceError
 from minite.layers.moe import step_expert_bias
@@ -587,7 +587,9 @@ def parse_cli(argv: list[str]) -> tuple[str | None, dict[str, str], bool]:
             continue
         if not eq:  # --key value
             if i + 1 >= len(argv):
-                raise ConfigError(f"--{key} needs a value\n{USAGE}")
+                full = [f"--{k}=..." for k in valid_keys() if k.split(".", 1)[1] == key]  # --compile: no section
+                hint = f" (did you mean {', '.join(full)}?)" if full else ""
+                raise ConfigError(f"--{key} needs a value{hint}\n{USAGE}")
             value, i = argv[i + 1], i + 1
         i += 1
         if key == "preset":
@@ -618,8 +620,12 @@ def closing_line(s: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "-h" in argv or "--help" in argv:
-        print(__doc__ + "\n" + USAGE + "\n\nFields (--section.field=value; defaults before presets):" + config_help())
+    if "-h" in argv or "--help" in argv:  # the values this command line would start from: its preset's
+        given = [a.partition("=")[2] or (argv[i + 1] if i + 1 < len(argv) else "") for i, a in enumerate(argv)
+                 if a.split("=")[0] == "--preset"]
+        preset = given[-1] if given else default_preset({})
+        print(__doc__ + "\n" + USAGE + f"\n\nFields (--section.field=value, as the {preset} preset sets them):"
+              + config_help(preset))
         return 0
     try:
         preset, overrides, resume = parse_cli(argv)

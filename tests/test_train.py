@@ -530,3 +530,16 @@ def test_the_bar_says_compiling_and_its_clock_ticks_until_the_first_step():
     ticked.clear()
     assert not ticked.wait(0.1) and len(events) == n  # stopped: no refresh after the first step
     assert clock.steady_steps == 1 and clock.rate(100, 1, 1.0) > 0
+
+
+def test_help_shows_the_presets_values_and_a_bare_flag_gets_its_full_name(capsys):
+    # issue 37: --help printed the field defaults (max_iters 2000) where the cpu preset runs 1500; a bare --compile
+    # got no hint
+    from minite.train import main
+    assert main(["--preset", "cpu", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "as the cpu preset sets them" in out and "--train.max_iters=1500" in out and "field default 2000" in out
+    assert main(["--preset=gpu", "--help"]) == 0
+    assert "--train.max_iters=1000" in capsys.readouterr().out
+    assert main(["--compile"]) == 2
+    assert "--compile needs a value (did you mean --train.compile=...?)" in capsys.readouterr().err
