@@ -129,26 +129,26 @@ def run_decode(lengths, device, n_layer, n_embd, n_head, n_kv_head, steps=8) -> 
             _refill(m, idx, cache)
             m(tok, kv_cache=cache)  # warm-up step
             cached = _best(lambda: m(tok, kv_cache=cache), steps, sync, before=lambda: _refill(m, idx, cache))
-            times = [("no cache", no_cache), ("kv cache", cached)]
+            times = [("minite no cache", no_cache), ("minite kv cache", cached)]
             if device == "cuda":  # the same step captured once and replayed: one CUDA graph a token
                 from minite.decoding import Decoder
                 dec = Decoder(m, compile="reduce-overhead")
                 _refill(m, idx, cache)
                 for _ in range(3):  # compile, record, replay
                     dec(tok, cache)
-                times.append(("kv cache + CUDA graph", _best(lambda: dec(tok, cache), steps, sync,
-                                                             before=lambda: _refill(m, idx, cache))))
+                graph = _best(lambda: dec(tok, cache), steps, sync, before=lambda: _refill(m, idx, cache))
+                times.append(("minite kv cache + CUDA graph", graph))
                 times.append(("plain torch, reduce-overhead", peer.seconds(m, idx, cache, steps, sync)))
         # what one cached step must read at least: every weight once, and the L cached keys and values of every
         # layer (issue 20 reports tokens/s as a share of the HBM roofline: bytes / bandwidth / seconds)
         kv = sum(t[:, :, :L].numel() * t.element_size() for t in cache.k + cache.v)
         for impl, s in times:
             r = {"impl": impl, "L": L, "ms_per_token": 1e3 * s, "tokens_per_s": 1 / s,
-                 "bytes_per_token": weights + kv if impl != "no cache" else None}
+                 "bytes_per_token": weights + kv if impl != "minite no cache" else None}
             if peak and r["bytes_per_token"]:
                 r["pct_hbm_roofline"] = 100 * r["bytes_per_token"] / s / peak
             out.append(r)
-        graph, peer_s = dict(times).get("kv cache + CUDA graph"), dict(times).get("plain torch, reduce-overhead")
+        graph, peer_s = dict(times).get("minite kv cache + CUDA graph"), dict(times).get("plain torch, reduce-overhead")
         if graph and peer_s:  # issue 33's bar: minite's graph at least as fast as the plain-PyTorch one
             out[-2]["speedup_vs_plain_torch"] = peer_s / graph
             print(f"L={L:6d}  minite's CUDA-graph step vs the plain-PyTorch peer: {peer_s / graph:.2f}x")
@@ -269,7 +269,7 @@ def plot_decode(results, device, model, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
-    for impl in ("no cache", "kv cache", "kv cache + CUDA graph", "plain torch, reduce-overhead"):
+    for impl in ("minite no cache", "minite kv cache", "minite kv cache + CUDA graph", "plain torch, reduce-overhead"):
         rs = [r for r in results if r["impl"] == impl]
         if not rs:
             continue

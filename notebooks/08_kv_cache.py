@@ -246,14 +246,17 @@ print("PASS: 4 chunks merged with their LSEs equal attention over the whole cach
 #
 # `python benchmarks/bench_attention.py --decode` times one generated token after a context of $L$ tokens for a
 # 4-layer, 256-wide GPT at batch 1: recomputing the context (no cache) against one cached step. On this course's
-# CPU (a shared 2-core EPYC, one thread, numbers noisy) it was measured; a GPU run adds its own file.
+# CPU (a shared 2-core EPYC, one thread, numbers noisy) it was measured; a GPU run adds its own file, for a
+# 12-layer, 768-wide GPT, with two more series: the step of section 7 as one CUDA graph, and the same model
+# written in plain PyTorch and compiled the same way (its peer).
 
 # %% tags=["nbval-ignore-output"]
 fig, ax = plt.subplots(figsize=(6, 3.6))
 for path in sorted(glob.glob("../benchmarks/results/decode_*.json")):
     res = json.load(open(path))
-    for impl, style in (("no cache", "o--"), ("kv cache", "o-"), ("kv cache + CUDA graph", "s-")):
-        rs = [r for r in res["results"] if r["impl"] == impl]
+    for impl, style in (("no cache", "o--"), ("kv cache", "o-"), ("kv cache + CUDA graph", "s-"),
+                        ("plain torch, reduce-overhead", "x:")):
+        rs = [r for r in res["results"] if r["impl"].removeprefix("minite ") == impl]
         ax.plot([r["L"] for r in rs], [r["tokens_per_s"] for r in rs], style, label=f"{impl} — {res['device']}")
 ax.set(xscale="log", yscale="log", xlabel="context length L", ylabel="tokens/s", title="decode, batch 1")
 ax.legend(fontsize=7)
