@@ -73,6 +73,7 @@ full = grads(model, x, y)
 W = 4
 avg = sum(grads(model, x[r * 2:(r + 1) * 2], y[r * 2:(r + 1) * 2]) for r in range(W)) / W
 print(f"max |full-batch grad - mean of {W} slice grads| = {float((full - avg).abs().max()):.1e}")
+assert torch.allclose(full, avg, atol=1e-6), float((full - avg).abs().max())  # fp32: the order of the sums only
 
 # %% [markdown]
 # ## 2. The ring all-reduce, built by hand
@@ -103,8 +104,10 @@ def ring_all_reduce(vectors):
 
 vs = [torch.randn(1200, generator=g) for _ in range(4)]
 out, sent = ring_all_reduce(vs)
-print("every rank holds the sum:", all(torch.allclose(o, sum(vs), atol=1e-5) for o in out))
+err = max(float((o - sum(vs)).abs().max()) for o in out)
+print(f"every rank holds the sum: max |rank's vector - sum| = {err:.1e}")
 print(f"numbers sent per rank: {sent // 4} = 2(W-1)/W * N = {2 * 3 / 4 * 1200:.0f}")
+assert err < 1e-5 and sent // 4 == 2 * 3 * 1200 // 4  # four fp32 additions per element at most
 
 # %% [markdown]
 # ## 3. DDP and ZeRO, built on simulated ranks
@@ -258,6 +261,80 @@ for stage in (1, 2):
 print("PASS: 3 steps of ZeRO-1 and ZeRO-2 on simulated ranks == single-process AdamW on the full batch")
 
 # %% [markdown]
+# ### ZeRO-3 (FSDP): gather a layer's parameters just before it runs, free them right after
+#
+# ZeRO-3 also shards the **parameters**: rank $r$ keeps only its $1/W$ of each layer's flat weight. A layer's full
+# weight exists only while that layer computes: **all-gather** it, run the layer, free the gathered copy; the
+# backward gathers it **again** (the second all-gather of the table's $3N$), computes the layer's input gradient
+# and weight gradient, frees it, and **reduce-scatters** the weight gradient so each rank receives the sum of its
+# own piece. Below, a stack of $L$ linear layers with $\tanh$, its forward and backward written out layer by
+# layer (the backward by hand, so that the moment each weight is needed is visible), on $W$ simulated ranks that
+# count the weight elements they hold gathered at once.
+
+# %%
+def zero3_step(shards, shapes, xs, ys, lr):
+    """One SGD step of W simulated ranks under ZeRO-3. shards[r][l]: rank r's 1/W of layer l's flat weight, the
+    only copy of it rank r keeps; layer l computes h -> tanh(h @ W_l^T); the loss is the mean squared error over
+    the whole batch (rank r holds the slice xs[r], ys[r]). Returns the most gathered weight elements held at once."""
+    W, L = len(shards), len(shapes)
+    live = peak = 0
+
+    def gather(l):  # all-gather layer l's weight from every rank's shard
+        nonlocal live, peak
+        live += shapes[l][0] * shapes[l][1]
+        peak = max(peak, live)
+        return torch.cat([shards[q][l] for q in range(W)]).view(shapes[l])
+
+    def free(w):
+        nonlocal live
+        live -= w.numel()
+
+    grads = [[None] * L for _ in range(W)]  # rank r's full gradient of layer l, before the reduce-scatter
+    for r in range(W):
+        h = [xs[r]]  # activations are kept for the backward; weights are not
+        for l in range(L):
+            w = gather(l)
+            h.append(torch.tanh(h[-1] @ w.T))
+            free(w)
+        dh = 2 * (h[-1] - ys[r]) / ys[r].numel() / W  # d(my slice's mean loss)/dh, averaged over the W ranks
+        for l in reversed(range(L)):
+            w = gather(l)  # gathered again for the backward
+            dz = dh * (1 - h[l + 1] ** 2)  # through tanh
+            grads[r][l] = (dz.T @ h[l]).flatten()
+            dh = dz @ w
+            free(w)
+    for l in range(L):  # reduce-scatter: rank r receives the sum over ranks of its piece of the gradient
+        n = shards[0][l].numel()
+        for r in range(W):
+            shards[r][l] -= lr * sum(grads[q][l][r * n:(r + 1) * n] for q in range(W))
+    return peak
+
+
+# %% tags=["nbval-check-output"]
+# CHECK: simulated ZeRO-3 == single-process SGD, one layer's weight gathered at a time
+shapes = [(32, 16), (64, 32), (16, 64)]  # (out, in) of each layer: 512, 2048 and 1024 elements
+dense_w = [(torch.randn(o, i, generator=g) / i**0.5).requires_grad_() for o, i in shapes]
+shards3 = [[w.detach().flatten().chunk(W)[r].clone() for w in dense_w] for r in range(W)]
+for step in range(3):
+    xb, yb = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+    h = xb
+    for w in dense_w:
+        h = torch.tanh(h @ w.T)
+    ((h - yb) ** 2).mean().backward()  # the reference: autograd on the whole batch, one process
+    with torch.no_grad():
+        for w in dense_w:
+            w -= 0.1 * w.grad
+            w.grad = None
+    peak = zero3_step(shards3, shapes, xb.chunk(W), yb.chunk(W), 0.1)
+err = max(float((torch.cat([shards3[r][l] for r in range(W)]) - dense_w[l].detach().flatten()).abs().max())
+          for l in range(len(shapes)))
+print(f"ZeRO-3, W={W}: after 3 steps max |gathered shards - single-process weights| = {err:.1e}; each rank keeps "
+      f"{sum(s.numel() for s in shards3[0])} of {sum(o * i for o, i in shapes)} weight elements and held at most "
+      f"{peak} gathered at once (the largest layer)")
+assert err < 1e-5 and peak == max(o * i for o, i in shapes)
+print("PASS: ZeRO-3 on simulated ranks == single-process SGD, parameters gathered per layer and freed after use")
+
+# %% [markdown]
 # ## 4. DP, DDP and ZeRO-1/2/3 on real ranks, against one process
 #
 # `minite.parallel.data.DataParallel` is the real thing (≈ 250 lines):
@@ -289,6 +366,7 @@ print(f"{'variant':8} {'params vs 1 process':>20} {'grad vs full batch':>19}")
 for k in ("naive", "zero0", "zero1", "zero2", "zero3", "fsdp2"):
     v = rank0[k]
     print(f"{k:8} {v['max_err']:>20.1e} {v.get('grad_err', float('nan')):>19.1e}  {'ok' if v['ok'] else 'FAIL'}")
+assert all(r[k]["ok"] for r in results(m_dir).values() for k in ("naive", "zero0", "zero1", "zero2", "zero3", "fsdp2"))
 
 # %% [markdown]
 # ## 5. Overlap: the per-rank timeline

@@ -30,8 +30,8 @@
 #
 # * the GPT cut into stages by layers, balanced by parameter count, the embedding on the first stage and the
 #   (tied) head on the last (`minite/parallel/pipeline_stage.py`);
-# * the two classic schedules, AFAB (all-forward-all-backward, GPipe) and 1F1B (PipeDream-flush), as data
-#   (`pipeline_schedule.py`), and an executor for any such schedule, written here in cells on simulated stages in
+# * the two classic schedules, AFAB (all-forward-all-backward, GPipe) and 1F1B (PipeDream-flush), as data,
+#   each written here in a cell (minite's own are in `pipeline_schedule.py`), and an executor for any such schedule, written here in cells on simulated stages in
 #   one process, then run for real with ordered `isend`/`irecv` (`pipeline.py`);
 # * the bubble $(p-1)/(m+p-1)$ derived, then measured from per-rank events; the activation memory per stage of
 #   AFAB vs 1F1B, measured.
@@ -50,7 +50,8 @@ from minite.models.gpt import GPT, GPTConfig
 from minite.parallel.launch import torchrun, results
 from minite.parallel.pipeline_stage import Stage, partition
 from matplotlib.patches import Patch
-from minite.parallel.pipeline_schedule import one_f_one_b, simulate, plot_timeline, bubble_fraction
+from minite.parallel import pipeline_schedule
+from minite.parallel.pipeline_schedule import simulate, plot_timeline, bubble_fraction
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _ = torch.manual_seed(0)
 
@@ -82,7 +83,7 @@ for p in (2, 8):
 #
 # `partition(model, p)` finds contiguous layer ranges that minimise the largest stage's parameter count (a small
 # dynamic programme over cut points). The embedding counts on stage 0 and the head on stage $p-1$: with the head
-# **tied** to the embedding (chapter 14's GPT), both end stages hold a copy of the $V \times C$ matrix, and a
+# **tied** to the embedding (as in minite's GPT, `minite.models.gpt`), both end stages hold a copy of the $V \times C$ matrix, and a
 # large vocabulary pushes blocks away from the ends.
 
 # %%
@@ -139,6 +140,7 @@ dense_loss.backward()
 ref = dict(dense.named_parameters())
 worst = max(float((q.grad - ref[n].grad).abs().max()) for st in stages for n, q in st.named_parameters())
 print(f"|loss - dense| = {abs(loss.item() - dense_loss.item()):.1e}, worst |grad - dense grad| = {worst:.1e}")
+assert abs(loss.item() - dense_loss.item()) < 1e-6 and worst < 1e-6  # the same ops in the same order, in fp32
 
 # %% [markdown]
 # ## 3. The naive pipeline and the bubble
@@ -195,11 +197,36 @@ for p_, m in ((2, 1), (2, 8), (4, 4), (4, 16), (8, 32)):
 # al. 2021) starts backwards as early as possible:
 #
 # * **warm-up**: stage $s$ runs $\min(p-1-s,\, m)$ forwards (enough to fill the pipeline below it);
-# * **steady state**: one forward, one backward, alternating;
-# * **cool-down**: the remaining backwards.
+# * **steady state**: one forward, then the oldest backward not yet run, alternating;
+# * **cool-down**: the remaining backwards, in micro-batch order.
 #
-# The exercise asks you to write that order; here we use minite's (`minite.parallel.pipeline_schedule.one_f_one_b`)
-# and build what runs it. A schedule is data: `schedule(p, m, s)` is the list of `("F", i)` / `("B", i)` steps stage
+# Written as a generator of each stage's steps:
+
+# %%
+def one_f_one_b_steps(p, m, stage):
+    """PipeDream-flush 1F1B: the ("F", i) / ("B", i) steps stage `stage` of `p` runs for `m` micro-batches."""
+    warm = min(p - 1 - stage, m)
+    steps = [("F", i) for i in range(warm)]  # warm-up
+    for i in range(warm, m):  # steady state: the next forward, then the oldest backward
+        steps += [("F", i), ("B", i - warm)]
+    return steps + [("B", i) for i in range(m - warm, m)]  # cool-down
+
+
+# %% tags=["nbval-check-output"]
+# CHECK: the 1F1B generator
+for p_ in range(1, 7):
+    for m in range(1, 13):
+        for s_ in range(p_):
+            steps = one_f_one_b_steps(p_, m, s_)
+            assert sorted(steps) == sorted((k, i) for k in "FB" for i in range(m)), (p_, m, s_, steps)
+            assert steps == pipeline_schedule.one_f_one_b(p_, m, s_), (p_, m, s_)  # minite's, for the real ranks
+        sim = simulate(one_f_one_b_steps, p_, m)  # runs without deadlock, as long as AFAB's (section 3)
+        span = max(e[3] for v in sim.values() for e in v)
+        assert span == 3 * (m + p_ - 1), (p_, m, span)
+print("PASS: 1F1B has every step once, equals minite's schedule, and takes (m + p - 1)(t_F + t_B)")
+
+# %% [markdown]
+# Now what runs it. A schedule is data: `schedule(p, m, s)` is the list of `("F", i)` / `("B", i)` steps stage
 # $s$ runs, in order. The **executor** below runs such lists on $p$ simulated stages in one process, with the rules
 # of the real one (section 5):
 #
@@ -275,7 +302,7 @@ want = dense4(x12, y12)[1]
 want.backward()
 ref4 = dict(dense4.named_parameters())
 for p_ in (2, 4):
-    for name, sched in (("AFAB", afab_steps), ("1F1B", one_f_one_b)):
+    for name, sched in (("AFAB", afab_steps), ("1F1B", one_f_one_b_steps)):
         for m in (1, 3, 6):
             sts = [Stage(dense4, r, s == 0, s == p_ - 1) for s, r in enumerate(partition(dense4, p_))]
             got, held, _ = run_schedule(sts, sched, x12, y12, m)
@@ -304,7 +331,7 @@ except RuntimeError as e:
 
 # %%
 fig, axs = plt.subplots(1, 2, figsize=(11, 3.4), layout="tight")
-for ax, (name, sched) in zip(axs, (("AFAB", afab_steps), ("1F1B", one_f_one_b))):
+for ax, (name, sched) in zip(axs, (("AFAB", afab_steps), ("1F1B", one_f_one_b_steps))):
     plot_timeline(simulate(sched, 4, 8), ax, f"{name}, p=4, m=8 (simulated)")
     label(ax, "time, in units of one forward (t_F = 1, t_B = 2)")
 plt.show()
@@ -323,7 +350,7 @@ def max_in_flight(steps):
 
 for m in (2, 6, 16):
     print(f"m={m:2}: AFAB {[max_in_flight(afab_steps(4, m, s)) for s in range(4)]}, "
-          f"1F1B {[max_in_flight(one_f_one_b(4, m, s)) for s in range(4)]}")
+          f"1F1B {[max_in_flight(one_f_one_b_steps(4, m, s)) for s in range(4)]}")
 
 # %% [markdown]
 # AFAB holds $m$ on every stage; 1F1B holds $\min(p - s, m)$, at most $p$ on stage 0, independent of $m$. So with
@@ -353,7 +380,10 @@ for name in rep[0]:
     if name.startswith("grads"):
         err = max(max(r[name]["loss_err"], r[name]["grad_err"]) for r in rep.values())
         print(f"{name:15} max |loss or grad - dense| over both stages: {err:.0e}  ok={all(r[name]['ok'] for r in rep.values())}")
+        assert err < 1e-5 and all(r[name]["ok"] for r in rep.values()), name
 print("train 3 steps: parameters vs dense", f"{rep[0]['train_3_steps']['param_err']:.0e}")
+assert rep[0]["train_3_steps"]["param_err"] < 1e-4  # 3 AdamW steps amplify fp32 rounding (lr 1e-2 moves ~1e-2)
+assert len(rep[0]["reject"]["messages"]) == 2
 for msg in rep[0]["reject"]["messages"]:
     print("rejected:", msg)
 
@@ -400,10 +430,12 @@ plt.show()
 # At $m = 1$ about half of the ranks' time is idle (the mean column), as the formula says. With more micro-batches
 # the formula is a lower bound that real runs do not reach, because its assumptions fail here:
 #
-# * **equal, constant step times.** The stages are balanced by parameter count (section 2), the head counted on
-#   the last stage, so at this size the last stage's steps are not visibly longer than the first's. What varies
-#   is the same step from one micro-batch to the next: the printed shortest and longest times of one kind on one
-#   stage differ by up to a factor of 2 or more. The two processes share 2 CPU cores with everything else on the
+# * **equal, constant step times.** Section 2 balanced the stages by **parameter count**, which is not time: the
+#   embedding counted on stage 0 is a table lookup, while the tied head counted on the last stage is a GEMM with
+#   the $V \times C$ matrix followed by the loss, so the last stage does more work per micro-batch than its share
+#   of parameters says, and runs can show it (one printed the last stage's 1F1B backwards at 11–17 ms against
+#   stage 0's 5–10 ms). Read the printed ranges of the run above: the same step on one stage also varies from
+#   one micro-batch to the next, by up to a factor of 2 or more, which blurs the difference between stages. The two processes share 2 CPU cores with everything else on the
 #   machine, so a step that loses its core half-way runs long, and a stage can sit idle with its input ready (a
 #   gap in one row with no matching work in the other row). The numbers change from run to run (re-run the cell).
 # * **free messages**: every hand-over passes through gloo, and small micro-batches make the per-step overheads

@@ -25,12 +25,17 @@
 #
 # **Context parallelism (CP)** cuts the sequence itself over $cp$ ranks. Every op of the GPT except attention works
 # token by token (embedding, norms, projections, MLP, the loss), so it runs unchanged on a rank's $T/cp$ tokens.
-# Attention is the one place where tokens meet: each query needs every key before it. This chapter builds the two
-# ways Megatron-LM / Transformer Engine do it:
+# Attention is the one place where tokens meet: each query needs every key before it. Transformer Engine's
+# context parallelism offers four ways (the `cp_comm_type` argument of `DotProductAttention`, which Megatron-LM
+# passes through); this chapter builds the first two:
 #
 # * **the ring** (`cp_comm_type="p2p"`): K/V blocks travel around the ranks, each step runs the chapter-07 flash
 #   kernel on the block at hand, and the partial outputs are merged exactly by their **log-sum-exp**;
-# * **all-gather K/V** (`cp_comm_type="all_gather"`): gather all keys once, reduce-scatter their gradients.
+# * **all-gather K/V** (`cp_comm_type="all_gather"`): gather all keys once, reduce-scatter their gradients;
+# * **all-to-all** (`cp_comm_type="a2a"`, DeepSpeed-Ulysses, Jacobs et al. 2023): an all-to-all trades the
+#   sequence shard for a head shard, so each rank runs ordinary attention over the *whole* sequence for $H/cp$ of
+#   the heads, and a second all-to-all trades back; $cp$ must divide the number of (kv) heads;
+# * `"a2a+p2p"`: all-to-all inside a group of ranks (a node), the ring between groups.
 
 # %%
 import os, torch
@@ -43,7 +48,7 @@ from matplotlib.patches import Patch
 from minite.ops import attention
 from minite.kernels.attention import attention_bwd
 from minite.parallel.launch import torchrun, results
-from minite.parallel.context import shard, positions
+from minite.parallel import context
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _ = torch.manual_seed(0)
 
@@ -140,8 +145,52 @@ print("PASS: the simulated ring equals the single-process kernel")
 #   not at all: **all my queries × the first half** of the block, non-causal;
 # * a block from a higher rank $s > r$: only my late chunk sees it, completely: **my second half × all** of it.
 #
-# Each off-diagonal step is exactly half a block of work. The plot colours each visible (query chunk, key chunk)
-# tile of the causal mask by the rank that computes it.
+# Each off-diagonal step is exactly half a block of work. The layout and the plan, as functions (`Tl` is a rank's
+# number of tokens, two chunks of $T/2cp$):
+
+# %%
+def zigzag_positions(T, cp, rank):
+    """The global positions of rank `rank`'s tokens: chunks rank and 2cp-1-rank of the 2cp chunks, in that order."""
+    c = T // (2 * cp)
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+
+
+def zigzag_plan(step, r, cp, Tl):
+    """What rank r computes (causal) at ring step `step`, holding the block of rank (r - step) % cp:
+    (my query rows, the block's key rows, causal mask?) as slices of the two ranks' Tl local tokens."""
+    src, all_, h = (r - step) % cp, slice(0, Tl), Tl // 2
+    if step == 0:
+        return all_, all_, True  # my own block: local order follows global order
+    return (all_, slice(0, h), False) if src < r else (slice(h, Tl), all_, False)
+
+
+# %% tags=["nbval-check-output"]
+# CHECK: the zig-zag plan
+for cp_, T in ((2, 8), (2, 12), (3, 18), (4, 16), (4, 40)):
+    pos = [zigzag_positions(T, cp_, r) for r in range(cp_)]
+    assert torch.equal(torch.sort(torch.cat(pos)).values, torch.arange(T))  # every token on exactly one rank
+    work = []
+    for r in range(cp_):
+        assert torch.equal(pos[r], context.positions(T, cp_, r))  # minite's layout, used on real ranks
+        done = 0
+        for step in range(cp_):
+            src = (r - step) % cp_
+            visible = pos[r][:, None] >= pos[src][None, :]  # the causal mask between my tokens and the block's
+            qs, ks_, causal = zigzag_plan(step, r, cp_, len(pos[r]))
+            planned = torch.zeros_like(visible)
+            planned[qs, ks_] = True
+            if causal:
+                planned &= torch.ones_like(visible).tril()
+            assert torch.equal(planned, visible), (cp_, T, r, step)  # computes exactly the visible scores
+            done += int(visible.sum())
+        work.append(done)
+    assert len(set(work)) == 1, (cp_, T, work)  # every rank computes the same number of scores
+print("PASS: the zig-zag layout covers the sequence, its plan computes exactly the visible scores, and every "
+      "rank does the same work")
+
+# %% [markdown]
+# The plot colours each visible (query chunk, key chunk) tile of the causal mask by the rank that computes it; a
+# tile on the diagonal holds half a tile of visible scores, so it counts one half.
 
 # %%
 cp = 4
@@ -150,11 +199,13 @@ for ax, balanced in zip(axes, (False, True)):
     n = 2 * cp  # draw in units of the 2cp chunks
     owner = torch.full((n, n), float("nan"))
     for r in range(cp):
-        for qc in positions(n, cp, r, balanced).tolist():  # the chunks rank r holds (chunk = one unit here)
+        held = zigzag_positions(n, cp, r) if balanced else torch.arange(r * n // cp, (r + 1) * n // cp)
+        for qc in held.tolist():  # the chunks rank r holds (chunk = one unit here)
             owner[qc, :qc + 1] = r
     ax.imshow(owner, cmap="tab10", vmin=0, vmax=9)
-    work = [int((owner == r).sum()) for r in range(cp)]
-    ax.set(title=f"{'balanced' if balanced else 'contiguous'}: tiles per rank {work}",
+    work = [float((owner == r).sum()) - 0.5 * int((owner.diagonal() == r).sum()) for r in range(cp)]  # half diagonals
+    ax.set(title=f"{'balanced' if balanced else 'contiguous'}: tiles per rank {work}, "
+                 f"{max(work) / min(work):.0f}x",
            xlabel=f"key chunk (T/{n} tokens each)", ylabel=f"query chunk (T/{n} tokens each)")
 ax.legend(handles=[Patch(color=plt.get_cmap("tab10")(r / 9), label=f"computed by rank {r}") for r in range(cp)] +
           [Patch(facecolor="white", edgecolor="k", label="masked (future keys)")], loc="upper left",
@@ -276,6 +327,7 @@ for name in [n for n in rep[0] if n != "cp_measure"]:
     print(f"{name:34} {'below 1e-5' if worst < 1e-5 else f'{worst:.1e}':>24}  "
           f"{'ok' if all(rep[r][name]['ok'] for r in rep) else 'FAIL'}")
 print("GPT under CP, losses of the 5 steps:", [round(x, 4) for x in rep[0]["gpt_ring_5_steps"]["losses"]])
+assert all(rep[r][name]["ok"] and rep[r][name]["max_err"] < 1e-4 for r in rep for name in rep[r] if name != "cp_measure")
 
 # %% [markdown]
 # ## 6. Measured: work per rank, bytes and peak memory
@@ -412,3 +464,5 @@ one_loss = [round(one["losses"][s], 6) for s in sorted(one["losses"])]
 print("cp=2 on 2 ranks:", [round(x, 4) for x in cp_loss])
 print("one process:    ", [round(x, 4) for x in one_loss])
 print(f"max difference: {max(abs(a - b) for a, b in zip(cp_loss, one_loss)):.0e}")
+assert len(cp_loss) == len(one_loss) == 8 and max(abs(a - b) for a, b in zip(cp_loss, one_loss)) < 1e-4  # a
+# summation order; a missing gradient or a wrong shard moves the loss by 1e-2 or more within a few steps

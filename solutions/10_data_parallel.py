@@ -44,7 +44,8 @@ _ = torch.manual_seed(0)
 # own `flat_grad` (the gradient of its slice of the batch). Afterwards every rank's `flat_param` must hold
 # `flat_param - lr * (mean over ranks of flat_grad)`, **in place** — and no rank may compute the update for more
 # than its own $1/W$ of the elements (rank $r$ owns the $r$-th contiguous chunk). Use `torch.distributed`'s
-# `reduce_scatter_tensor` and `all_gather_into_tensor` (both work on gloo), with `group=group`.
+# `reduce_scatter_tensor` and `all_gather_into_tensor` (both work on gloo, which carries out the reduce-scatter as
+# an all-reduce: twice the bytes, the same result), with `group=group`.
 
 # %% minite={"task": "sharded_sgd_step"}
 def sharded_sgd_step(flat_param, flat_grad, group, lr):

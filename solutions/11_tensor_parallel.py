@@ -112,7 +112,7 @@ print("PASS: vocab_parallel_embedding")
 def sp_rmsnorm(partial, weight, group):
     W, r = dist.get_world_size(group), dist.get_rank(group)
 
-    def reduce_scatter(x):  # gloo has no reduce_scatter: all-reduce, keep my chunk of the sequence
+    def reduce_scatter(x):  # reduce_scatter_tensor cuts dim 0 (here the batch): all-reduce, keep my sequence chunk
         full = x.contiguous().clone()
         dist.all_reduce(full, group=group)
         return full.chunk(W, dim=1)[r].contiguous()

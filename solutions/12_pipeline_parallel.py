@@ -17,120 +17,91 @@
 # %% [markdown]
 # # 12 — Pipeline parallelism: exercises
 #
-# Three graded tasks. Fill in each region between `### BEGIN YOUR CODE` and `### END YOUR CODE` (delete the
-# `raise NotImplementedError()`), run the cell, then run its check cell.
+# Two graded tasks. Fill in each region between `### BEGIN YOUR CODE` and `### END YOUR CODE` (delete the
+# `raise NotImplementedError()`), run the cell, then run its check cell. (The lesson wrote the 1F1B order itself.)
 #
-# 1. **The 1F1B schedule, graded on 2 real ranks.** The check cell writes your function to a file and launches
-#    `torchrun --nproc-per-node 2 -m minite.parallel.workers one_f_one_b`: every rank runs a real pipeline step with
-#    your order and compares its loss and gradients with the dense GPT.
-# 2. **Balanced stages**: where to cut a list of layer costs into $p$ contiguous stages.
-# 3. **The interleaved 1F1B schedule** (Megatron-LM): each rank holds several chunks of layers, which divides the
+# 1. **Stages balanced by measured time**: where to cut a model into $p$ contiguous stages when what you know is
+#    each layer's measured time, the first stage's embedding and the last stage's head and loss.
+# 2. **The interleaved 1F1B schedule** (Megatron-LM): each rank holds several chunks of layers, which divides the
 #    bubble by the number of chunks.
 
 # %%
 import os, torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton or minite kernels
-import inspect, itertools
-from minite.parallel.workers.grade import run_graded
+import itertools
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _ = torch.manual_seed(0)
 
 # %% [markdown]
-# ## Task 1 — the 1F1B step order
+# ## Task 1 — stages balanced by measured time
 #
-# `one_f_one_b(p, m, stage)` returns the list of steps stage `stage` (0 … p−1) of a `p`-stage pipeline runs for
-# `m` micro-batches: `("F", i)` is the forward of micro-batch `i`, `("B", i)` its backward. The order is
-# PipeDream-flush 1F1B:
+# Lesson 12 balanced the stages by parameter count, and its measured timelines showed why that is not enough: the
+# embedding on stage 0 is a table lookup, the tied head on the last stage a $V \times C$ GEMM and the loss. What
+# sets a pipeline's pace is its slowest stage's time per micro-batch (in the steady state of 1F1B every stage
+# runs one forward and one backward per slot). So balance what you measured.
 #
-# * warm-up: as many forwards as there are stages after this one, but never more than `m`;
-# * steady state: alternately the next forward, then the oldest backward not yet run;
-# * cool-down: the backwards that remain, in micro-batch order.
-#
-# Micro-batch numbers are plain Python `int`s, the list contains each forward and each backward once, and it must
-# work for `m` smaller than `p`. The grader compares your order for every stage of many `(p, m)` with the
-# expected one, then runs one real step with it on 2 ranks (`m = 6`).
-
-# %% minite={"task": "one_f_one_b"}
-def one_f_one_b(p, m, stage):
-    ### BEGIN SOLUTION
-    order, nf, nb = [], 0, 0
-    while nf < min(p - stage - 1, m):
-        order.append(("F", nf))
-        nf += 1
-    while nf < m:
-        order += [("F", nf), ("B", nb)]
-        nf, nb = nf + 1, nb + 1
-    order += [("B", i) for i in range(nb, m)]
-    return order
-    ### END SOLUTION
-
-# %% minite={"check": "one_f_one_b"} tags=["nbval-check-output"]
-# CHECK: one_f_one_b
-ok, msg = run_graded(inspect.getsource(one_f_one_b), "one_f_one_b", world=2)
-print(msg)
-assert ok
-print("PASS: one_f_one_b")
-
-# %% [markdown]
-# ## Task 2 — balanced stages
-#
-# `balanced_cuts(costs, p)` gets the cost of each layer in order (a list of positive numbers, parameter counts
-# for instance, `len(costs) >= p`) and returns the `p - 1` cut indices `0 < c_1 < ... < c_{p-1} < len(costs)`
-# such that the stages `costs[0:c_1]`, `costs[c_1:c_2]`, …, `costs[c_{p-1}:]` are all non-empty and the largest
-# stage sum is as small as possible. When several cuttings reach the same largest sum, any of them is accepted.
-# It must run in polynomial time (the check uses 40 layers and 6 stages).
+# `balanced_cuts(layer_ms, p, first_ms, last_ms)` gets each layer's measured forward + backward time in order
+# (positive floats, `len(layer_ms) >= p`), the extra time of the first stage (the embedding) and of the last stage
+# (norm, head and loss), and returns the `p - 1` cut indices `0 < c_1 < ... < c_{p-1} < len(layer_ms)`: stage 0
+# runs layers `[0, c_1)` plus `first_ms`, stage $k$ runs `[c_k, c_{k+1})`, the last stage `[c_{p-1}, n)` plus
+# `last_ms` (with `p = 1` the one stage pays both). Every stage holds at least one layer, and the slowest stage's
+# time must be as small as possible (any cutting that reaches it is accepted). It must run in polynomial time in
+# the number of layers and stages.
 
 # %% minite={"task": "balanced_cuts"}
-def balanced_cuts(costs, p):
+def balanced_cuts(layer_ms, p, first_ms, last_ms):
     ### BEGIN SOLUTION
-    n = len(costs)
-    pre = [0]
-    for c in costs:
-        pre.append(pre[-1] + c)
+    n = len(layer_ms)
+    pre = [0.0]
+    for t in layer_ms:
+        pre.append(pre[-1] + t)
 
-    def fits(limit):  # greedy: each stage takes layers while its sum stays <= limit; None if p stages are not enough
-        cuts, cur = [], 0
-        for j, c in enumerate(costs):
-            if c > limit:
-                return None
-            if cur + c > limit:
-                cuts.append(j)
-                cur = 0
-            cur += c
-        return cuts if len(cuts) <= p - 1 else None
+    def stage_ms(k, i, j):  # stage k runs layers i..j-1
+        return pre[j] - pre[i] + (first_ms if k == 0 else 0.0) + (last_ms if k == p - 1 else 0.0)
 
-    sums = sorted({pre[j] - pre[i] for i in range(n) for j in range(i + 1, n + 1)})
-    lo, hi = 0, len(sums) - 1
-    while lo < hi:  # the smallest possible largest-stage sum is one of the contiguous sums
-        mid = (lo + hi) // 2
-        if fits(sums[mid]) is not None:
-            hi = mid
-        else:
-            lo = mid + 1
-    cuts = fits(sums[lo])
-    extra = [j for j in range(1, n) if j not in cuts]  # more stages than needed: split further (sums only shrink)
-    return sorted(cuts + extra[:p - 1 - len(cuts)])
+    best = {0: (0.0, [])}  # layers taken by the stages so far -> (their slowest time, their end indices)
+    for k in range(p):
+        nxt = {}
+        for i, (worst, ends) in best.items():
+            for j in (range(i + 1, n - (p - 1 - k) + 1) if k < p - 1 else [n]):
+                cand = (max(worst, stage_ms(k, i, j)), ends + [j])
+                if j not in nxt or cand[0] < nxt[j][0]:
+                    nxt[j] = cand
+        best = nxt
+    return best[n][1][:-1]
     ### END SOLUTION
 
 # %% minite={"check": "balanced_cuts"} tags=["nbval-check-output"]
 # CHECK: balanced_cuts
-def largest(costs, cuts):
-    b = [0, *cuts, len(costs)]
-    return max(sum(costs[b[k]:b[k + 1]]) for k in range(len(b) - 1))
+def slowest(ms, cuts, first, last):
+    b = [0, *cuts, len(ms)]
+    times = [sum(ms[b[k]:b[k + 1]]) for k in range(len(b) - 1)]
+    times[0] += first
+    times[-1] += last
+    return max(times)
+
+
+def check_cuts(ms, p, first, last):
+    cuts = [int(c) for c in balanced_cuts(ms, p, first, last)]
+    n = len(ms)
+    assert len(cuts) == p - 1 and all(a < b for a, b in zip([0] + cuts, cuts + [n])), (ms, p, cuts)
+    best = min(slowest(ms, c, first, last) for c in itertools.combinations(range(1, n), p - 1))  # every cutting
+    got = slowest(ms, cuts, first, last)
+    assert got <= best + 1e-9, (ms, p, first, last, cuts, got, best)
+    return got, best
+
 
 gen = torch.Generator().manual_seed(5)
-for n, p in ((4, 4), (6, 2), (8, 3), (9, 4), (7, 5)):
+for n, p in ((4, 4), (6, 2), (8, 3), (9, 4), (7, 5), (5, 1)):
     for _ in range(4):
-        costs = torch.randint(1, 50, (n,), generator=gen).tolist()
-        cuts = list(balanced_cuts(costs, p))
-        assert len(cuts) == p - 1 and all(a < b for a, b in zip([0] + cuts, cuts + [n])), (costs, p, cuts)
-        best = min(largest(costs, c) for c in itertools.combinations(range(1, n), p - 1))
-        assert largest(costs, cuts) == best, (costs, p, cuts, best)
-big = torch.randint(1, 1000, (40,), generator=gen).tolist()
-cuts = list(balanced_cuts(big, 6))
-assert len(cuts) == 5 and largest(big, cuts) <= max(max(big), sum(big) / 6 + max(big))
-print("balanced_cuts: optimal on 20 random cases, 40 layers into 6 stages ok")
+        ms = [round(x, 1) for x in (torch.rand(n, generator=gen) * 9 + 1).tolist()]
+        first, last = [round(x, 1) for x in (torch.rand(2, generator=gen) * 12).tolist()]
+        check_cuts(ms, p, first, last)
+# a 40-layer model, 4 stages: uniform layers, a cheap embedding, a head as costly as 6 layers
+ms = [round(x, 2) for x in (2.0 + 0.2 * torch.rand(40, generator=gen)).tolist()]
+got, best = check_cuts(ms, 4, 0.1, 12.5)
+print(f"40 layers into 4 stages: slowest stage {got:.2f} ms, the best of all 9139 cuttings {best:.2f} ms")
 print("PASS: balanced_cuts")
 
 # %% [markdown]
@@ -152,7 +123,7 @@ print("PASS: balanced_cuts")
 # taking $1/v$ time units and its backward $2/v$ (a whole stage's work split into $v$ chunks) and messages taking
 # no time:
 #
-# * no rank ever waits forever, and the step ends at $3m + 3(p-1)/v$: the bubble of chapter 12's 1F1B, divided by $v$;
+# * no rank ever waits forever, and the step ends at $3m + 3(p-1)/v$: the bubble of lesson 12's 1F1B, divided by $v$;
 # * no rank holds more than $pv + p - 1$ chunk forwards whose backward has not run yet (AFAB order would hold all
 #   $mv$).
 #

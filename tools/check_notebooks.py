@@ -21,7 +21,10 @@
 * **the learner's voice** (`authors_words`, on the .py of notebooks/ and solutions/): no text written for the
   course's authors rather than its learners: editions, work sessions, issue numbers, briefs, helper sessions.
 
-    python tools/check_notebooks.py [--root DIR] [--only copies,pairs,outputs,exercises,gpu,selfcheck,voice]
+* **a wrong core fails a check** (`planted_cores`, executes): for each lesson of PLANTED, the cells that build
+  its core and check it pass as written and fail with one plausible mistake planted in the core.
+
+    python tools/check_notebooks.py [--root DIR] [--only copies,pairs,outputs,exercises,gpu,selfcheck,voice,planted]
 """
 from __future__ import annotations
 
@@ -453,8 +456,83 @@ def authors_words(root: Path) -> list[str]:
     return problems
 
 
+# ------------------------------------------------------------------------ a wrong core fails a lesson's check
+# For each lesson, the core it builds in its cells with one plausible mistake planted (a sign, an off-by-one, a
+# missing scale): (the cells to run, each named by a string its source contains; the edit (old, new)). The
+# first code cell (imports) always runs; the named cells run in lesson order, the edit applied to the one that
+# holds `old`. The real lesson must pass those cells and the planted one must fail one of them: a check that
+# prints but does not assert, or asserts with a tolerance the mistake fits in, passes both.
+PLANTED: dict[str, tuple[list[str], tuple[str, str]]] = {
+    "10_data_parallel": (["g = torch.Generator().manual_seed(1)", "def ring_all_reduce", "ring_all_reduce(vs)",
+                          "def zero3_step", "CHECK: simulated ZeRO-3"],
+                         ("/ ys[r].numel() / W", "/ ys[r].numel()")),  # the ranks' gradients summed, not averaged
+    "11_tensor_parallel": (["partial = [F.gelu"], ("W2.chunk(t, 1)[r]", "W2.chunk(t, 1)[(r + 1) % t]")),  # the row
+    #                                             layer's columns paired with the next rank's hidden units
+    "12_pipeline_parallel": (["def one_f_one_b_steps", "CHECK: the 1F1B generator"],
+                             ("min(p - 1 - stage, m)", "min(p - stage, m)")),  # one warm-up forward too many
+    "13_context_parallel": (["def zigzag_positions", "CHECK: the zig-zag plan"],
+                            ("2 * cp - 1 - rank", "2 * cp - 2 - rank")),  # off-by-one late chunk
+    "14_graduation": (["mlp_loss(w1, w2, x, t)"], ("for ws in (w1, w2)] for d in grid]",
+                                                    "for ws in (w1, w2)] for d in grid]\navg = [[a * DP for a in ga] "
+                                                    "for ga in avg]")),  # the dp sum taken for the mean
+}
+
+
+def lesson_script(py: Path, markers: list[str], edit: tuple[str, str] | None = None) -> str:
+    """The first code cell of a lesson and the code cells holding one of `markers`, in order, as one script
+    (IPython lines blanked), with `edit` (old, new) applied to the one place `old` occurs."""
+    cells = code_cells(py)
+    kept = [cells[0][2]] + [src for _, _, src in cells[1:] if any(m in src for m in markers)]
+    text = "\n\n".join("\n".join("" if ln.lstrip().startswith(("%", "!")) else ln for ln in c.splitlines())
+                        for c in kept)
+    if edit:
+        if text.count(edit[0]) != 1:
+            raise ValueError(f"{py.name}: the planted edit's {edit[0]!r} occurs {text.count(edit[0])} times, not once")
+        text = text.replace(*edit)
+    return text
+
+
+def _run_script(text: str, root: Path, timeout: int = 240):
+    import os
+    import subprocess
+    import tempfile
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(text)
+    env = {**os.environ, "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    try:
+        return subprocess.run([sys.executable, f.name], cwd=root, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    finally:
+        os.unlink(f.name)
+
+
+def planted_cores(root: Path, table: dict | None = None) -> list[str]:
+    """For each lesson of `table` (PLANTED): its core's cells must pass as written and fail with the mistake."""
+    problems = []
+    for stem, (markers, edit) in (PLANTED if table is None else table).items():
+        py = root / "notebooks" / f"{stem}.py"
+        if not py.exists():
+            continue
+        try:
+            real, wrong = lesson_script(py, markers), lesson_script(py, markers, edit)
+        except ValueError as e:
+            problems.append(str(e))
+            continue
+        ok = _run_script(real, root)
+        if ok.returncode != 0:
+            problems.append(f"notebooks/{stem}.py: its core's cells fail as written: {(ok.stdout + ok.stderr)[-400:]}")
+            continue
+        bad = _run_script(wrong, root)
+        if bad.returncode == 0:
+            problems.append(f"notebooks/{stem}.py: with {edit[0]!r} -> {edit[1]!r} planted in its core, every check "
+                            "of the cells run still passes: a check there prints instead of asserting, or its "
+                            "tolerance fits the mistake")
+    return problems
+
+
 CHECKS = {"copies": copied_answers, "pairs": pairs_out_of_sync, "outputs": exercises_with_outputs,
-          "exercises": exercises_stale, "gpu": gpu_portability, "selfcheck": self_checks, "voice": authors_words}
+          "exercises": exercises_stale, "gpu": gpu_portability, "selfcheck": self_checks, "voice": authors_words,
+          "planted": planted_cores}
 
 
 def main(argv=None) -> int:
