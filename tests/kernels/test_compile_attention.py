@@ -43,7 +43,7 @@ def test_every_kernel_launch_can_be_traced():
     bare = []
     for f in sorted(ROOT.rglob("*.py")):
         for n, line in enumerate(f.read_text().splitlines(), 1):
-            for m in re.finditer(r"(?<![\w(])(_\w+_kernel)\[", line):
+            for m in re.finditer(r"(?<![\w(\"'])(_\w+_kernel)\[", line):  # not a name in a string (gate budgets)
                 if m.group(1) not in EAGER_ONLY:
                     bare.append(f"{f.relative_to(ROOT.parent)}:{n}: {line.strip()}")
     assert not bare, "launch through launchable(kernel)[grid](...):\n" + "\n".join(bare)
