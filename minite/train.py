@@ -433,10 +433,19 @@ def _moe_row(run: Run) -> dict:
 
 def _write(run: Run, log, **row) -> None:
     log.write(json.dumps(row) + "\n")
-    if run.tb is not None:  # --train.tensorboard: every number of the line, tagged with its key, at its step
+    if run.tb is not None:  # --train.tensorboard: every number of the line at its step, grouped as torchtitan does
         for key in row.keys() - {"step"}:  # numbers only: moe_tokens_per_expert is a list
             if isinstance(row[key], (int, float)):
-                run.tb.add_scalar(key, row[key], row["step"])
+                run.tb.add_scalar(tb_tag(key), row[key], row["step"])
+
+
+def tb_tag(key: str) -> str:
+    """TensorBoard's tag for a log.jsonl key: val_loss -> val/loss, moe_dropped -> moe/dropped, tokens_per_s ->
+    perf/tokens_per_s, the rest (loss, lr, grad_norm) under train/."""
+    for prefix, group in (("val_", "val/"), ("moe_", "moe/")):
+        if key.startswith(prefix):
+            return group + key[len(prefix):]
+    return ("perf/" if key in ("tokens_per_s", "mfu") else "train/") + key
 
 
 def _summary_writer():
@@ -548,6 +557,35 @@ def _announce(run: Run) -> None:
     print(f"minite.train: {run.model.num_params() / 1e6:.2f}M parameters, {run.dev}, precision {prec}, "
           f"compile {run.compiled}, threads {torch.get_num_threads()}, data {data.dir} (vocab "
           f"{data.tokenizer.vocab_size}, {len(data.split('train')):,} train tokens), {start}", flush=True)
+    if extra := _non_defaults(run, prec):  # issue 37: what changes the math or the speed, said at the start
+        print("minite.train: " + "; ".join(extra), flush=True)
+
+
+def _non_defaults(run: Run, prec: str) -> list[str]:
+    """The run's settings beyond a dense one-process GPT: experts, the FP8 recipe (and whether it is emulated),
+    the parallel layout, recompute, where TensorBoard writes."""
+    m, t, par = run.model.config, run.cfg.train, run.par
+    out = []
+    if m.moe_num_experts:
+        cap = f"capacity {m.moe_capacity_factor:g} in training" if m.moe_capacity_factor else "dropless"
+        out.append(f"MoE {m.moe_num_experts} experts, top-{m.moe_top_k}, balance {m.moe_balance}, {cap}"
+                   + (", a shared expert" if m.moe_shared_expert else ""))
+    if prec == "fp8":
+        real = run.dev.type == "cuda" and torch.cuda.get_device_capability(run.dev) >= (8, 9)
+        out.append(f"fp8 recipe {t.fp8_recipe} (Linear layers with min(in, out) >= {t.fp8_min_dim}), "
+                   + ("on FP8 tensor cores" if real else f"emulated on {run.dev.type}: operands rounded to fp8, "
+                      "GEMMs in fp32"))
+    d = par.dims
+    layout = {"dp": d.dp, "tp": d.tp, "pp": d.pp, "cp": d.cp, "ep": d.ep}
+    if par.world > 1:
+        out.append("layout " + " ".join(f"{k}={v}" for k, v in layout.items() if v > 1)
+                   + (f" zero={par.zero}" if par.zero else "") + (" sp" if par.sp else "")
+                   + (f" {par.schedule} x{par.microbatches or d.pp}" if d.pp > 1 else "") + f" ({par.world} ranks)")
+    if t.recompute != "none":
+        out.append(f"recompute {t.recompute}")
+    if t.tensorboard:
+        out.append(f"TensorBoard in {run.out}")
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- train

@@ -333,15 +333,16 @@ def test_tensorboard_writes_the_logged_scalars(run_cfg, tmp_path):
     s = train(run_cfg(**over))
     out = tmp_path / "out"
     sc = _scalars(out)
-    assert {"loss", "val_loss", "lr", "tokens_per_s", "grad_norm"} <= set(sc)
-    assert [st for st, _ in sc["loss"]] == list(range(1, 9))
-    for st, v in sc["loss"]:
+    # issue 37: tags grouped as torchtitan's (train/..., val/..., perf/...), not flat
+    assert {"train/loss", "val/loss", "train/lr", "perf/tokens_per_s", "train/grad_norm"} <= set(sc), set(sc)
+    assert [st for st, _ in sc["train/loss"]] == list(range(1, 9))
+    for st, v in sc["train/loss"]:
         assert v == pytest.approx(s["losses"][st], rel=1e-6, abs=1e-6), st  # fp32 events of the rounded loss
     rows = [json.loads(r) for r in (out / "log.jsonl").read_text().splitlines()]
-    assert sc["val_loss"] == [(r["step"], pytest.approx(r["val_loss"], rel=1e-6)) for r in rows if "val_loss" in r]
-    assert [st for st, _ in sc["val_loss"]] == [0, 4, 8]
-    assert all(v > 0 for _, v in sc["grad_norm"]) and len(sc["grad_norm"]) == 8
-    assert sc["lr"][0][1] == pytest.approx(rows[1]["lr"], rel=1e-6)
+    assert sc["val/loss"] == [(r["step"], pytest.approx(r["val_loss"], rel=1e-6)) for r in rows if "val_loss" in r]
+    assert [st for st, _ in sc["val/loss"]] == [0, 4, 8]
+    assert all(v > 0 for _, v in sc["train/grad_norm"]) and len(sc["train/grad_norm"]) == 8
+    assert sc["train/lr"][0][1] == pytest.approx(rows[1]["lr"], rel=1e-6)
     # a resumed run drops the events after its checkpoint: each step once, as in the uninterrupted run
     cut = run_cfg(**over, **{"train.out_dir": str(tmp_path / "cut")})
 
@@ -352,12 +353,12 @@ def test_tensorboard_writes_the_logged_scalars(run_cfg, tmp_path):
         train(cut, callback=crash)
     train(cut, resume=True, resume_overrides={"train.out_dir": str(tmp_path / "cut")})
     again = _scalars(tmp_path / "cut")
-    assert [st for st, _ in again["loss"]] == list(range(1, 9))
-    assert [v for _, v in again["loss"]] == [v for _, v in sc["loss"]]
-    assert [st for st, _ in again["val_loss"]] == [0, 4, 8]
+    assert [st for st, _ in again["train/loss"]] == list(range(1, 9))
+    assert [v for _, v in again["train/loss"]] == [v for _, v in sc["train/loss"]]
+    assert [st for st, _ in again["val/loss"]] == [0, 4, 8]
     # a new run replacing this one (--train.overwrite) starts its events anew
     train(run_cfg(**{**over, "train.max_iters": 2, "train.overwrite": True}))
-    assert [st for st, _ in _scalars(out)["loss"]] == [1, 2]
+    assert [st for st, _ in _scalars(out)["train/loss"]] == [1, 2]
 
 
 def test_tensorboard_measures_the_grad_norm_without_clipping(run_cfg, tmp_path):
@@ -366,7 +367,7 @@ def test_tensorboard_measures_the_grad_norm_without_clipping(run_cfg, tmp_path):
     plain = train(run_cfg(**over, **{"train.out_dir": str(tmp_path / "plain")}))
     tb = train(run_cfg(**over, **{"train.out_dir": str(tmp_path / "tb"), "train.tensorboard": True}))
     assert tb["losses"] == plain["losses"]
-    norms = _scalars(tmp_path / "tb")["grad_norm"]
+    norms = _scalars(tmp_path / "tb")["train/grad_norm"]
     assert [st for st, _ in norms] == [1, 2, 3, 4] and all(v > 0.1 for _, v in norms)
     assert "grad_norm" not in json.loads((tmp_path / "plain" / "log.jsonl").read_text().splitlines()[1])
 
@@ -543,3 +544,20 @@ def test_help_shows_the_presets_values_and_a_bare_flag_gets_its_full_name(capsys
     assert "--train.max_iters=1000" in capsys.readouterr().out
     assert main(["--compile"]) == 2
     assert "--compile needs a value (did you mean --train.compile=...?)" in capsys.readouterr().err
+
+
+def test_the_first_lines_name_what_changes_the_math_or_the_speed(run_cfg, tmp_path, capsys):
+    # issue 37: MoE, the FP8 recipe (emulated on a CPU), recompute and TensorBoard's folder were not said
+    from minite.train import tb_tag
+    assert [tb_tag(k) for k in ("loss", "val_loss", "lr", "moe_dropped", "tokens_per_s")] == \
+        ["train/loss", "val/loss", "train/lr", "moe/dropped", "perf/tokens_per_s"]
+    train(run_cfg(**{"train.max_iters": 1, "train.eval_interval": 1, "train.sample_tokens": 0}))
+    assert capsys.readouterr().out.count("minite.train: ") == 1  # a plain run: one line
+    train(run_cfg(**{"train.max_iters": 1, "train.eval_interval": 1, "train.sample_tokens": 0,
+                     "train.out_dir": str(tmp_path / "moe"), "model.moe_num_experts": 4, "model.moe_top_k": 2,
+                     "train.precision": "fp8", "train.fp8_recipe": "current",
+                     "train.tensorboard": True}))
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("minite.train: ")][1]
+    for words in ("MoE 4 experts, top-2, balance aux", "fp8 recipe current", "emulated on cpu",
+                  f"TensorBoard in {tmp_path / 'moe'}"):
+        assert words in line, line
