@@ -13,8 +13,10 @@ were decorated, not whatever the environment says now.
 from __future__ import annotations
 
 import os
+import threading
 
-__all__ = ["triton", "tl", "HAS_TRITON", "TRITON_IMPORT_ERROR", "interpreting", "interpreter_problem",
+__all__ = ["triton", "tl", "HAS_TRITON", "TRITON_IMPORT_ERROR", "interpreting", "gpu_tiles", "CAPTURE_GPU",
+           "interpreter_problem",
            "INTERPRETER_PROBLEM"]
 
 
@@ -80,6 +82,16 @@ _INTERPRET_AT_IMPORT = HAS_TRITON and _env_interpret()
 def interpreting() -> bool:
     """True when minite's Triton kernels run on the CPU interpreter (TRITON_INTERPRET=1 at import time)."""
     return _INTERPRET_AT_IMPORT
+
+
+# Set by minite.gpu_compile while it captures the launches a GPU would make (tiles, sm count), never otherwise.
+CAPTURE_GPU = threading.local()
+
+
+def gpu_tiles(t) -> bool:
+    """Choose the GPU's tiles (block sizes, warps, hardware casts) for a launch on tensor `t`: on CUDA, or while
+    the compile gate captures the launches a GPU makes (minite.gpu_compile). Launchers ask this, never ``t.is_cuda``."""
+    return t.is_cuda or getattr(CAPTURE_GPU, "on", False)
 
 
 def _version(v: str) -> tuple[int, ...]:

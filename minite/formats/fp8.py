@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from minite import _validate as _v
-from minite._triton import tl, triton
+from minite._triton import gpu_tiles, tl, triton
 from minite.backend import resolve_backend
 from minite.compile import launchable
 from minite.formats.recipe import compute_scale, fp8_max
@@ -127,9 +127,9 @@ def fp8_quantize_fwd(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtyp
     exp_bits, man_bits, fn = FP8_DTYPES[fp8_dtype]
     xc = x.detach().contiguous()
     n = xc.numel()
-    on_gpu = xc.is_cuda
+    on_gpu = gpu_tiles(xc)  # the compile gate captures an sm_90 launch on a CPU tensor
     if hw_cast is None:  # fp8 conversion instructions exist from sm_89 (Ada, Hopper) on
-        hw_cast = on_gpu and torch.cuda.get_device_capability(xc.device) >= (8, 9)
+        hw_cast = on_gpu and (not xc.is_cuda or torch.cuda.get_device_capability(xc.device) >= (8, 9))
     block = _block_size(n, on_gpu)
     grid = triton.cdiv(n, block)
     out = torch.empty(x.shape, dtype=torch.uint8, device=x.device)      # the bits; viewed as fp8 below

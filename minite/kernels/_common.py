@@ -30,7 +30,7 @@ import threading
 
 import torch
 
-from minite._triton import HAS_TRITON, interpreting, tl, triton
+from minite._triton import CAPTURE_GPU, HAS_TRITON, gpu_tiles, interpreting, tl, triton
 from minite.compile import launchable, traceable
 
 __all__ = ["compute_dtype", "tl_compute_dtype", "row_launch", "sm_count", "gpu_tiles", "CAPTURE_GPU", "launchable",
@@ -67,15 +67,6 @@ def row_launch(n_cols: int, max_block: int | None = None) -> tuple[int, int]:
         block = min(block, max_block)
     num_warps = 4 if block <= 1024 else 8 if block <= 4096 else 16 if block <= 8192 else 32
     return block, num_warps
-
-
-# Set by minite.gpu_compile while it captures the launches a GPU would make (tiles, sm count), never otherwise.
-CAPTURE_GPU = threading.local()
-
-
-def gpu_tiles(t: torch.Tensor) -> bool:
-    """Choose the GPU's tiles for a launch on `t`: on CUDA, or while the compile gate captures GPU launches."""
-    return t.is_cuda or getattr(CAPTURE_GPU, "on", False)
 
 
 @functools.lru_cache(maxsize=None)
