@@ -182,6 +182,9 @@ class ParallelConfig:
     tp: int = _doc("tensor-parallel degree (Megatron column/row split)", 1)
     pp: int = _doc("pipeline-parallel degree (chapter 12)", 1)
     cp: int = _doc("context-parallel degree (chapter 13)", 1)
+    cp_mode: str = _doc("context-parallel attention: ring (chapter 13) | a2a (Ulysses: all-to-all seq <-> heads, "
+                        "n_head divisible by cp) | hybrid (a2a inside groups of cp_a2a ranks, the ring across)", "ring")
+    cp_a2a: int = _doc("hybrid CP: ranks per all-to-all group (divides cp, 1 < cp_a2a < cp; 0 = not hybrid)", 0)
     ep: int = _doc("expert-parallel degree (chapter 16): experts cut over groups of ep dp ranks (ep divides dp)", 1)
     zero: int = _doc("ZeRO stage over the dp group: 0 = DDP, 1 = sharded optimizer, 2 = + grads, 3 = + params", 0)
     sp: bool = _doc("sequence parallelism on top of tp", False)
@@ -196,11 +199,20 @@ class ParallelConfig:
             "zero": (lambda v: v in (0, 1, 2, 3), "0, 1, 2 or 3"),
             "microbatches": (lambda v: v >= 0, "an int >= 0 (0 = pp)"),
             "pp_schedule": (lambda v: v in ("1f1b", "afab"), "1f1b or afab"),
+            "cp_mode": (lambda v: v in ("ring", "a2a", "hybrid"), "ring, a2a or hybrid"),
+            "cp_a2a": (lambda v: v >= 0, "an int >= 0 (0 = not hybrid)"),
             "timeout_s": (lambda v: math.isfinite(v) and v > 0, "a finite number of seconds > 0")})
         # Flags that would be silently ignored are refused: each needs the degree it acts on.
         if self.sp and self.tp == 1:
             raise ConfigError("--parallel.sp=True shards the sequence over the tensor-parallel group, but "
                               "--parallel.tp=1: give --parallel.tp > 1 or drop --parallel.sp")
+        if self.cp_mode != "ring" and self.cp == 1:
+            raise ConfigError(f"--parallel.cp_mode={self.cp_mode} shards the sequence over the context-parallel "
+                              "group, but --parallel.cp=1: give --parallel.cp > 1 or drop it")
+        if (self.cp_mode == "hybrid") != bool(self.cp_a2a) or self.cp_a2a and not (
+                1 < self.cp_a2a < self.cp and self.cp % self.cp_a2a == 0):
+            raise ConfigError(f"--parallel.cp_a2a={self.cp_a2a} with --parallel.cp_mode={self.cp_mode}, "
+                              f"--parallel.cp={self.cp}: the hybrid (and only it) needs 1 < cp_a2a < cp, dividing cp")
         if self.microbatches and self.pp == 1:
             raise ConfigError(f"--parallel.microbatches={self.microbatches} splits the batch between pipeline "
                               "stages, but --parallel.pp=1: give --parallel.pp > 1 or drop it (use "

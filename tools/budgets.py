@@ -35,8 +35,9 @@ RULES = [
     ("minite/gpu_compile.py", 690),
     ("minite/gpu_examples.py", 300),         # one function per kernel family: its launches at the benchmarks' shapes
     ("minite/data.py", 360),                 # corpus preparation: registry, user file, tokenizers, batches, lock
-    # five sections, each field's doc and its check; sub-section keys; chapter 15: --fp8.recipe / --fp8.min_dim
-    ("minite/config.py", 350),
+    # five sections, each field's doc and its check; sub-section keys; chapter 15: --fp8.recipe / --fp8.min_dim;
+    # issue 38: --parallel.cp_mode / cp_a2a and their checks
+    ("minite/config.py", 365),
     # chapter 15: three quantize configurations and the block-scaled GEMM, and the linear layer's autograd Function
     # for the block recipes (its three GEMMs each scale along their own K)
     # + the two custom ops for torch.compile (block_quantize, block_scaled_mm); issues 32/33: the MX GEMM as its own
@@ -48,13 +49,16 @@ RULES = [
     # DDP and ZeRO-1/2/3 in one class, its constructor in named steps; chapter 16: the parameters it owns and the
     # gradient divisor (ep x ZeRO: a second one over edp for the experts), gathered() for a whole-model read
     ("minite/parallel/data.py", 295),
-    ("minite/parallel/comm.py", 320),        # every collective (EP's all-to-all too), the global-norm clip of shards
+    # every collective (EP's all-to-all too), the global-norm clip of shards; issue 38: Ulysses' seq<->heads pair
+    ("minite/parallel/comm.py", 375),
     # LoRALinear, PEFT's API, (issue 25) its argument / merged-state checks, (issue 36) the merged-backward guard
     ("minite/layers/lora.py", 325),
     # issue 33: three kernels instead of one (the skinny x A^T, the GEMM with the adapter K-step, the row-split
     # dA / dB reduction), their three launchers and per-kernel GPU tiles
     ("minite/kernels/lora.py", 330),
-    ("minite/parallel/dims.py", 260),       # every group of every layout: the grid's lines, ep, edp, edp_cp (16)
+    # every group of every layout: the grid's lines, ep, edp, edp_cp (16); issue 38: hybrid CP's a2a / ring groups
+    # and the Ulysses head check of check_layout
+    ("minite/parallel/dims.py", 290),
     ("minite/parallel/pipeline.py", 270),    # the schedules' runner, (16) a MoE inside the stages, (01) fp16's S
     ("minite/parallel/expert.py", 300),      # EP's dispatch, its gradient averaging under dp/cp/tp, ZeRO's and pp's
     ("minite/parallel/*.py", 250),

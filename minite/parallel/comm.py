@@ -11,6 +11,8 @@ which is all tensor and sequence parallelism need (Megatron's f and g, the SP ga
        ReduceScatterToSequence forward: reduce-scatter    / backward: all-gather          (SP, after a row linear)
        GatherSplit             forward: all-gather        / backward: keep my chunk       (gather outputs to print)
        AllToAll                forward: all-to-all (send, recv) / backward: all-to-all (recv, send)  (EP dispatch)
+       SeqToHeads              forward: all-to-all seq->heads / backward: all-to-all heads->seq  (Ulysses CP)
+       HeadsToSeq              forward: all-to-all heads->seq / backward: all-to-all seq->heads  (Ulysses CP)
 
 A group of size 1 (or None: no process group) makes all of them the identity, so the parallel layers with tp=1 are
 the dense ones. Groups are passed in (``ParallelDims``); nothing here is global but the optional byte log.
@@ -34,7 +36,8 @@ __all__ = ["size", "rank", "all_reduce", "all_gather", "reduce_scatter", "all_ga
            "all_to_all", "all_to_all_counts", "CommLog", "clip_grad_norm_", "copy_to_parallel", "reduce_from_parallel",
            "scatter_to_sequence", "gather_from_sequence", "reduce_scatter_to_sequence", "gather_split",
            "CopyToParallel", "ReduceFromParallel", "ScatterToSequence", "GatherFromSequence",
-           "ReduceScatterToSequence", "GatherSplit", "AllToAll"]
+           "ReduceScatterToSequence", "GatherSplit", "AllToAll",
+           "seq_to_heads", "heads_to_seq", "SeqToHeads", "HeadsToSeq"]
 
 _LOG: contextvars.ContextVar = contextvars.ContextVar("minite_comm_log", default=None)
 
@@ -159,6 +162,36 @@ def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torc
         log.rows.append({"op": "all_to_all", "bytes": sum(send) * row, "n": size(group), "sent": sent})
     dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
     return out
+
+
+def _exchange(x: torch.Tensor, group) -> torch.Tensor:
+    """Equal all-to-all: x (n, ...), row j goes to rank j; returns (n, ...), row j from rank j."""
+    n = size(group)
+    return all_to_all(x.reshape(n, -1), [1] * n, [1] * n, group).view(x.shape)
+
+
+def seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """(B, H, T/n, D) my tokens of every head -> (B, H/n, T, D) every rank's tokens (in rank order) of my heads."""
+    n = size(group)
+    if n == 1:
+        return x
+    B, H, Tl, D = x.shape
+    if H % n:
+        raise ValueError(f"all-to-all seq->heads: {H} heads are not divisible by the group's {n} ranks")
+    y = x.reshape(B, n, H // n, Tl, D).transpose(0, 1).contiguous()  # row j: head group j, for rank j
+    return _exchange(y, group).permute(1, 2, 0, 3, 4).reshape(B, H // n, n * Tl, D)  # row j: rank j's tokens
+
+
+def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """(B, H/n, T, D) every token (rank order) of my heads -> (B, H, T/n, D) my tokens of every head."""
+    n = size(group)
+    if n == 1:
+        return x
+    B, Hl, T, D = x.shape
+    if T % n:
+        raise ValueError(f"all-to-all heads->seq: {T} tokens are not divisible by the group's {n} ranks")
+    y = x.reshape(B, Hl, n, T // n, D).permute(2, 0, 1, 3, 4).contiguous()  # row j: rank j's tokens
+    return _exchange(y, group).transpose(0, 1).reshape(B, n * Hl, T // n, D)  # row j: head group j
 
 
 def all_to_all_counts(counts: torch.Tensor, group) -> torch.Tensor:
@@ -294,6 +327,32 @@ class AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         return all_to_all(dy, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+class SeqToHeads(torch.autograd.Function):
+    """forward: all-to-all seq->heads (my T/n tokens of H heads -> T tokens of H/n) / backward: heads->seq."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return seq_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return heads_to_seq(g, ctx.group), None
+
+
+class HeadsToSeq(torch.autograd.Function):
+    """forward: all-to-all heads->seq (T tokens of H/n heads -> my T/n tokens of H) / backward: seq->heads."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return heads_to_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return seq_to_heads(g, ctx.group), None
 
 
 def _wrap(fn, identity_if_single=True):

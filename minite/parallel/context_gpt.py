@@ -1,7 +1,8 @@
 """Chapter 13: the GPT under context parallelism (``torchrun -m minite.train --parallel.cp=N [--parallel.tp=M]``).
 
 Only attention mixes tokens, so ``CPGPT`` is the model it wraps, its own modules, with each attention layer's core
-swapped for ``context.ring_attention`` (or the all-gather variant): every other op runs on my T/cp tokens. RoPE
+swapped for ``context.ring_attention`` (or the all-gather variant, or ``ulysses.ulysses_attention``: the all-to-all
+and its hybrid with the ring): every other op runs on my T/cp tokens. RoPE
 rotates each token by its GLOBAL position (the load-balanced shard is two non-contiguous chunks).
 
 It wraps the dense GPT, or the tensor-parallel ``sequence.TPGPT`` (CP x TP): then each cp rank's T/cp tokens are
@@ -25,13 +26,21 @@ from minite.ops import rope
 from minite.parallel import comm
 from minite.parallel.context import allgather_attention, check_length, positions, ring_attention
 from minite.parallel.sequence import TPGPT
+from minite.parallel.ulysses import check_heads, ulysses_attention
 
 __all__ = ["CPAttention", "CPGPT", "ring_core"]
 
 
-def ring_core(group, variant: str = "ring", balanced: bool = True, backend: str | None = None):
-    """The attention core over the cp ranks: (q, k, v) of my tokens, (B, heads, T/cp, D) -> o, causal."""
-    fn = {"ring": ring_attention, "allgather": allgather_attention}[variant]
+VARIANTS = ("ring", "allgather", "a2a", "hybrid")
+
+
+def ring_core(group, variant: str = "ring", balanced: bool = True, backend: str | None = None, hybrid=None):
+    """The attention core over the cp ranks: (q, k, v) of my tokens, (B, heads, T/cp, D) -> o, causal.
+    variant "a2a": Ulysses over `group`; "hybrid": Ulysses inside hybrid[0], the ring across hybrid[1]."""
+    if variant == "hybrid":
+        a2a, ring = hybrid
+        return lambda q, k, v: ulysses_attention(q, k, v, a2a, ring_group=ring, balanced=balanced, backend=backend)
+    fn = {"ring": ring_attention, "allgather": allgather_attention, "a2a": ulysses_attention}[variant]
     return lambda q, k, v: fn(q.contiguous(), k.contiguous(), v.contiguous(), group, causal=True,
                               balanced=balanced, backend=backend)
 
@@ -41,13 +50,14 @@ class CPAttention(CausalSelfAttention):
     """The dense layer's projections and RoPE tables (shared, not copied), attention by the ring over `group`.
     ``pos`` (set by CPGPT) holds my tokens' global positions; pos None runs the dense layer (sampling)."""
 
-    def __init__(self, dense: CausalSelfAttention, group, variant: str = "ring", balanced: bool = True):
+    def __init__(self, dense: CausalSelfAttention, group, variant: str = "ring", balanced: bool = True,
+                 hybrid=None):
         nn.Module.__init__(self)
         for a in ("n_head", "n_kv_head", "head_dim", "max_seq_len", "backend"):
             setattr(self, a, getattr(dense, a))
         self.qkv, self.proj, self.resid_dropout = dense.qkv, dense.proj, dense.resid_dropout
         self.rotary = dense.rotary  # minite.nn.RotaryEmbedding: its cos/sin tables (T_max, D/2)
-        self.pos, self.core = None, ring_core(group, variant, balanced, self.backend)
+        self.pos, self.core = None, ring_core(group, variant, balanced, self.backend, hybrid)
 
     def forward(self, x, kv_cache=None, layer: int = 0):
         if self.pos is None or kv_cache is not None:
@@ -71,8 +81,11 @@ class CPGPT(nn.Module):
     gradients over the cp (dp x cp) ranks gives the global gradient (exact when every rank holds as many counted
     targets: true for LM batches without ignore_index)."""
 
-    def __init__(self, model: GPT | TPGPT, group, *, variant: str = "ring", balanced: bool = True):
+    def __init__(self, model: GPT | TPGPT, group, *, variant: str = "ring", balanced: bool = True, hybrid=None):
         super().__init__()
+        if variant not in VARIANTS or (variant == "hybrid") != (hybrid is not None):
+            raise ValueError(f"CPGPT: variant={variant!r} must be one of {VARIANTS}, and hybrid=(a2a group, ring "
+                             "group) given exactly for 'hybrid'")
         self.inner = type(model)  # GPT or TPGPT: its forward, generate, num_params run on these same modules
         self.config = model.config
         self.backend = model.backend
@@ -85,10 +98,16 @@ class CPGPT(nn.Module):
         if isinstance(model, TPGPT):  # TP x CP: TPAttention keeps its heads, takes my positions and the ring
             self.group, self.sp = model.group, model.sp  # the tp group, as TPGPT's methods expect
             for b in self.blocks:
-                b.attn.core = ring_core(group, variant, balanced, b.attn.backend)
+                b.attn.core = ring_core(group, variant, balanced, b.attn.backend, hybrid)
         else:
             for b in self.blocks:
-                b.attn = CPAttention(b.attn, group, variant, balanced)
+                b.attn = CPAttention(b.attn, group, variant, balanced, hybrid)
+        if variant in ("a2a", "hybrid"):  # my (tp rank's) heads split over the all-to-all: refused here, by name
+            a, what = (comm.size(group), "cp") if variant == "a2a" else (comm.size(hybrid[0]), "cp_a2a")
+            attn = self.blocks[0].attn
+            tp = self.inner is TPGPT
+            heads = (attn.H, attn.KVH) if tp else (attn.n_head, attn.n_kv_head)
+            check_heads(*heads, a, what, " (each tp rank's heads)" if tp else "")
 
     @classmethod
     def from_dense(cls, model: GPT | TPGPT, group, **kw) -> "CPGPT":

@@ -77,6 +77,7 @@ class ParallelDims:
     pp: int = 1
     cp: int = 1
     ep: int = 1  # expert parallelism (chapter 16): the experts cut over groups of ep dp ranks; not a grid axis
+    cp_a2a: int = 1  # hybrid CP (ulysses.py): a2a groups of cp_a2a neighbouring cp ranks, the ring across them
     rank: int = 0
     world: int = 1
     groups: dict = field(default_factory=dict, repr=False)  # axis name -> ProcessGroup (None when size 1)
@@ -90,12 +91,16 @@ class ParallelDims:
         if not isinstance(self.ep, int) or self.ep < 1 or self.dp % self.ep:
             raise ParallelError(f"expert-parallel degree ep={self.ep!r} must be a positive integer dividing "
                                 f"dp={self.dp}")
+        if not isinstance(self.cp_a2a, int) or self.cp_a2a < 1 or self.cp % self.cp_a2a:
+            raise ParallelError(f"hybrid context parallelism: cp_a2a={self.cp_a2a!r} must be a positive integer "
+                                f"dividing cp={self.cp}")
 
     @classmethod
     def from_config(cls, p, world: int) -> "ParallelDims":
         """The degrees of a ``ParallelConfig`` (not built: no group yet) for a run of `world` processes;
         a ParallelError naming the numbers when world != dp*tp*pp*cp."""
-        dims = cls(dp=fill_dp(p, world), tp=p.tp, pp=p.pp, cp=p.cp, ep=getattr(p, "ep", 1))
+        dims = cls(dp=fill_dp(p, world), tp=p.tp, pp=p.pp, cp=p.cp, ep=getattr(p, "ep", 1),
+                   cp_a2a=getattr(p, "cp_a2a", 0) or 1)
         if world != dims.size:
             raise ParallelError(dims._world_mismatch(world))
         return dims
@@ -133,6 +138,16 @@ class ParallelDims:
                 for sub in lines:
                     pg = dist.new_group(sub, timeout=datetime.timedelta(seconds=timeout_s)) \
                         if len(sub) > 1 and dist.is_initialized() else None
+                    if rank in sub:
+                        self.groups[name], self.ranks[name] = pg, sub
+        # cp_a2a, cp_ring (hybrid CP): runs of cp_a2a ranks along each cp line, and the ranks at the same place of each
+        a = self.cp_a2a
+        for line in grid.permute(0, 1, 3, 2).reshape(-1, self.cp).tolist() if 1 < a < self.cp else []:
+            runs = [line[i:i + a] for i in range(0, self.cp, a)]
+            for name, lines in (("cp_a2a", runs), ("cp_ring", [list(c) for c in zip(*runs)])):
+                for sub in lines:
+                    pg = dist.new_group(sub, timeout=datetime.timedelta(seconds=timeout_s)) \
+                        if dist.is_initialized() else None
                     if rank in sub:
                         self.groups[name], self.ranks[name] = pg, sub
         # edp_cp (ep with cp): the edp ranks at every cp index, all the replicas of the same experts over dp x cp
@@ -237,6 +252,14 @@ def check_layout(p, model, *, world: int, seq_len: int, batch_size: int, lora_r:
     elif p.sp and p.tp > 1 and (T // p.cp) % p.tp:
         errs.append(f"sequence parallelism with cp={p.cp}, tp={p.tp}: T/cp = {T}/{p.cp} = {T // p.cp} tokens "
                     f"per cp rank must be divisible by tp={p.tp}")
+    a = {"a2a": p.cp, "hybrid": getattr(p, "cp_a2a", 1)}.get(getattr(p, "cp_mode", "ring"), 1)
+    if a > 1 and model.n_head % p.tp == 0:  # Ulysses: each tp rank's heads split over the all-to-all
+        from minite.parallel.ulysses import check_heads
+        try:
+            check_heads(model.n_head // p.tp, max(model.n_kv_head // p.tp, 1), a,
+                        "cp" if p.cp_mode == "a2a" else "cp_a2a", f" (per tp rank, tp={p.tp})" if p.tp > 1 else "")
+        except ParallelError as e:
+            errs.append(str(e))
     microbatches = p.microbatches or p.pp
     if B % p.dp:
         errs.append(f"train.batch_size={B} (the global batch) is not divisible by dp={p.dp}")

@@ -35,12 +35,13 @@ class Parallel:
     """
 
     def __init__(self, dims: ParallelDims, *, zero: int = 0, sp: bool = False, microbatches: int = 0,
-                 schedule: str = "1f1b", run_device: str | None = None):
+                 schedule: str = "1f1b", run_device: str | None = None, cp_mode: str = "ring"):
         self.dims = dims
         self.zero = zero
         self.sp = sp
         self.microbatches = microbatches
         self.schedule = schedule
+        self.cp_mode = cp_mode  # ring | a2a | hybrid (ulysses.py)
         self.run_device = run_device
         self.dp = None  # the DataParallel wrapper, once wrap() made one (dp > 1, zero > 0 or cp > 1)
         self.pipe = None  # the PipelineGPT, once wrap() made one (pp > 1)
@@ -89,7 +90,8 @@ class Parallel:
             model = TPGPT.from_dense(model, d.group("tp"), sequence_parallel=self.sp)
         if d.cp > 1:  # chapter 13: my tokens of each sequence, attention by the ring; grads averaged over dp x cp
             from minite.parallel.context_gpt import CPGPT
-            model = CPGPT.from_dense(model, d.group("cp"))
+            hybrid = (d.group("cp_a2a"), d.group("cp_ring")) if self.cp_mode == "hybrid" else None
+            model = CPGPT.from_dense(model, d.group("cp"), variant=self.cp_mode, hybrid=hybrid)
         if d.pp > 1:  # chapter 12: this rank's stage of that model; the pipeline averages grads over dp (x cp)
             from minite.parallel.pipeline import PipelineGPT
             model = self.pipe = PipelineGPT(model, d, self.microbatches, self.schedule)  # (its MoE copies, below)
@@ -213,4 +215,4 @@ def setup_parallel(cfg) -> Parallel:
                   f"{os.environ.get('LOCAL_WORLD_SIZE', world)} local ranks: running on the CPU (gloo)",
                   file=sys.stderr, flush=True)
     return Parallel(dims, zero=p.zero, sp=p.sp, microbatches=p.microbatches, schedule=p.pp_schedule,
-                    run_device=run_device)
+                    run_device=run_device, cp_mode=p.cp_mode)

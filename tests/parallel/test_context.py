@@ -1,6 +1,7 @@
 """Chapter 13: context parallelism. Single-process pieces (LSE merge, layout, work balance, cp=1 identity), then
-one torchrun launch per world size (2 and 4) running chapter 13's checks (minite.parallel.workers), and the CLI run
-``torchrun --nproc-per-node 2 -m minite.train --parallel.cp=2`` against the one-process loss curve."""
+one torchrun launch per world size (2 and 4) running chapter 13's checks (minite.parallel.workers; the ring's and
+Ulysses'), and the CLI runs ``torchrun --nproc-per-node 2 -m minite.train --parallel.cp=2 [--parallel.cp_mode=a2a]``
+against the one-process loss curve."""
 import pytest
 import torch
 
@@ -59,6 +60,58 @@ def test_length_not_divisible_is_rejected_with_numbers():
         setup_parallel(cfg)
 
 
+@pytest.mark.parametrize("flags, match", [
+    ({"parallel.cp": 4, "parallel.cp_mode": "a2a", "model.n_head": 6, "model.n_kv_head": 2},
+     r"n_head=6 is not divisible by cp=4"),
+    ({"parallel.cp": 4, "parallel.cp_mode": "a2a", "model.n_head": 12, "model.n_kv_head": 6},
+     r"n_kv_head=6 and cp=4: one must divide the other"),
+    ({"parallel.cp": 4, "parallel.tp": 2, "parallel.cp_mode": "a2a", "model.n_head": 4},
+     r"n_head=2 is not divisible by cp=4 \(per tp rank, tp=2\)"),
+    ({"parallel.cp": 4, "parallel.cp_mode": "hybrid", "parallel.cp_a2a": 2, "model.n_head": 6, "model.n_kv_head": 3},
+     r"n_kv_head=3 and cp_a2a=2"),
+])
+def test_a2a_bad_heads_are_refused_by_name(flags, match):
+    """Ulysses splits each (tp rank's) heads over the all-to-all: a layout that cannot is refused before any launch."""
+    from minite.config import make_config
+    from minite.parallel.dims import ParallelError, check_layout
+    cfg = make_config("cpu", {"model.block_size": 16, "model.n_embd": 96, **flags})
+    p = cfg.parallel
+    with pytest.raises(ParallelError, match=match):
+        check_layout(p, cfg.model, world=p.cp * p.tp, seq_len=16, batch_size=8)
+    if p.tp == 1:
+        from minite.parallel.ulysses import check_heads
+        with pytest.raises(ValueError, match=match):
+            check_heads(cfg.model.n_head, cfg.model.n_kv_head, p.cp_a2a or p.cp, "cp_a2a" if p.cp_a2a else "cp")
+    ok = make_config("cpu", {"model.block_size": 16, "model.n_embd": 96, **flags, "model.n_head": 8,
+                             "model.n_kv_head": 2})
+    check_layout(ok.parallel, ok.model, world=p.cp * p.tp, seq_len=16, batch_size=8)  # kv heads 2 < 4: replicated
+
+
+@pytest.mark.parametrize("flags, match", [
+    ({"parallel.cp_mode": "a2a"}, r"cp_mode=a2a .* but --parallel.cp=1"),
+    ({"parallel.cp": 4, "parallel.cp_mode": "hybrid"}, r"cp_a2a=0 with --parallel.cp_mode=hybrid"),
+    ({"parallel.cp": 4, "parallel.cp_mode": "hybrid", "parallel.cp_a2a": 4}, r"1 < cp_a2a < cp"),
+    ({"parallel.cp": 6, "parallel.cp_mode": "hybrid", "parallel.cp_a2a": 4}, r"dividing cp"),
+    ({"parallel.cp": 4, "parallel.cp_a2a": 2}, r"cp_a2a=2 with --parallel.cp_mode=ring"),
+    ({"parallel.cp": 2, "parallel.cp_mode": "ulysses"}, r"ring, a2a or hybrid"),
+])
+def test_cp_mode_flags_are_checked(flags, match):
+    from minite.config import ConfigError, make_config
+    with pytest.raises(ConfigError, match=match):
+        make_config("cpu", flags)
+
+
+def test_a2a_layout_order_is_the_ring_shard():
+    """The hybrid's premise: the tokens of a2a group i (cp ranks i*a..i*a+a-1), sorted, are the ring's balanced
+    shard i of R = cp/a ranks; cp = a: the whole sequence in order."""
+    from minite.parallel.ulysses import _order
+    for cp, a in ((4, 2), (8, 2), (8, 4), (4, 4)):
+        R, Tl = cp // a, 6
+        for i in range(R):
+            got = torch.cat([cx.positions(Tl * cp, cp, i * a + j) for j in range(a)])[_order(Tl, a, i, R, True)]
+            assert torch.equal(got, cx.positions(Tl * cp, R, i)), (cp, a, i)
+
+
 def _work(cp, balanced):
     """Score entries per rank, from the ring's own plan (the same rule the kernel calls follow)."""
     Tl = 16
@@ -105,16 +158,21 @@ ATTN = [f"{p}_{v}_{c}" for p in ("attn",) for v in ("ring", "allgather")
         for c in ("causal_balanced", "causal", "full")]
 TRITON = ["triton_ring_causal_balanced", "triton_allgather_causal_balanced"]
 GPT_CHECKS = ["gpt_ring_5_steps", "gpt_allgather_5_steps"]
+# Ulysses (workers/ulysses.py): kv heads 2 split (world 2) or replicated (world 4), 1 replicated; hybrid: world 4
+A2A = [f"a2a_{c}" for c in ("causal_balanced_kv2", "causal_kv2", "full_kv2", "causal_balanced_kv1")] + \
+    [f"gpt_a2a_{c}" for c in ("grads", "5_steps")]
+HYBRID = [f"hybrid_{c}" for c in ("causal_balanced_kv2", "causal_kv2", "causal_balanced_kv1")] + \
+    [f"gpt_hybrid_{c}" for c in ("grads", "5_steps")]
 
 
 @pytest.fixture(scope="module")
-def world2(workers):
-    return workers(2, "cp_attn", "cp_triton", "cp_gpt", timeout=300)  # Triton checks: skipped on a GPU machine
+def world2(workers):  # Triton checks: skipped on a GPU machine
+    return workers(2, "cp_attn", "cp_triton", "cp_gpt", "cp_ulysses", timeout=300)
 
 
 @pytest.fixture(scope="module")
 def world4(workers):
-    return workers(4, "cp_attn", "cp_triton", "cp_gpt", timeout=300)
+    return workers(4, "cp_attn", "cp_triton", "cp_gpt", "cp_ulysses", timeout=300)
 
 
 @pytest.mark.distributed
@@ -124,16 +182,28 @@ def test_cp_equals_one_process(request, check, world, name):
     check(request.getfixturevalue(f"world{world}"), name)
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", A2A + HYBRID + [pytest.param("triton_a2a_causal_balanced", marks=pytest.mark.triton)])
+def test_a2a_equals_one_process(request, check, world, name):
+    """Ulysses CP (and at world 4 the hybrid, a2a in pairs x the ring): o, lse, dq, dk, dv of my shard and the GPT's
+    loss, weight gradients and 5 AdamW steps, against one process."""
+    if name.startswith(("hybrid", "gpt_hybrid")) and world < 4:
+        pytest.skip("the hybrid needs cp = 4 (a2a pairs x a ring of 2)")
+    check(request.getfixturevalue(f"world{world}"), name)
+
+
 # ----------------------------------------------------------------------------------- the CLI
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", ["cp2", "dp2_cp2"])
+@pytest.mark.parametrize("layout", ["cp2", "dp2_cp2", "cp2_a2a"])
 def test_cli_cp_matches_single_process(corpus, cli, flags, curve, layout):
     """torchrun -m minite.train --parallel.cp=2 (and dp=2 x cp=2 on 4 ranks): the one-process curve, 20 steps, on
     the workers' device with the same preset (conftest.train_cli)."""
     from minite.train import train
     d, data = corpus
     flags = {**flags, "train.batch_size": 4, **data}
-    extra, world = (["--parallel.cp=2"], 2) if layout == "cp2" else (["--parallel.dp=2", "--parallel.cp=2"], 4)
+    extra, world = {"cp2": (["--parallel.cp=2"], 2), "dp2_cp2": (["--parallel.dp=2", "--parallel.cp=2"], 4),
+                    "cp2_a2a": (["--parallel.cp=2", "--parallel.cp_mode=a2a"], 2)}[layout]
     ref, _ = cli({**flags, "train.out_dir": str(d / f"single_{layout}")}, world)
     train(ref)
     loss1, val1 = curve(d / f"single_{layout}")

@@ -12,6 +12,7 @@ rank, or measures what a lesson plots, or grades an exercise (``grade.run_graded
     tensor.py    chapter 11   the TP (+SP) GPT, the vocab-parallel CE; activation memory with and without SP
     pipeline.py  chapter 12   each schedule's gradients, the train path, rejections, a dying stage; memory, timeline
     context.py   chapter 13   ring and all-gather attention, the CP GPT, CP x TP (+SP); work, bytes, memory per rank
+    ulysses.py   chapter 13   Ulysses (all-to-all) CP and its hybrid with the ring: attention and the GPT
     lessons.py   chapter 11   the lesson's TP MLP on real ranks, the exercise's graded tasks
     moe.py       chapter 16   expert parallelism (ep 2 and 4) vs one process; the all-to-all's bytes; bad layouts
     moe_cp.py    chapter 16   the MoE GPT under cp, with dp, ep, tp (+SP) and ZeRO (ep = 1) vs one process
@@ -47,12 +48,13 @@ from minite.parallel.workers import (
     pipeline,
     precision,
     tensor,
+    ulysses,
 )
 
 __all__ = ["CHECKS", "main", "report"]
 
 CHECKS = {**data.CHECKS, **tensor.CHECKS, **pipeline.CHECKS, **context.CHECKS, **lessons.CHECKS, **moe.CHECKS,
-          **moe_cp.CHECKS, **moe_pp.CHECKS, **moe_zero.CHECKS, **precision.CHECKS}
+          **moe_cp.CHECKS, **moe_pp.CHECKS, **moe_zero.CHECKS, **precision.CHECKS, **ulysses.CHECKS}
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -39,15 +39,16 @@ def _qkv(B, H, KVH, T, D, dtype, seed=0, device="cpu"):
 
 
 def _compare(dims, q, k, v, do, causal, balanced, variant, backend):
-    """max error of (o, lse, dq, dk, dv) of CP attention on my shard vs the single-process kernel, my rows."""
+    """max error of (o, lse, dq, dk, dv) of CP attention on my shard vs the single-process kernel, my rows.
+    variant: a name of VARIANTS, or the attention function itself, called as they are."""
     n, r = dims.cp, dims.cp_rank
     qd, kd, vd = (t.clone().requires_grad_() for t in (q, k, v))
     o, lse = attention(qd, kd, vd, causal=causal, return_lse=True, backend=backend)
     o.backward(do)
     ref = [o.detach(), lse, qd.grad, kd.grad, vd.grad]
     sh = [shard(t, n, r, dim=2, balanced=balanced).clone().requires_grad_() for t in (q, k, v)]
-    mo, mlse = VARIANTS[variant](*sh, dims.group("cp"), causal=causal, balanced=balanced, backend=backend,
-                                 return_lse=True)
+    fn = VARIANTS.get(variant, variant)
+    mo, mlse = fn(*sh, dims.group("cp"), causal=causal, balanced=balanced, backend=backend, return_lse=True)
     mo.backward(shard(do, n, r, dim=2, balanced=balanced))
     mine = [mo.detach(), mlse, sh[0].grad, sh[1].grad, sh[2].grad]
     errs = {}
