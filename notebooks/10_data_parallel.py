@@ -112,8 +112,9 @@ assert err < 1e-5 and sent // 4 == 2 * 3 * 1200 // 4  # four fp32 additions per 
 # %% [markdown]
 # ## 3. DDP and ZeRO, built on simulated ranks
 #
-# Before the real thing, both algorithms in cells. The $W$ "ranks" are $W$ copies of the GPT in this process,
-# each given its slice of the batch; a collective is a function of every rank's tensor (section 2's ring).
+# Before the real thing, the algorithms in cells (DDP, ZeRO-1/2, ZeRO-3). The $W$ "ranks" are $W$ copies of the
+# GPT in this process, each given its slice of the batch; a collective is a function of every rank's tensor
+# (section 2's ring).
 #
 # ### Bucketed DDP: all-reduce a bucket as soon as it is full
 #
