@@ -106,7 +106,8 @@ def decode_step(model, tok: torch.Tensor, cache, split_kv: bool = False) -> torc
         # x + branch, then the next norm: Inductor fuses each residual add with the norm that reads it
         x = x + attention_step(block.attn, _norm(block.norm1, x), cache, i, moved=True, split_kv=split_kv)
         x = x + _mlp(block.mlp, _norm(block.norm2, x))  # (B, 1, C)
-    return F.linear(_norm(model.norm_f, x), model.wte.weight)  # (B, 1, V_pad)
+    head = model.wte.weight if model.config.tie_embeddings else model.lm_head.weight  # (V_pad, C)
+    return F.linear(_norm(model.norm_f, x), head)  # (B, 1, V_pad)
 
 
 class Decoder:

@@ -1,13 +1,19 @@
-"""minite inside Hugging Face: run a ``transformers`` Llama on minite's kernels, or convert it to minite's GPT.
+"""minite inside Hugging Face: run a ``transformers`` Llama, Mistral or Qwen2 on minite's kernels, or convert it to
+minite's GPT.
 
 Transformer Engine's Hugging Face tutorial swaps ``LlamaForCausalLM``'s decoder layers for TE's to run an existing
 checkpoint on TE's kernels. This module does the same with minite's, two ways:
 
-    swap_llama_layers(hf)  in place: every decoder layer's norms, attention and MLP become minite modules that hold
+    apply_minite(hf)       in place: every decoder layer's norms, attention and MLP become minite modules that hold
                            the SAME Parameters (no copy, state_dict keys unchanged), so ``hf(...)``, ``hf.generate``,
                            ``save_pretrained`` and training keep working; the ops are minite's (RMSNorm, RoPE, flash
                            attention, split-KV decode, SwiGLU kernels) and every projection is a ``minite.nn.Linear``,
                            so ``fp8_autocast`` runs them in FP8 (the LM head stays in higher precision, as in the GPT).
+                           Per-op switches as Liger's ``apply_liger_kernel_to_*``: rms_norm, rope, swiglu, attention,
+                           cross_entropy (the loss of ``hf(x, labels=...)``). ``apply_minite_to_llama()`` (or
+                           _mistral, _qwen2) with no model patches the family's classes: every model built or
+                           ``from_pretrained`` afterwards is swapped (``revert_minite(family)`` undoes it).
+                           ``swap_llama_layers(hf)`` is the same with every switch on.
     from_hf_llama(hf)      a new ``minite.models.gpt.GPT`` with the weights copied (q/k/v and gate/up fused).
     to_hf_llama(gpt)       a new ``LlamaForCausalLM`` (the inverse), e.g. to ``save_pretrained`` a minite run.
 
@@ -16,9 +22,16 @@ Meta's interleaved q/k rows into that layout once). minite's rope kernel rotates
 weights map unpermuted; the tests show that an interleaving permutation would change the logits. GQA: both stack
 the KVH key/value heads in order and query head h reads kv head h // (H / KVH).
 
-Vocabulary. The GPT pads its vocabulary up to ``vocab_multiple`` (tensor-core tiles) and always ties the LM head
-to the embedding. from_hf_llama copies the V real rows and zeroes the padded ones (never sampled; they do enter the
-training softmax, so pass ``vocab_multiple=1`` for a loss equal to HF's); to_hf_llama keeps the V real rows.
+Families. Mistral and Qwen2 are Llama-shaped (pre-norm, RMSNorm, rotate-half RoPE, GQA, SwiGLU); Qwen2 adds
+biases to q/k/v (only): the swap keeps each projection's bias; from_hf_llama refuses it (GPTConfig.bias is one
+switch for every projection). A sliding window (Mistral's ``sliding_window``, Qwen2's sliding layers) changes
+nothing while every position is inside it: the swapped attention runs such a model up to that length and refuses a
+longer sequence by name (minite's kernels have no window).
+
+Vocabulary. The GPT pads its vocabulary up to ``vocab_multiple`` (tensor-core tiles); its LM head is tied to the
+embedding or, with ``tie_embeddings=False``, a separate ``lm_head.weight``, as HF's ``tie_word_embeddings``.
+from_hf_llama copies the V real rows and zeroes the padded ones (never sampled; they do enter the training
+softmax, so pass ``vocab_multiple=1`` for a loss equal to HF's); to_hf_llama keeps the V real rows.
 
 KV cache. The swapped attention uses HF's own ``Cache`` object (whatever ``generate`` made: dynamic or static),
 not minite's ``KVCache``: HF owns the cache's life cycle (beam reordering, cropping). minite's kernels read it: the
@@ -26,11 +39,12 @@ flash-attention kernel for a prefill, the split-KV decode kernel for one new tok
 
 Masks. minite's kernels take causal attention and no mask. A padded batch (left or right padding, as a tokenizer
 makes for batched ``generate``) runs exactly all the same: each sequence's real tokens are gathered and attend
-causally to each other, one flash-attention launch per sequence. Any other mask (a sliding window, a bias) is
-refused with a NotImplementedError.
+causally to each other, one flash-attention launch per sequence. Any other mask (a window shorter than the
+sequence, a bias) is refused with a NotImplementedError.
 """
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,13 +52,17 @@ from torch import nn
 
 from minite.models.gpt import GPT, GPTConfig
 from minite.nn import Linear, RMSNorm
-from minite.ops import attention, decode_attention, rope, swiglu
+from minite.ops import attention, cross_entropy, decode_attention, rope, swiglu
 
 if TYPE_CHECKING:  # an optional dependency (minite[hf]): for the annotations only
-    from transformers import LlamaConfig, LlamaForCausalLM, LlamaPreTrainedModel
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaPreTrainedModel, PreTrainedModel
 
-__all__ = ["from_hf_llama", "to_hf_llama", "swap_llama_layers", "gpt_config_from_llama", "MiniteLlamaAttention",
-           "MiniteLlamaMLP"]
+__all__ = ["from_hf_llama", "to_hf_llama", "apply_minite", "apply_minite_to_llama", "apply_minite_to_mistral",
+           "apply_minite_to_qwen2", "revert_minite", "swap_llama_layers", "gpt_config_from_llama",
+           "MiniteLlamaAttention", "MiniteLlamaMLP"]
+
+FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}  # transformers.models.<key>, class prefix
+SWITCHES = ("rms_norm", "rope", "swiglu", "attention", "cross_entropy")
 
 
 def _transformers():
@@ -66,12 +84,28 @@ def _rope_params(config) -> tuple[str, float | None]:
     return rope_type, d.get("rope_theta", getattr(config, "rope_theta", None))
 
 
-def _check_llama(model, *, to_gpt: bool):
-    """The Llama inside ``model`` (a LlamaForCausalLM or LlamaModel), after refusing what minite cannot run."""
+def _family(model_or_class) -> str:
+    """'llama' | 'mistral' | 'qwen2': the transformers family of a model (or model class), else a TypeError."""
+    cls = model_or_class if isinstance(model_or_class, type) else type(model_or_class)
+    fam = next((f for f in FAMILIES if cls.__module__ == f"transformers.models.{f}.modeling_{f}"), None)
     tf = _transformers()
-    if not isinstance(model, tf.LlamaPreTrainedModel) or (to_gpt and not isinstance(model, tf.LlamaForCausalLM)):
-        need = "LlamaForCausalLM" if to_gpt else "LlamaForCausalLM or LlamaModel"
-        raise TypeError(f"minite.hf: expected a transformers {need}, got {type(model).__name__}")
+    if fam is None or not issubclass(cls, tf.PreTrainedModel):
+        raise TypeError(f"minite.hf: expected a transformers Llama, Mistral or Qwen2 model (e.g. LlamaForCausalLM), "
+                        f"got {cls.__name__}")
+    return fam
+
+
+def _modeling(fam: str):
+    return importlib.import_module(f"transformers.models.{fam}.modeling_{fam}")
+
+
+def _check_llama(model, *, to_gpt: bool):
+    """The decoder inside ``model`` (a <Family>ForCausalLM or <Family>Model), after refusing what minite cannot run."""
+    name = type(model).__name__
+    if to_gpt and name not in (f"{p}ForCausalLM" for p in FAMILIES.values()):
+        raise TypeError(f"minite.hf: expected a transformers LlamaForCausalLM, got {name} (MistralForCausalLM "
+                        "converts too)")
+    fam = _family(model)
     c = model.config
     if c.hidden_act not in ("silu", "swish"):  # ACT2FN["swish"] is SiLU too
         _refuse("hidden_act", c.hidden_act, "minite's SwiGLU kernel gates with silu")
@@ -87,14 +121,16 @@ def _check_llama(model, *, to_gpt: bool):
         if rope_type != "default":
             _refuse("rope_type", rope_type, "the GPT's RotaryEmbedding has no RoPE scaling (swap_llama_layers "
                     "runs it: it takes HF's cos/sin tables)")
-        if bool(c.attention_bias) != bool(getattr(c, "mlp_bias", False)):
+        if fam == "qwen2":  # q/k/v biases, none on o_proj and the MLP
+            _refuse("model_type", "qwen2", "its q/k/v projections have biases and o_proj and the MLP none; "
+                    "GPTConfig.bias is one switch for every projection (apply_minite runs it)")
+        if bool(getattr(c, "attention_bias", False)) != bool(getattr(c, "mlp_bias", False)):
             _refuse("attention_bias", c.attention_bias, f"GPTConfig.bias is one switch for every projection, and "
                     f"mlp_bias={getattr(c, 'mlp_bias', False)!r} differs")
-        emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-        if head is not emb and not torch.equal(head, emb):
-            _refuse("tie_word_embeddings", c.tie_word_embeddings, "the GPT's LM head is always tied to its "
-                    "embedding (wte), and this lm_head holds other weights")
-    llama = model.model if isinstance(model, tf.LlamaForCausalLM) else model
+        if getattr(c, "sliding_window", None) is not None:
+            _refuse("sliding_window", c.sliding_window, "the GPT's attention has no window (apply_minite runs it "
+                    "on sequences that fit inside it)")
+    llama = model.model if hasattr(model, "lm_head") else model
     for name, mod in llama.named_modules():
         if isinstance(mod, nn.Linear) and not isinstance(mod, Linear) and type(mod) is not nn.Linear:
             _refuse(f"{name} type", type(mod).__name__, "only plain nn.Linear projections map (not quantized or "
@@ -124,7 +160,8 @@ def gpt_config_from_llama(config: LlamaConfig, *, block_size: int | None = None,
                      n_layer=config.num_hidden_layers, n_head=config.num_attention_heads,
                      n_kv_head=config.num_key_value_heads, n_embd=config.hidden_size,
                      mlp_hidden=config.intermediate_size, rope_base=float(_rope_params(config)[1]),
-                     norm_eps=config.rms_norm_eps, bias=bool(config.attention_bias), vocab_multiple=vocab_multiple,
+                     norm_eps=config.rms_norm_eps, bias=bool(getattr(config, "attention_bias", False)),
+                     tie_embeddings=bool(getattr(config, "tie_word_embeddings", True)), vocab_multiple=vocab_multiple,
                      backend=backend)
 
 
@@ -134,19 +171,25 @@ def from_hf_llama(hf_model: LlamaForCausalLM, *, block_size: int | None = None, 
     """A minite GPT with the weights of a transformers ``LlamaForCausalLM`` (copied: q/k/v and gate/up are fused).
 
     block_size: the context length (default ``max_position_embeddings``; each layer keeps RoPE tables this long).
-    vocab_multiple: the GPT's vocabulary padding; the padded rows are zero. Raises ValueError naming the config
-    field of anything that does not map (RoPE scaling, biases on only some projections, an untied LM head, ...).
+    vocab_multiple: the GPT's vocabulary padding; the padded rows are zero. An untied lm_head becomes the GPT's
+    ``lm_head.weight`` (tie_embeddings=False). A Mistral without a sliding window converts too (the same layout).
+    Raises ValueError naming the config field of anything that does not map (RoPE scaling, biases on only some
+    projections, a sliding window, ...).
     """
     _check_llama(hf_model, to_gpt=True)
     cfg = gpt_config_from_llama(hf_model.config, block_size=block_size, vocab_multiple=vocab_multiple,
                                 backend=backend)
     src = dict(hf_model.named_parameters())
-    emb = hf_model.get_input_embeddings().weight  # (V, C)
+    emb, head = hf_model.get_input_embeddings().weight, hf_model.get_output_embeddings().weight  # (V, C) each
+    cfg.tie_embeddings = head is emb  # what the model is, whatever its config says
     device, dtype = emb.device, emb.dtype
     with torch.device(device):
-        gpt = GPT(cfg)  # RoPE tables built on the device, in fp32
+        gpt = GPT(cfg)  # RoPE tables built on the device, in fp32 (cfg validated again by its __post_init__)
     state = {g: torch.cat([src[n] for n in hs]) for g, hs in _pairs(cfg.n_layer, cfg.bias)}
-    state["wte.weight"] = torch.cat([emb, emb.new_zeros(cfg.padded_vocab_size - cfg.vocab_size, cfg.n_embd)])
+    pad = emb.new_zeros(cfg.padded_vocab_size - cfg.vocab_size, cfg.n_embd)
+    state["wte.weight"] = torch.cat([emb, pad])
+    if not cfg.tie_embeddings:
+        state["lm_head.weight"] = torch.cat([head, pad])
     gpt.load_state_dict(state, strict=True)
     for p in gpt.parameters():  # the checkpoint's dtype for the weights; the RoPE buffers stay fp32
         p.data = p.data.to(dtype)
@@ -155,7 +198,8 @@ def from_hf_llama(hf_model: LlamaForCausalLM, *, block_size: int | None = None, 
 
 @torch.no_grad()
 def to_hf_llama(gpt: GPT) -> LlamaForCausalLM:
-    """A transformers ``LlamaForCausalLM`` with the weights of a minite GPT (tied embedding, the V real rows)."""
+    """A transformers ``LlamaForCausalLM`` with the weights of a minite GPT (the V real rows; tied or untied LM
+    head as the GPT's ``tie_embeddings``)."""
     tf = _transformers()
     c = gpt.config
     if c.moe_num_experts:  # a Llama has one MLP per block: there is no place for experts or a router
@@ -165,7 +209,7 @@ def to_hf_llama(gpt: GPT) -> LlamaForCausalLM:
         vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.mlp_hidden, num_hidden_layers=c.n_layer,
         num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head, head_dim=c.n_embd // c.n_head,
         max_position_embeddings=c.block_size, rms_norm_eps=c.norm_eps, rope_theta=c.rope_base, hidden_act="silu",
-        attention_bias=c.bias, mlp_bias=c.bias, attention_dropout=0.0, tie_word_embeddings=True,
+        attention_bias=c.bias, mlp_bias=c.bias, attention_dropout=0.0, tie_word_embeddings=c.tie_embeddings,
         bos_token_id=None, eos_token_id=None, pad_token_id=None)  # a minite run has no special tokens
     wte = gpt.wte.weight
     hf = tf.LlamaForCausalLM(config).to(device=wte.device, dtype=wte.dtype)
@@ -174,8 +218,11 @@ def to_hf_llama(gpt: GPT) -> LlamaForCausalLM:
         for n, part in zip(hs, src[g].split([dst[n].shape[0] for n in hs])):
             dst[n].copy_(part)
     hf.get_input_embeddings().weight.copy_(wte[:c.vocab_size])
-    if hf.get_output_embeddings().weight is not hf.get_input_embeddings().weight:  # tying failed: copy the head
-        hf.get_output_embeddings().weight.copy_(wte[:c.vocab_size])
+    head = hf.get_output_embeddings().weight
+    if (head is hf.get_input_embeddings().weight) != c.tie_embeddings:
+        raise RuntimeError(f"to_hf_llama: transformers did not honour tie_word_embeddings={c.tie_embeddings}")
+    if not c.tie_embeddings:
+        head.copy_(gpt.lm_head.weight[:c.vocab_size])
     return hf.train(gpt.training)
 
 
@@ -289,17 +336,36 @@ _MASK_REFUSED = ("minite.hf: the attention mask is neither causal attention nor 
 
 
 class MiniteLlamaAttention(nn.Module):
-    """HF's LlamaAttention on minite: minite Linears on HF's q/k/v/o weights, minite's rope kernel with HF's cos/sin
-    tables (so HF's RoPE scaling types work), HF's cache, then minite's flash attention (or split-KV decode)."""
+    """HF's Llama / Mistral / Qwen2 attention on minite: minite Linears on HF's q/k/v/o weights (and Qwen2's q/k/v
+    biases), minite's rope kernel with HF's cos/sin tables (so HF's RoPE scaling types work), HF's cache, then
+    minite's flash attention (or split-KV decode). ``rope=False`` / ``attention=False``: HF's own rotation /
+    attention function (the one its ``config._attn_implementation`` names) for that step."""
 
-    def __init__(self, attn: nn.Module, backend: str | None = None) -> None:
+    def __init__(self, attn: nn.Module, backend: str | None = None, *, rope: bool = True,
+                 attention: bool = True) -> None:
         super().__init__()
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (_linear(getattr(attn, f"{n}_proj"), backend)
                                                               for n in "qkvo")
         self.layer_idx, self.head_dim, self.scaling = attn.layer_idx, attn.head_dim, attn.scaling
         self.config, self.is_causal, self.backend = attn.config, True, backend
+        self.num_key_value_groups = attn.num_key_value_groups  # what HF's attention functions read off `module`
+        self.attention_dropout = getattr(attn, "attention_dropout", 0.0)
+        # Mistral reads the window off its config, Qwen2 sets it per layer (None on full-attention layers)
+        self.sliding_window = (attn.sliding_window if hasattr(attn, "sliding_window")
+                               else getattr(attn.config, "sliding_window", None))
+        self.minite_rope, self.minite_attention = rope, attention
+        self._hf = _modeling(_family_of_module(attn))
         tf_major_minor = tuple(int(p) for p in _transformers().__version__.split(".")[:2])
         self._returns_cache = tf_major_minor < (4, 48)  # 4.45-4.47 return (out, weights, past_key_value)
+
+    def _check_window(self, kwargs: dict, T_k: int) -> None:
+        """Refuse a sequence longer than the sliding window: there HF's window masks keys minite would attend."""
+        w = self.sliding_window
+        pos = kwargs.get("position_ids")
+        n = int(pos.max()) + 1 if isinstance(pos, torch.Tensor) and pos.numel() else T_k
+        if w is not None and n > w:
+            raise NotImplementedError(f"minite.hf: sliding_window={w} is shorter than the sequence ({n} positions): "
+                                      f"minite's attention kernels have no window (up to {w} positions they match)")
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
                 attention_mask: torch.Tensor | None = None, **kwargs: Any) -> tuple:
@@ -311,13 +377,21 @@ class MiniteLlamaAttention(nn.Module):
         if position_embeddings is None:
             raise RuntimeError("minite.hf: the decoder layer passed no position_embeddings (transformers < 4.45?)")
         cos, sin = position_embeddings  # (B or 1, T, D)
-        q, k = _rope_hf(q, cos, sin, self.backend), _rope_hf(k, cos, sin, self.backend)
+        if self.minite_rope:
+            q, k = _rope_hf(q, cos, sin, self.backend), _rope_hf(k, cos, sin, self.backend)
+        else:
+            q, k = self._hf.apply_rotary_pos_emb(q, k, cos, sin)
         # The cache argument's name changed: past_key_value (4.x) -> past_key_values (4.56) -> cache (5.x).
         cache = next((kwargs[n] for n in ("cache", "past_key_values", "past_key_value") if kwargs.get(n) is not None),
                      None)
         if cache is not None:  # 4.x takes cache_kwargs as the 4th argument; 5.x ignores it
             cache_kwargs = {"sin": sin, "cos": cos, "cache_position": kwargs.get("cache_position")}
             k, v = cache.update(k, v, self.layer_idx, cache_kwargs)  # (B, KVH, T_k, D): past + new (static: padded)
+        if not self.minite_attention:
+            return self._hf_attention(q, k, v, attention_mask, cache, B, T, {n: a for n, a in kwargs.items() if n
+                                                                             not in ("cache", "past_key_values",
+                                                                                     "past_key_value")})
+        self._check_window(kwargs, k.shape[2])
         n = _visible_keys(attention_mask, T, k.shape[2])
         if n is None:  # a padded batch: each sequence's real tokens, one launch each
             y = _padded_attention(q, k, v, attention_mask, self.scaling, self.backend)
@@ -330,19 +404,134 @@ class MiniteLlamaAttention(nn.Module):
         out = self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
         return (out, None, cache) if self._returns_cache else (out, None)
 
+    def _hf_attention(self, q, k, v, mask, cache, B: int, T: int, kwargs: dict) -> tuple:
+        """attention=False: HF's attention function (sdpa, eager, ...) on this module, as HF's own layer calls it."""
+        impl = getattr(self.config, "_attn_implementation", None) or "sdpa"
+        fns = getattr(self._hf, "ALL_ATTENTION_FUNCTIONS", None)
+        fn = (self._hf.eager_attention_forward if impl == "eager" or fns is None
+              else fns.get_interface(impl, self._hf.eager_attention_forward) if hasattr(fns, "get_interface")
+              else fns[impl])
+        y, _ = fn(self, q, k, v, mask, dropout=0.0 if not self.training else self.attention_dropout,
+                  scaling=self.scaling, sliding_window=self.sliding_window, **kwargs)  # (B, T, H, D)
+        out = self.o_proj(y.reshape(B, T, -1))  # (B, T, C)
+        return (out, None, cache) if self._returns_cache else (out, None)
+
     def extra_repr(self) -> str:
-        return f"layer_idx={self.layer_idx}, head_dim={self.head_dim}, backend={self.backend!r}"
+        which = {True: "minite", False: "hf"}
+        return (f"layer_idx={self.layer_idx}, head_dim={self.head_dim}, backend={self.backend!r}, "
+                f"rope={which[self.minite_rope]}, attention={which[self.minite_attention]}")
+
+
+def _family_of_module(mod: nn.Module) -> str:
+    return next((f for f in FAMILIES if type(mod).__module__ == f"transformers.models.{f}.modeling_{f}"), "llama")
+
+
+def _causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100,
+                    shift_labels=None, **kwargs) -> torch.Tensor:
+    """HF's ForCausalLMLoss (shift, flatten, mean over counted tokens or sum / num_items_in_batch) on minite's
+    cross-entropy kernel."""
+    logits = logits.float()
+    if shift_labels is None:  # tokens < n predict n
+        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    logits, shift_labels = logits.reshape(-1, vocab_size), shift_labels.reshape(-1).to(logits.device)
+    if num_items_in_batch is None:
+        return cross_entropy(logits, shift_labels, ignore_index=ignore_index)
+    loss = cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction="sum")
+    return loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
+
+
+def _switches(kw: dict) -> dict:
+    unknown = set(kw) - set(SWITCHES)
+    if unknown:
+        raise TypeError(f"minite.hf: unknown switch {sorted(unknown)[0]!r}; the switches are {', '.join(SWITCHES)}")
+    for n, on in kw.items():
+        if not isinstance(on, bool):
+            raise TypeError(f"minite.hf: switch {n}={on!r} must be True or False")
+    return {n: kw.get(n, True) for n in SWITCHES}
+
+
+def apply_minite(hf_model: PreTrainedModel, *, backend: str | None = None, **switches: bool) -> PreTrainedModel:
+    """Run a transformers Llama, Mistral or Qwen2 (``<Family>ForCausalLM`` or ``<Family>Model``) on minite's
+    kernels, in place, and return it. Per-op switches, each True by default:
+
+        rms_norm       every RMSNorm (the two of each layer, the final one) becomes ``minite.nn.RMSNorm``
+        rope           the attention rotates q and k with minite's rope kernel (HF's cos/sin tables)
+        swiglu         the MLP becomes ``MiniteLlamaMLP`` (minite Linears, minite's SwiGLU kernel)
+        attention      minite's flash attention / split-KV decode (False: HF's attention function)
+        cross_entropy  ``model(x, labels=...)``'s loss is minite's cross-entropy kernel (a ForCausalLM only)
+
+    With rope or attention on, the attention module becomes ``MiniteLlamaAttention`` (its projections minite
+    Linears). Every swapped module holds the model's own Parameters. ``backend`` as everywhere in minite."""
+    on = _switches(switches)
+    llama = _check_llama(hf_model, to_gpt=False)
+    for layer in llama.layers:
+        if on["rms_norm"]:
+            layer.input_layernorm = _rmsnorm(layer.input_layernorm, backend)
+            layer.post_attention_layernorm = _rmsnorm(layer.post_attention_layernorm, backend)
+        if (on["rope"] or on["attention"]) and not isinstance(layer.self_attn, MiniteLlamaAttention):
+            layer.self_attn = MiniteLlamaAttention(layer.self_attn, backend, rope=on["rope"],
+                                                   attention=on["attention"])
+        if on["swiglu"] and not isinstance(layer.mlp, MiniteLlamaMLP):
+            layer.mlp = MiniteLlamaMLP(layer.mlp, backend)
+    if on["rms_norm"]:
+        llama.norm = _rmsnorm(llama.norm, backend)
+    if on["cross_entropy"] and hasattr(hf_model, "lm_head"):
+        hf_model.loss_function = _causal_lm_loss
+    return hf_model
+
+
+def _apply_to(fam: str, model, backend, switches):
+    if model is not None:
+        if _family(model) != fam:
+            raise TypeError(f"minite.hf: apply_minite_to_{fam} got a {type(model).__name__}")
+        return apply_minite(model, backend=backend, **switches)
+    on = _switches(switches)  # the classes: every model built afterwards (from_pretrained too) is swapped
+    mod, prefix = _modeling(fam), FAMILIES[fam]
+    revert_minite(fam)
+    _wrap_init(getattr(mod, f"{prefix}Model"),
+               lambda m: apply_minite(m, backend=backend, **{**on, "cross_entropy": False}))
+    if on["cross_entropy"]:
+        _wrap_init(getattr(mod, f"{prefix}ForCausalLM"), lambda m: setattr(m, "loss_function", _causal_lm_loss))
+    return None
+
+
+def _wrap_init(cls: type, then) -> None:
+    original = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        then(self)
+    cls.__init__, cls._minite_original_init = __init__, original
+
+
+def revert_minite(family: str) -> None:
+    """Undo ``apply_minite_to_<family>()`` on the classes (models already built stay swapped)."""
+    if family not in FAMILIES:
+        raise ValueError(f"minite.hf: family={family!r}; expected one of {', '.join(FAMILIES)}")
+    mod, prefix = _modeling(family), FAMILIES[family]
+    for cls in (getattr(mod, f"{prefix}Model"), getattr(mod, f"{prefix}ForCausalLM")):
+        if "_minite_original_init" in cls.__dict__:
+            cls.__init__ = cls.__dict__["_minite_original_init"]
+            del cls._minite_original_init
+
+
+def apply_minite_to_llama(model=None, *, backend: str | None = None, **switches: bool):
+    """Liger's ``apply_liger_kernel_to_llama`` shape: with a model, ``apply_minite(model, ...)``; without, patch
+    LlamaModel / LlamaForCausalLM so that every Llama built afterwards (``from_pretrained`` too) is swapped."""
+    return _apply_to("llama", model, backend, switches)
+
+
+def apply_minite_to_mistral(model=None, *, backend: str | None = None, **switches: bool):
+    """apply_minite_to_llama for Mistral (a sliding window runs up to its length, see the module docstring)."""
+    return _apply_to("mistral", model, backend, switches)
+
+
+def apply_minite_to_qwen2(model=None, *, backend: str | None = None, **switches: bool):
+    """apply_minite_to_llama for Qwen2 (its q/k/v biases ride along in the swapped projections)."""
+    return _apply_to("qwen2", model, backend, switches)
 
 
 def swap_llama_layers(hf_model: LlamaPreTrainedModel, *, backend: str | None = None) -> LlamaPreTrainedModel:
-    """Run a transformers Llama on minite's kernels, in place, and return it: in every decoder layer the two RMSNorms
-    become ``minite.nn.RMSNorm``, the attention ``MiniteLlamaAttention``, the MLP ``MiniteLlamaMLP`` (and the final
-    norm too), all holding the model's own Parameters. ``backend`` as everywhere in minite (None: auto)."""
-    llama = _check_llama(hf_model, to_gpt=False)
-    for layer in llama.layers:
-        layer.input_layernorm = _rmsnorm(layer.input_layernorm, backend)
-        layer.post_attention_layernorm = _rmsnorm(layer.post_attention_layernorm, backend)
-        layer.self_attn = MiniteLlamaAttention(layer.self_attn, backend)
-        layer.mlp = MiniteLlamaMLP(layer.mlp, backend)
-    llama.norm = _rmsnorm(llama.norm, backend)
-    return hf_model
+    """``apply_minite(hf_model)`` with the switches that change modules (the loss stays HF's, as it always was):
+    norms, attention and MLP on minite's kernels, in place, holding the model's own Parameters."""
+    return apply_minite(hf_model, backend=backend, cross_entropy=False)

@@ -21,7 +21,8 @@ RULES = [
     # bit specs, reference + Triton encode/decode, typed public API; issue 35: the scale format E8M0 (ScaleSpec)
     # in the same language: its spec, reference and Triton encode/decode
     ("minite/formats/specs.py", 405),
-    ("minite/hf.py", 350),                   # Llama <-> GPT mapping, the layer swap, padded batches, the MoE refusal
+    ("minite/hf.py", 540),                   # Llama <-> GPT mapping, the layer swap, padded batches, the MoE refusal;
+    # issue 37: untied heads both ways, Mistral/Qwen2, per-op switches with HF's fallbacks, class patching (+190)
     # resolve, build, step, loop, the CLI, their checks; a statement a line; the TensorBoard writer (issue 26) and the
     # MoE routing in the log line (chapter 16); the default preset from the rank's device; sampling in eval mode;
     # (issue 35) the loss-free balance's explicit bias step at the optimizer step, and its import; (issue 32) compile

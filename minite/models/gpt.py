@@ -1,6 +1,6 @@
 """A decoder-only GPT built only from minite parts (chapter 14, the graduation run).
 
-    idx (B, T) -> token embedding -> n_layer x Block -> RMSNorm -> tied LM head -> logits (B, T, V_pad)
+    idx (B, T) -> token embedding -> n_layer x Block -> RMSNorm -> LM head -> logits (B, T, V_pad)
     Block: x = x + attn(norm1(x)); x = x + mlp(norm2(x))            (pre-norm residual stream)
 
 Modern choices instead of GPT-2's: RMSNorm instead of LayerNorm, rotary position embeddings instead of a learned
@@ -24,7 +24,7 @@ from minite.layers.moe import MoE
 from minite.nn import RMSNorm, SwiGLU
 from minite.ops import cross_entropy
 
-__all__ = ["GPTConfig", "GPT", "Block", "MLP", "MoEMLP"]
+__all__ = ["GPTConfig", "GPT", "Block", "MLP", "MoEMLP", "head_weight"]
 
 
 def _doc(text: str, default):
@@ -48,6 +48,8 @@ class GPTConfig:
     dropout: float = _doc("dropout on the residual branches and the embeddings (0 for short runs)", 0.0)
     norm_eps: float = _doc("RMSNorm epsilon", 1e-6)
     bias: bool = _doc("biases in the linear layers", False)
+    tie_embeddings: bool = _doc("LM head tied to the token embedding (one (V_pad, C) matrix, key wte.weight); "
+                                "False: a separate lm_head.weight, as most Llama checkpoints have", True)
     vocab_multiple: int = _doc("pad the vocabulary up to a multiple of this (64: tensor-core friendly)", 64)
     backend: str = _doc("op implementation: auto | torch | triton (auto: Triton on CUDA, else PyTorch)", "auto")
     moe_num_experts: int = _doc("mixture of experts (chapter 16): experts per block instead of the MLP; 0 = dense", 0)
@@ -174,6 +176,12 @@ def _check_idx(where: str, idx, V: int, values: bool) -> None:
             raise ValueError(f"{where}: idx[{b}, {t}] = {int(idx[b, t])} is not a token id in [0, vocab_size={V})")
 
 
+def head_weight(model) -> torch.Tensor:
+    """The LM head's (V_pad, C) weight: the embedding's when tied, else ``lm_head.weight``. A function, not a method:
+    the parallel GPTs run GPT.forward on their own modules (an untied one without ``lm_head`` fails loudly here)."""
+    return model.wte.weight if model.config.tie_embeddings else model.lm_head.weight
+
+
 def _backend_arg(cfg: GPTConfig) -> str | None:
     # "auto" is passed as None so a surrounding use_backend() context or $MINITE_BACKEND can still decide.
     return None if cfg.backend == "auto" else cfg.backend
@@ -191,9 +199,12 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
         self.norm_f = RMSNorm(C, eps=cfg.norm_eps, backend=self.backend)
-        # The LM head is tied to the embedding (weight sharing, Press & Wolf 2017): logits = x @ wte.weight^T.
-        # It is applied with F.linear on purpose, not minite.nn.Linear, so fp8_autocast leaves it in higher
-        # precision: the logits feed a softmax over the whole vocabulary and are the most precision-sensitive GEMM.
+        # The LM head is tied to the embedding by default (weight sharing, Press & Wolf 2017): logits = x @ wte^T;
+        # tie_embeddings=False gives it its own (V_pad, C) weight, lm_head.weight (Llama 2/3, Mistral). Either is
+        # applied with F.linear on purpose, not minite.nn.Linear, so fp8_autocast leaves it in higher precision:
+        # the logits feed a softmax over the whole vocabulary and are the most precision-sensitive GEMM.
+        if not cfg.tie_embeddings:
+            self.lm_head = nn.Linear(C, V, bias=False)  # a plain nn.Linear: never an FP8 or LoRA target
         self.apply(self._init_weights)
         # GPT-2's scaled init: each block adds two residual branches, so the output projections start with
         # std 0.02 / sqrt(2 * n_layer) and the residual stream's variance does not grow with depth.
@@ -211,7 +222,7 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def num_params(self) -> int:
-        """Parameter count (the tied embedding counted once)."""
+        """Parameter count (a tied embedding counted once)."""
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, kv_cache=None, lengths=None):
@@ -236,7 +247,7 @@ class GPT(nn.Module):
             kv_cache.advance(T if lengths is None else lengths)
             last = torch.full((B,), T - 1, device=idx.device) if lengths is None else torch.as_tensor(lengths) - 1
             x = self.norm_f(x[torch.arange(B, device=idx.device), last.to(idx.device)][:, None])  # (B, 1, C)
-            return F.linear(x, self.wte.weight), None  # (B, 1, V_pad)
+            return F.linear(x, head_weight(self)), None  # (B, 1, V_pad)
         if T > self.config.block_size:
             raise ValueError(f"cannot forward a sequence of length {T}: block_size is only {self.config.block_size} "
                              "(crop the input, or train a model with a larger --model.block_size)")
@@ -246,9 +257,9 @@ class GPT(nn.Module):
         aux = _take_aux_loss(self.config, self.blocks)  # a function: CPGPT runs this forward on its own modules
         x = self.norm_f(x)  # (B, T, C)
         if targets is None:
-            logits = F.linear(x[:, [-1], :], self.wte.weight)  # (B, 1, V_pad): only the last position is needed
+            logits = F.linear(x[:, [-1], :], head_weight(self))  # (B, 1, V_pad): only the last position is needed
             return logits, None
-        logits = F.linear(x, self.wte.weight)  # (B, T, V_pad), tied head
+        logits = F.linear(x, head_weight(self))  # (B, T, V_pad)
         loss = cross_entropy(logits.view(B * T, -1), targets.reshape(B * T), backend=self.backend)  # (N, V_pad)
         c = self.config
         if aux is not None and c.moe_balance == "aux" and c.moe_aux_weight and self.training:  # not in eval

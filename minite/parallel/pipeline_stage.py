@@ -63,6 +63,8 @@ class Stage(nn.Module):
     def __init__(self, model: nn.Module, layers: range, first: bool, last: bool):
         super().__init__()
         own = copy.deepcopy if isinstance(model, GPT) else (lambda m: m)
+        if not getattr(model.config, "tie_embeddings", True):  # the last stage's head is its wte
+            raise ParallelError("pipeline Stage: tie_embeddings=False (an untied LM head) is not supported")
         self.first = first
         self.last = last
         self.layers = layers

@@ -30,6 +30,7 @@ from torch import nn
 from minite.layers.moe import MoE
 from minite.models.gpt import GPT, _take_aux_loss
 from minite.parallel import comm
+from minite.parallel.dims import ParallelError
 from minite.parallel.tensor import TPMLP, TPAttention, VocabParallelEmbedding, tag, vocab_parallel_cross_entropy
 
 __all__ = ["TPBlock", "TPGPT", "activation_bytes", "gather_dense"]
@@ -88,6 +89,9 @@ class TPGPT(nn.Module):
         self.group = group
         self.sp = sequence_parallel and n > 1
         self.backend = dense.backend
+        if not getattr(cfg, "tie_embeddings", True):  # head(): the vocab-parallel head is the wte shard
+            raise ParallelError("TPGPT: tie_embeddings=False (an untied LM head) is not supported: the "
+                                "vocab-parallel head is the embedding's shard")
         if sequence_parallel and n > 1 and cfg.block_size % n:
             raise ValueError(f"sequence parallelism needs T divisible by tp={n}; block_size={cfg.block_size}")
         self.wte = VocabParallelEmbedding(dense.wte, group, sequence_parallel=self.sp)

@@ -299,3 +299,58 @@ def test_the_gpt_traces_as_one_graph_on_the_cpu():
     assert torch.equal(logits, ref_logits) and torch.equal(loss, ref_loss)
     with pytest.raises(ValueError, match=r"target\[3\] = 64 is out of range \[0, 64\)"):
         m(x, torch.where(torch.arange(32).view(2, 16) == 3, 64, y))  # eager calls still check the range
+
+
+# ------------------------------------------------------------------------------------------ untied LM head
+def test_untied_head_has_its_own_weight_and_key():
+    tied, untied = tiny(), tiny(tie_embeddings=False)
+    assert "lm_head.weight" not in tied.state_dict() and not hasattr(tied, "lm_head")
+    keys = list(untied.state_dict())
+    assert keys == list(tied.state_dict()) + ["lm_head.weight"] and untied.lm_head.weight.shape == (128, 32)
+    assert untied.num_params() == tied.num_params() + 128 * 32
+    idx = torch.randint(0, 65, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = untied(idx, idx)[0]
+        untied.wte.weight[100:] += 1.0  # embedding rows no token uses: the untied head must not read them
+        assert torch.equal(untied(idx, idx)[0], before)
+        untied.lm_head.weight[3] += 1.0  # the head's own row moves logit 3 only
+        after = untied(idx, idx)[0]
+    changed = (after != before).any(0).any(0).nonzero().flatten().tolist()
+    assert changed == [3]
+    _, loss = untied(idx, idx)
+    loss.backward()
+    assert untied.lm_head.weight.grad.abs().sum() > 0
+
+
+def test_a_tied_checkpoint_still_loads_and_an_untied_one_needs_its_head():
+    tied = tiny()
+    state = tied.state_dict()
+    again = GPT(GPTConfig(**{k: v for k, v in tied.config.to_dict().items() if k != "tie_embeddings"}))
+    again.load_state_dict(state, strict=True)  # an older config dict (no tie_embeddings field): tied, as it was
+    with pytest.raises(RuntimeError, match="lm_head.weight"):
+        tiny(tie_embeddings=False).load_state_dict(state, strict=True)
+
+
+@pytest.mark.parametrize("decoder", [False, True])
+def test_untied_head_generates_with_the_cache_as_without(decoder):
+    from minite.decoding import Decoder
+    m = tiny(tie_embeddings=False).eval()
+    with torch.no_grad():
+        m.lm_head.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(2))  # far from the embedding
+    idx = torch.randint(0, 65, (2, 4), generator=torch.Generator().manual_seed(3))
+    ref = m.generate(idx, 6, temperature=0, use_cache=False)
+    got = m.generate(idx, 6, temperature=0, decoder=Decoder(m) if decoder else None)
+    assert torch.equal(got, ref)
+    tied_like = GPT(GPTConfig(**{**m.config.to_dict(), "tie_embeddings": True}))
+    tied_like.load_state_dict({k: v for k, v in m.state_dict().items() if k != "lm_head.weight"})
+    assert not torch.equal(tied_like.generate(idx, 6, temperature=0, use_cache=False), ref)  # the head mattered
+
+
+def test_untied_head_is_refused_by_the_layouts_that_split_the_vocabulary():
+    from minite.errors import ParallelError
+    from minite.parallel.dims import ParallelDims
+    cfg = GPTConfig(**{**TINY, "tie_embeddings": False})
+    ParallelDims(dp=2).check_model(cfg)  # data parallelism replicates the head: fine
+    for kw in ({"tp": 2}, {"pp": 2}, {"cp": 2}):
+        with pytest.raises(ParallelError, match=f"tie_embeddings=False .* not supported with {list(kw)[0]}=2"):
+            ParallelDims(**kw).check_model(cfg)
