@@ -18,8 +18,8 @@ MX scales are powers of two (E8M0), so fp8 * 2^e is exact in bf16 (8 significant
 fp32's exponents: it overflows where the fp32 reference does, and only scales below 2^-117 can round an element
 into its subnormals). Hopper has no MX tensor cores, and an FP8 MMA per 32-wide group waits every 32 products: the
 MX kernel dequantizes each K slab in registers and runs a bf16 MMA into one fp32 accumulator. The interpreter
-decodes fp8 bits exactly and dots in fp32 (``FP8_MMA``/``BF16_MMA`` off): its fp8 cast reads NaN as 480 and its
-bf16 arithmetic is wrong.
+decodes fp8 bits exactly (``FP8_MMA``/``BF16_MMA`` off: its fp8 cast reads NaN as 480) and dots in fp16 (blockwise:
+it holds every fp8 value) or fp32 (MX: its bf16 arithmetic is wrong).
 
 The quantize kernel encodes with chapter 01's integer ``encode_bits_tl`` (bit-exact on the interpreter, whose own
 fp8 casts are wrong, and on the GPU) and computes scales with ``tl.div_rn`` (IEEE division: Triton's ``/`` is an
@@ -156,8 +156,8 @@ def _block_scaled_gemm_kernel(A_ptr, B_ptr, C_ptr, SA_ptr, SB_ptr, M, N, K,
         b = tl.load(b_ptrs, mask=(k[:, None] < K) & (offs_n[None, :] < N), other=0.0)
         if FP8_MMA:
             part = tl.dot(a, b)                                        # fresh: BLOCK_K products in FP8's accumulator
-        else:  # the interpreter: exact fp32 products of the decoded values
-            part = tl.dot(fp8_to_fp32_tl(a, False), fp8_to_fp32_tl(b, False), input_precision="ieee")
+        else:  # the interpreter: the bits decoded exactly into fp16 (as fp8_gemm), fp32 sums
+            part = tl.dot(fp8_to_fp32_tl(a, False).to(tl.float16), fp8_to_fp32_tl(b, False).to(tl.float16))
         if B_SCALAR:
             acc += part * (sa * sb)[:, None]                           # promotion, scaled: once per K-block
         else:

@@ -85,8 +85,9 @@ def _fp8_gemm_kernel(A_ptr, B_ptr, C_ptr, A_scale_inv_ptr, B_scale_inv_ptr, M, N
         b_mask = ((k0 + offs_k)[:, None] < K) & (offs_n[None, :] < N)
         a = tl.load(a_ptrs, mask=a_mask, other=0.0)                    # fp8 tile, stays fp8
         b = tl.load(b_ptrs, mask=b_mask, other=0.0)
-        if not FP8_MMA:  # the interpreter: exact fp32 products of the decoded values (NaN stays NaN)
-            acc = tl.dot(fp8_to_fp32_tl(a, False), fp8_to_fp32_tl(b, False), acc, input_precision="ieee")
+        if not FP8_MMA:  # the interpreter: the bits decoded exactly into fp16 (it holds every fp8 value, NaN and
+            # inf too), an fp16 dot with fp32 sums
+            acc = tl.dot(fp8_to_fp32_tl(a, False).to(tl.float16), fp8_to_fp32_tl(b, False).to(tl.float16), acc)
         elif SPLIT_ACC:
             # Promote every BLOCK_K products: the MMA chain of one K-block runs in the tensor core's ~14-bit
             # accumulator, then is added to `acc` in full fp32 (what cuBLAS does unless fast accumulation is on).
