@@ -31,7 +31,7 @@
 import os, torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton or minite kernels
-import glob, json, math
+import math
 import matplotlib.pyplot as plt
 import torch.nn.functional as F
 from minite._triton import triton, tl
@@ -217,19 +217,79 @@ print("PASS: lesson flash forward vs naive and vs minite")
 # %% [markdown]
 # How much work did causal block skipping save? Count the key blocks each query tile visits:
 
-# %%
+# %% tags=["nbval-check-output"]
+# CHECK: causal block skipping visits about half the grid
 for T in (512, 2048, 8192):
     n_m, n_n = T // 64, T // 32
     full = n_m * n_n
     causal = sum(min(n_n, ((i + 1) * 64 + 31) // 32) for i in range(n_m))
     print(f"T={T:5d}: {causal}/{full} key blocks visited = {causal / full:.3f} of the full grid")
+    assert 0.5 < causal / full <= 0.5 + 1 / n_m  # half, plus the diagonal blocks
+print("PASS: a causal layer visits half the key blocks, plus the diagonal")
 
 # %% [markdown]
 # `minite.kernels.attention` is this kernel grown up: head dims that are not powers of two (padded and masked),
 # GQA, $T_q \neq T_k$ with the causal mask aligned bottom-right (query $i$ sees keys $j \le i + T_k - T_q$: the
 # last query sees every key, which is what a KV-cache prefill needs), rows that see no key (LSE $=-\infty$, output
 # 0, never NaN: `m_new` can be $-\infty$ there, and $-\infty - (-\infty)$ is NaN), the packed layout, and bf16
-# upcast to fp32 at load under the interpreter (its bf16 arithmetic is wrong; TRITON_ON_CPU.md).
+# upcast to fp32 at load under the interpreter (its bf16 arithmetic is wrong; TRITON_ON_CPU.md). Three more
+# things in it matter for speed on a GPU:
+#
+# * **Two key loops, not one.** The lesson's loop masks every block. minite's `_key_ranges` splits a query tile's
+#   keys in two, as the Triton tutorial's `_attn_fwd_inner` does with its `STAGE` argument (Triton,
+#   `python/tutorials/06-fused-attention.py`): blocks that every row of the tile sees in full run in a **main loop**
+#   with no mask at all, and only the diagonal blocks (causal) and the ragged tail ($T$ not a multiple of
+#   `BLOCK_N`) run in a **masked loop**. The same body (`_fwd_loop`) is compiled twice, `MASKED` a constexpr. The
+#   masked loop is also the only place that cleans non-finite keys/values (a masked key has $p = 0$, and $0 \cdot
+#   \mathrm{NaN} = \mathrm{NaN}$ in $PV$): done in every block, that scrub made sm_90 move $K$ and $V$ through
+#   registers on every block instead of feeding the tensor cores from shared memory. With
+#   `BLOCK_M = 128, BLOCK_N = 64`, each query tile has exactly two masked blocks (counted below).
+# * **Strides.** Every tensor is read through its own (batch, head, token) strides, $D$ with stride 1: a contiguous
+#   $(B, H, T, D)$ tensor, a $(B, H, T, D)$ **view** of $(B, T, H, D)$ memory, and the packed thd layout (batch
+#   stride 0) are one code path, and no launcher copies. The output is stored in $q$'s memory order.
+# * **The fused qkv path.** The GPT's projection writes $(B, T, (H + 2\,KVH) D)$: per token, $H$ query heads, then
+#   $KVH$ key and $KVH$ value heads. `attention_qkv` rotates $q$ and $k$ with RoPE (chapter 04's kernel, one
+#   launch for both), reads $v$ where it lies, and writes $o$ as $(B, T, H, D)$, whose $(B, T, H D)$ view feeds the
+#   output projection. Its backward writes $dq, dk, dv$ into one $d(qkv)$ buffer and un-rotates $dq, dk$ there in
+#   place: no transpose, no `contiguous()`, no concatenation of three gradients (on an H200 the GPT-2 124M step
+#   spent 2.85 ms of its 40.7 ms in those copies before this path existed).
+#
+# Each of the three, checked: the main/masked split over a causal $T = 4096$ layer, a strided view read in place,
+# and `attention_qkv` (forward and $d(qkv)$) against RoPE followed by the reference attention.
+
+# %% tags=["nbval-check-output"]
+# CHECK: split loops, strided views, the fused qkv path
+from minite.kernels.attention import attention_qkv
+from minite.kernels.rope import rope_ref
+
+BM, BN, T = 128, 64, 4096  # the GPU forward tile at D = 128
+main = masked = 0
+for m0 in range(0, T, BM):
+    full, hi = min(T // BN * BN, (m0 + 1) // BN * BN), min(T, m0 + BM)  # _key_ranges, T_q = T_k
+    main, masked = main + full // BN, masked + (hi - full) // BN
+print(f"T={T}: {main} unmasked key blocks, {masked} masked ({masked / (main + masked):.1%})")
+assert masked == 2 * (T // BM)  # two diagonal blocks per query tile, nothing else
+
+B_, T_, H_, KVH_, D_ = 2, 37, 4, 2, 16
+x = randn(B_, T_, H_ + 2 * KVH_, D_, seed=20)  # (B, T, heads, D), as a qkv projection writes it
+q, k, v = (t.transpose(1, 2) for t in x.split([H_, KVH_, KVH_], 2))  # (B, heads, T, D) views, not copies
+o = attention(q, k, v, backend="triton")
+assert_close(o, attention_ref(q.contiguous(), k.contiguous(), v.contiguous()), name="strided views")
+assert o.stride(1) < o.stride(2), "o is stored in q's memory order: heads inside tokens"
+
+qkv = randn(B_, T_, (H_ + 2 * KVH_) * D_, seed=21).requires_grad_()
+ang = torch.arange(T_, dtype=torch.float64)[:, None] * 10000.0 ** (-torch.arange(0, D_, 2) / D_)  # (T, D/2)
+cos, sin = (f(ang).float().to(DEVICE) for f in (torch.cos, torch.sin))
+got = attention_qkv(qkv, cos, sin, H_, KVH_, backend="triton")  # (B, T, H, D)
+qkv64 = qkv.detach().double().requires_grad_()
+xs = qkv64.view(B_, T_, H_ + 2 * KVH_, D_)
+qr, kr = (rope_ref(t, cos.double(), sin.double(), layout="bthd") for t in (xs[:, :, :H_], xs[:, :, H_:H_ + KVH_]))
+want = attention_ref(qr.transpose(1, 2), kr.transpose(1, 2), xs[:, :, H_ + KVH_:].transpose(1, 2)).transpose(1, 2)
+assert_close(got, want.float(), name="attention_qkv forward")
+g_out = randn(B_, T_, H_, D_, seed=22)
+(dgot,), (dwant,) = torch.autograd.grad(got, qkv, g_out), torch.autograd.grad(want, qkv64, g_out.double())
+assert_close(dgot, dwant.float(), name="d(qkv)")
+print("PASS: two masked blocks per query tile; views read in place; attention_qkv's forward and d(qkv) are exact")
 #
 # ## 5. The backward, derived
 #
@@ -297,6 +357,12 @@ print("PASS: dQ, dK, dV from the LSE equal autograd")
 # Both recompute a tile of $P$ from the LSE exactly as the forward made it: scores in log2 units
 # (`qk_scale` $= s\log_2 e$) and the natural-log LSE converted with one multiply by $\log_2 e$. $\Delta$ is one
 # $(B, H, T)$ tensor computed before either kernel (here in PyTorch; minite has a tiny kernel for it).
+#
+# minite's two backward kernels split their loops as its forward does: the dQ kernel walks the same main and
+# masked key ranges, and the dK/dV kernel three query ranges (the causal diagonal, masked; the queries that see
+# every key of the block, unmasked; the ragged tail, masked). They write through strides too, so
+# `attention_qkv`'s backward hands them slices of its $d(qkv)$ buffer. The lesson's kernels below keep one masked
+# loop each: the algorithm is the same.
 #
 # **dK, dV**: grid `(cdiv(T, BLOCK_N), B*H)`. The program owns `BLOCK_N` keys, keeps their $K, V$ rows and its
 # $dK, dV$ accumulators on chip, and visits every query tile that can see its keys. With the causal mask query
@@ -514,64 +580,74 @@ print("PASS: one packed launch equals four per-sequence launches, nothing comput
 # %% [markdown]
 # ## 9. GPU numbers
 #
-# `benchmarks/bench_attention.py` measures forward and forward+backward TFLOP/s at $D = 64, 128$, $T =$ 512 … 16k,
-# causal and not, against SDPA's flash and cuDNN backends. **Only one partial run is recorded**: on an NVIDIA H100
-# 80GB HBM3 on 2026-11-23 (torch 2.11, triton 3.6), the sweep measured $D = 64$, $T = 1024$ (B·T = 16k tokens,
-# bf16) and then crashed in the CUDA-graph timer; its log is `benchmarks/results/logs_h100/final_bench_attention.log`
-# (the forward+backward rows were timed eagerly, after a failed graph capture; cuDNN's causal row ran out of
-# memory). $D = 128$ and longer sequences have no GPU number at all. The cell below plots a
-# `benchmarks/results/attention_*.json` when one exists, and otherwise those logged rows.
+# `benchmarks/bench_attention.py` measures forward and forward+backward TFLOP/s against SDPA's FlashAttention-2
+# and cuDNN backends in the same process, and writes `benchmarks/results/attention_<device>.json`. The cell below
+# plots the file recorded on this notebook's GPU, or on a CPU the newest GPU run recorded: an **NVIDIA H200** on
+# 2026-11-28 (torch 2.11, triton 3.6, CUDA-graph timer), $D = 128$, $T = 4096$, $B = 4$, $H = 16$, bf16. (An
+# earlier H100 run reached only $D = 64$, $T = 1024$ before its timer crashed:
+# `benchmarks/results/logs_h100/final_bench_attention.log`.)
 
 # %% tags=["nbval-ignore-output"]
-import pathlib, re
+from minite.recorded import recorded
 
-
-def results_path(pattern):
-    """Files of benchmarks/results/ matching `pattern`, wherever the notebook runs from (newest name last)."""
-    for root in (pathlib.Path.cwd(), *pathlib.Path.cwd().parents):
-        if (root / "benchmarks" / "results").is_dir():
-            return sorted((root / "benchmarks" / "results").glob(pattern))
-    return []
-
-
-runs = results_path("attention_*.json")
-if runs:
-    res = json.load(open(runs[-1]))
-    rows = [(r["impl"], r["causal"], r["mode"], r["TFLOPs"]) for r in res["results"] if r["D"] == 64 and r["T"] == 1024]
-    title = f"D=64, T=1024, bf16 — {res['device']}, {res.get('date', '')}"
+runs = recorded("attention")  # {file name: JSON}; {} where nothing is recorded (an installed wheel)
+here = torch.cuda.get_device_name() if DEVICE == "cuda" else None
+res = next((r for r in runs.values() if r["device"] == here), runs.get("attention_nvidia-h200.json"))
+if res is None:
+    print("No GPU result recorded for this chapter: run `python benchmarks/bench_attention.py` on a GPU.")
 else:
-    log = results_path("logs_h100/final_bench_attention.log")[0].read_text()
-    line = r"D=\s*(\d+) T=\s*\d+ causal=(\w+)\s+(fwd\+bwd|fwd)\s+(.+?)\s+[\d.]+ ms\s+([\d.]+) TFLOP/s"
-    rows = [(m[3], m[1] == "True", m[2], float(m[4])) for m in re.findall(line, log)]
-    title = "D=64, T=1024, B·T=16k, bf16 — NVIDIA H100 80GB HBM3, 2026-11-23 (partial run)"
-impls = ["minite triton", "sdpa flash", "sdpa cudnn"]
-groups = [(c, m) for c in (False, True) for m in ("fwd", "fwd+bwd")]
-fig, ax = plt.subplots(figsize=(8, 3.4))
-for i, impl in enumerate(impls):
-    vals = [next((t for n, c, m, t in rows if n == impl and c == cg and m == mg), 0.0) for cg, mg in groups]
-    ax.bar([j + 0.27 * (i - 1) for j in range(len(groups))], vals, width=0.27, label=impl, color=f"C{i}")
-ax.set_xticks(range(len(groups)), [f"{'causal' if c else 'not causal'}\n{m}" for c, m in groups])
-ax.set(ylabel="TFLOP/s", title=title)
-ax.legend(fontsize=8)
-plt.show()
-for n, c, m, t in rows:
-    print(f"{n:14} {'causal' if c else 'full':6} {m:8} {t:6.1f} TFLOP/s")
+    D_rec, T_rec = max((r["D"], r["T"]) for r in res["results"])
+    rows = [(r["impl"], r["causal"], r["mode"], r["TFLOPs"]) for r in res["results"]
+            if (r["D"], r["T"]) == (D_rec, T_rec)]
+    groups = [(c, m) for c in (False, True) for m in ("fwd", "fwd+bwd")]
+    fig, ax = plt.subplots(figsize=(8, 3.4))
+    for i, impl in enumerate(["minite triton", "sdpa flash", "sdpa cudnn"]):
+        vals = [next((t for n, c, m, t in rows if n == impl and c == cg and m == mg), 0.0) for cg, mg in groups]
+        ax.bar([j + 0.27 * (i - 1) for j in range(len(groups))], vals, width=0.27, label=impl, color=f"C{i}")
+    ax.set_xticks(range(len(groups)), [f"{'causal' if c else 'not causal'}\n{m}" for c, m in groups])
+    ax.set(ylabel="TFLOP/s", title=f"attention, D={D_rec}, T={T_rec}, {res['dtype']} — {res['device']}")
+    ax.legend(fontsize=8)
+    plt.show()
+    for n, c, m, t in rows:
+        print(f"{n:14} {'causal' if c else 'full':6} {m:8} {t:6.1f} TFLOP/s")
 
 # %% [markdown]
-# What that one point says, plainly. Not causal, minite's forward (339 TFLOP/s) beats SDPA's FlashAttention-2 (284)
-# and loses to cuDNN (432); forward+backward the same order (322 against 229 and 367). **Causal, minite is behind**:
-# 193 against flash's 218 forward, 151 against 162 forward+backward (cuDNN: no number, out of memory). A likely
-# reason, not profiled: minite's causal loop skips the key blocks right of the diagonal but evaluates the mask on
-# every block it visits, where FA2 and the Triton tutorial split the loop into unmasked blocks and the diagonal
-# ones; at $T = 1024$ the diagonal blocks are a large share of the work. One shape, one head dim, one run: not a
-# verdict on any kernel, and nothing here says how the kernels compare at $D = 128$ or at long sequences.
+# **Where minite lost on the H200 (2026-11-28), and why.** Not causal, minite's forward (436 TFLOP/s) beat
+# SDPA's FlashAttention-2 (354) and reached two thirds of cuDNN (662). Everywhere else it lost: the causal forward
+# 250 against flash's 306 and cuDNN's 583; forward+backward **170 against 308 and 531** (not causal) and **126
+# against 270 and 474** (causal): about half of FlashAttention-2, a quarter to a third of cuDNN. The backward is
+# where it lost most (10.1 ms against flash's 4.7 ms, not causal). Compiling those kernels for sm_90 as the GPU's
+# JIT does, and reading the generated code, gave the reasons:
+#
+# * the dQ kernel at $D = 128$ used 32-row query tiles, fewer than the 64 rows a Hopper warpgroup MMA (`wgmma`)
+#   needs, so all three of its dots fell back to the older `mma.sync`;
+# * the dK/dV kernel put 64 keys on 8 warps: both warpgroups computed the same tile of $S^\top$ and $dP^\top$;
+# * causal mode cleaned non-finite keys inside the loop on every block, which moved $K$ and $V$ from shared memory
+#   through registers on every block (and made the GPT's $D = 64$ forward spill 44 bytes a thread), and evaluated
+#   the mask on every block: the causal forward took 87 % of the non-causal time for half the work;
+# * two backward kernels with no atomics cost 7 tile matmuls per (query, key) tile pair, FA2's one kernel 5
+#   (section 5): 1.4× the MMA work, by design;
+# * cuDNN goes further than FA2 on Hopper: TMA loads and warp-specialised producer/consumer warpgroups
+#   (FlashAttention-3's design, [arXiv:2407.08608](https://arxiv.org/abs/2407.08608)), which this kernel does not
+#   use.
+#
+# **Changed since, not measured yet.** The kernels above were changed after that run, guided by those compiles:
+# the split main/masked loops (the scrub and the mask on the diagonal and tail blocks only), per-kernel GPU tiles
+# (forward 128 queries × 128 keys at $D = 64$, 128 × 64 at $D = 128$; dQ 128 queries; dK/dV 128 keys × 32 queries;
+# every dot at least 64 rows a warpgroup, so `wgmma` and no replicated warpgroup, none spilling in the sm_90
+# compile), and the strided reads and fused-qkv path of section 4. What they should reach, as estimated from
+# those compiles and not measured: a causal forward near the non-causal one's efficiency (~400 TFLOP/s), a backward
+# 1.6–2× faster, so forward+backward near FlashAttention-2's, still below cuDNN; and the GPT-2 step's 2.85 ms of
+# layout copies gone. Until a GPU run records a new `attention_<device>.json`, the plot above shows the old
+# kernels.
 
 # %% [markdown]
 # ## 10. Where it runs in the GPT
 #
-# `minite/layers/attention.py`, `CausalSelfAttention.forward`: q, k, v from one projection, RoPE on q and k, then
-# `attention(q, k, v, causal=True, backend=self.backend)` — the kernel of this chapter on the Triton backend (GPU,
-# or the CPU interpreter), SDPA otherwise. `python -m minite.train --model.backend=triton` trains on it; a test
+# `minite/layers/attention.py`, `CausalSelfAttention.forward`: one projection writes q, k, v side by side, and
+# `attention_qkv(qkv, cos, sin, H, KVH, causal=True, backend=self.backend)` applies RoPE and the kernel of this
+# chapter to views of it (section 4) on the Triton backend (GPU, or the CPU interpreter), RoPE and SDPA otherwise;
+# with a KV cache the layer takes the split q, k, v path of chapter 08. `python -m minite.train --model.backend=triton` trains on it; a test
 # checks its first 3 losses against the SDPA run. Chapter 08 adds the KV cache and a decode kernel built on the
 # same online softmax; chapter 13 splits the keys over GPUs and merges the partial results with the LSE.
 
