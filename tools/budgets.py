@@ -17,7 +17,9 @@ RULES = [
     # GPU tiles, and the GPT's fused-qkv op pair (RoPE + attention, one d(qkv) buffer) with its autograd: +230
     ("minite/kernels/attention.py", 780),
     ("minite/kernels/cross_entropy.py", 335),  # CE and the fused linear-CE: 3 ops, 2 autograd formulas, +inf rule
-    ("minite/kernels/rmsnorm.py", 320),      # RMSNorm and LayerNorm: 4 ops, 2 autograd formulas, typed device/dtype
+    # RMSNorm and LayerNorm: 4 ops, 2 autograd formulas, typed device/dtype; issue 33: the backward's register
+    # budget at wide rows (partials first, one fused LayerNorm reduction, db on the host past 8192 columns): +20
+    ("minite/kernels/rmsnorm.py", 340),
     # bit specs, reference + Triton encode/decode, typed public API; issue 35: the scale format E8M0 (ScaleSpec)
     # in the same language: its spec, reference and Triton encode/decode
     ("minite/formats/specs.py", 405),

@@ -5,7 +5,8 @@
 
 One Triton kernel pair serves both: the constexpr LAYERNORM switches the mean subtraction and the bias on.
 Forward: one program per row block, fp32 statistics (fp64 for fp64), rstd (and mean) saved. Backward: each of ~2
-programs per SM walks a chunk of rows, writes dx and ONE partial of dw (db) per program, reduced by `.sum(0)`.
+programs per SM walks a chunk of rows, writes dx and ONE partial of dw (db) per program, reduced by `.sum(0)`;
+a LayerNorm row wider than DB_IN_KERNEL_MAX gets db from the host (dy summed over rows): no register spills.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from minite._triton import tl, triton
 from minite.backend import resolve_backend
 from minite.kernels._common import (
     compute_dtype,
+    gpu_tiles,
     launchable,
     op,
     register_autograd,
@@ -31,8 +33,11 @@ __all__ = ["rmsnorm_ref", "layernorm_ref", "rmsnorm_fwd", "rmsnorm_bwd", "layern
 
 MAX_FUSED_SIZE = 65536  # one row must fit in one program's registers/SRAM: the Triton tutorial's 64 KB bound
 # GPU knobs (bench_rmsnorm.py --sweep): elements per program step, backward programs per SM, backward warp cap
-# per op (H100, C=16384 fwd+bwd: RMSNorm 1.02 ms at <=16 warps vs 1.08 at 32; LayerNorm 2.15 at 32, 6.34 at 16).
-ROW_ELEMS, BWD_PROGRAMS_PER_SM, BWD_MAX_WARPS = 4096, 2, {"rmsnorm": 16, "layernorm": 32}
+# per op (H100, C=16384 fwd+bwd: RMSNorm 1.02 ms at <=16 warps vs 1.08 at 32), forward warp cap (16 warps at
+# C=16384: <= 64 registers, so two rows in flight per SM; 32 warps leave room for one), and the widest LayerNorm
+# row whose backward keeps db in registers beside dw (16384 columns spilled 212 B at 32 warps, 2.18 ms fwd+bwd).
+ROW_ELEMS, BWD_PROGRAMS_PER_SM, BWD_MAX_WARPS = 4096, 2, {"rmsnorm": 16, "layernorm": 16}
+FWD_MAX_WARPS, DB_IN_KERNEL_MAX = 16, 8192
 
 
 # ------------------------------------------------------------------------------------------ 1. references
@@ -64,7 +69,6 @@ def _norm_fwd_kernel(X_ptr, W_ptr, B_ptr, Y_ptr, Mean_ptr, Rstd_ptr, X_row_strid
     mask = (rows[:, None] < N_ROWS) & cmask[None, :]  # (BLOCK_ROWS, BLOCK_SIZE)
     # Load the rows once and upcast at once (bf16 arithmetic is wrong on the CPU interpreter).
     x = tl.load(X_ptr + rows[:, None] * X_row_stride + cols[None, :], mask=mask, other=0.0).to(ACC)
-    w = tl.load(W_ptr + cols, mask=cmask, other=0.0).to(ACC)[None, :]  # (1, BLOCK_SIZE)
     if LAYERNORM:
         mean = tl.sum(x, axis=1) / N_COLS  # (BLOCK_ROWS,) first reduction: the row means
         xc = tl.where(mask, x - mean[:, None], 0.0)  # padding lanes must stay 0, or they pollute the variance
@@ -74,6 +78,8 @@ def _norm_fwd_kernel(X_ptr, W_ptr, B_ptr, Y_ptr, Mean_ptr, Rstd_ptr, X_row_strid
     var = tl.sum(xc * xc, axis=1) / N_COLS  # mean of squares (the variance for centred x)
     rstd = 1.0 / tl.sqrt(var + eps)  # one scalar per row
     tl.store(Rstd_ptr + rows, rstd, mask=rows < N_ROWS)  # 4 bytes per row: cheaper than re-reducing in backward
+    # w (and b) are read after the reductions: loaded earlier they would stay live in registers across them
+    w = tl.load(W_ptr + cols, mask=cmask, other=0.0).to(ACC)[None, :]  # (1, BLOCK_SIZE)
     y = xc * rstd[:, None] * w
     if LAYERNORM:
         y += tl.load(B_ptr + cols, mask=cmask, other=0.0).to(ACC)[None, :]
@@ -84,46 +90,58 @@ def _norm_fwd_kernel(X_ptr, W_ptr, B_ptr, Y_ptr, Mean_ptr, Rstd_ptr, X_row_strid
 #   RMSNorm   dx = rstd * (g - xhat * mean(g * xhat))
 #   LayerNorm dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
 #   dw = sum over rows of dy * xhat        db = sum over rows of dy
-# dw/db sum over ALL rows, so each program keeps a running partial for its rows in registers and writes it
+# dw (db) sum over ALL rows, so each program keeps a running partial for its rows in registers and writes it
 # once to DW_partial[pid]; the host sums the (n_programs, C) partials. No atomics: no contention on the C
 # addresses, and the summation order is fixed, so the result is bitwise deterministic.
+# Registers are the limit at wide rows: a whole row of x and dy plus the fp32 partials, C / threads values each,
+# in at most 65536 / threads registers per thread. So the partials are updated BEFORE the row reductions (dy
+# dies early), and a LayerNorm row too wide for two partials leaves db (= dy summed over rows) to the host
+# (DB=False: one extra read of dy, cheaper than spilling every row: see DB_IN_KERNEL_MAX).
+@triton.jit
+def _add_pair(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
 @triton.jit
 def _norm_bwd_kernel(DY_ptr, X_ptr, W_ptr, Mean_ptr, Rstd_ptr, DX_ptr, DW_ptr, DB_ptr,
                      DY_row_stride, X_row_stride, DX_row_stride, N_ROWS, N_COLS, ROWS_PER_PROGRAM,
-                     LAYERNORM: tl.constexpr, ACC: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                     LAYERNORM: tl.constexpr, DB: tl.constexpr, ACC: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                      BLOCK_ROWS: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_SIZE)
     cmask = cols < N_COLS
     dw_acc = tl.zeros((BLOCK_ROWS, BLOCK_SIZE), dtype=ACC)  # this program's partial sums, in fp32 registers
-    db_acc = tl.zeros((BLOCK_ROWS, BLOCK_SIZE), dtype=ACC)
+    db_acc = tl.zeros((BLOCK_ROWS, BLOCK_SIZE) if DB else (1, 1), dtype=ACC)  # (1, 1): unused, no registers
     row_start = pid * ROWS_PER_PROGRAM  # a contiguous chunk of rows per program, BLOCK_ROWS at a time
     row_end = tl.minimum(row_start + ROWS_PER_PROGRAM, N_ROWS)
     for r0 in range(row_start, row_end, BLOCK_ROWS):
         rows = r0 + tl.arange(0, BLOCK_ROWS)  # (BLOCK_ROWS,)
         rmask = rows < row_end
         mask = rmask[:, None] & cmask[None, :]  # (BLOCK_ROWS, BLOCK_SIZE)
+        rstd = tl.load(Rstd_ptr + rows, mask=rmask, other=0.0)[:, None]  # (BLOCK_ROWS, 1)
         x = tl.load(X_ptr + rows[:, None] * X_row_stride + cols[None, :], mask=mask, other=0.0).to(ACC)
         dy = tl.load(DY_ptr + rows[:, None] * DY_row_stride + cols[None, :], mask=mask, other=0.0).to(ACC)
         # w is re-read per block (from L1/L2): holding it across the loop costs registers that wide rows lack.
         w = tl.load(W_ptr + cols, mask=cmask, other=0.0).to(ACC)[None, :]
-        rstd = tl.load(Rstd_ptr + rows, mask=rmask, other=0.0)[:, None]  # (BLOCK_ROWS, 1)
         if LAYERNORM:
             mean = tl.load(Mean_ptr + rows, mask=rmask, other=0.0)[:, None]
-            xhat = tl.where(mask, (x - mean) * rstd, 0.0)  # recomputed, never stored
+            xhat = (x - mean) * rstd  # recomputed, never stored; padding lanes have dy = 0, so they add nothing
         else:
             xhat = x * rstd
-        g = dy * w  # gradient w.r.t. xhat
-        dx = g - xhat * (tl.sum(g * xhat, axis=1) / N_COLS)[:, None]  # remove the component along xhat
-        if LAYERNORM:
-            dx -= (tl.sum(g, axis=1) / N_COLS)[:, None]  # ... and the mean (LayerNorm centred its input)
+        dw_acc += dy * xhat  # the partials first: after this, dy lives on only inside g
+        if DB:
             db_acc += dy
+        g = dy * w  # gradient w.r.t. xhat
+        if LAYERNORM:  # both row sums in ONE reduction (one trip through shared memory, one barrier)
+            gx, gs = tl.reduce((g * xhat, g), 1, _add_pair)
+            dx = g - xhat * (gx / N_COLS)[:, None] - (gs / N_COLS)[:, None]  # minus the mean: x was centred
+        else:
+            dx = g - xhat * (tl.sum(g * xhat, axis=1) / N_COLS)[:, None]  # remove the component along xhat
         tl.store(DX_ptr + rows[:, None] * DX_row_stride + cols[None, :], (dx * rstd).to(DX_ptr.dtype.element_ty),
                  mask=mask)
-        dw_acc += dy * xhat
     # Stage 1 of the reduction: one (C,) partial per program. Stage 2 is a .sum(0) on the host side.
     tl.store(DW_ptr + pid * N_COLS + cols, tl.sum(dw_acc, axis=0), mask=cmask)
-    if LAYERNORM:
+    if DB:
         tl.store(DB_ptr + pid * N_COLS + cols, tl.sum(db_acc, axis=0), mask=cmask)
 
 
@@ -132,13 +150,13 @@ def _settings(n_cols: int, bwd: str | None = None) -> tuple[int, int, int]:
     """(BLOCK_SIZE, num_warps, BLOCK_ROWS): rows shorter than ROW_ELEMS are taken several at a time, so a program
     keeps enough bytes in flight to stream HBM."""
     block, num_warps = row_launch(n_cols, MAX_FUSED_SIZE)
-    return block, min(num_warps, BWD_MAX_WARPS[bwd]) if bwd else num_warps, max(1, ROW_ELEMS // block)
+    return block, min(num_warps, BWD_MAX_WARPS[bwd] if bwd else FWD_MAX_WARPS), max(1, ROW_ELEMS // block)
 
 
 def _n_programs(x2d: torch.Tensor) -> int:
     """Programs for the backward: BWD_PROGRAMS_PER_SM per SM (cached device query), one wave; 4 on the
     interpreter. Each writes one (C,) partial of dw, so fewer programs also mean a cheaper stage 2."""
-    return max(1, min(x2d.shape[0], BWD_PROGRAMS_PER_SM * sm_count(x2d.device) if x2d.is_cuda else 4))
+    return max(1, min(x2d.shape[0], BWD_PROGRAMS_PER_SM * sm_count(x2d.device) if gpu_tiles(x2d) else 4))
 
 
 def _norm_fwd(x, weight, bias, eps: float):
@@ -171,17 +189,19 @@ def _norm_bwd(dy, x, weight, mean, rstd, *, n_programs: int | None = None):
     P = n_programs or _n_programs(x2d)
     rows_per_program = triton.cdiv(N, P) if N else 0
     dx = torch.empty_like(x2d)  # (N, C)
+    db_in_kernel = mean is not None and C <= DB_IN_KERNEL_MAX  # wider: db = dy summed over rows, on the host
     dw_partial = torch.zeros((P, C), dtype=rstd.dtype, device=x.device)  # (P, C), fp32 partials
-    db_partial = torch.zeros((P, C), dtype=rstd.dtype, device=x.device) if mean is not None else None
+    db_partial = torch.zeros((P, C), dtype=rstd.dtype, device=x.device) if db_in_kernel else None
     block, num_warps, rows = _settings(C, bwd="rmsnorm" if mean is None else "layernorm")
     if N > 0:
         launchable(_norm_bwd_kernel)[(P,)](
             dy2d, x2d, weight, mean if mean is not None else rstd, rstd, dx, dw_partial,
             db_partial if db_partial is not None else dw_partial, dy2d.stride(0), x2d.stride(0), dx.stride(0), N, C,
-            rows_per_program, LAYERNORM=mean is not None, ACC=tl_compute_dtype(x.dtype), BLOCK_SIZE=block,
-            BLOCK_ROWS=rows, num_warps=num_warps)
+            rows_per_program, LAYERNORM=mean is not None, DB=db_in_kernel, ACC=tl_compute_dtype(x.dtype),
+            BLOCK_SIZE=block, BLOCK_ROWS=rows, num_warps=num_warps)
     dw = dw_partial.sum(0).to(weight.dtype)  # stage 2: reduce P partials -> (C,)
-    db = db_partial.sum(0).to(weight.dtype) if db_partial is not None else None
+    db = None if mean is None else (db_partial.sum(0) if db_in_kernel else dy2d.sum(0, dtype=rstd.dtype)).to(
+        weight.dtype)
     return dx.view(x.shape), dw, db
 
 

@@ -73,6 +73,22 @@ def test_two_stage_dw_any_program_count(n_programs, device):
 
 
 @pytest.mark.triton
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(13, 37), (2, 3, 40)], ids=str)
+def test_layernorm_wide_row_db_on_host(shape, dtype, device, monkeypatch):
+    """Rows wider than DB_IN_KERNEL_MAX (8192 columns on a GPU) leave db to the host (dy summed over rows), so the
+    kernel holds one fp32 partial instead of two: forced here at small C. Output and every gradient."""
+    monkeypatch.setattr(K, "DB_IN_KERNEL_MAX", 16)  # C = 37, 40 > 16: the wide path
+    x, w, b = _inputs(shape, dtype, seed=6, device=device)
+    assert check_op("layernorm wide", lambda x, w, b: layernorm(x, w, b, eps=1e-5, backend="triton"),
+                    lambda x, w, b: layernorm_ref(x, w, b, 1e-5), x, w, b)
+    dy = _inputs(shape, dtype, seed=7, device=device)[0]
+    _, mean, rstd = K.layernorm_fwd(x, w, b, 1e-5)
+    db = K.layernorm_bwd(dy, x, w, mean, rstd, n_programs=3)[2]
+    assert_close(db, dy.float().reshape(-1, shape[-1]).sum(0).to(dtype), name="db")
+
+
+@pytest.mark.triton
 def test_saved_statistics(device):
     x, w, b = _inputs((6, 33), torch.float16, device=device)
     _, mean, rstd = K.layernorm_fwd(x, w, b, 1e-5)
@@ -169,7 +185,7 @@ def test_too_wide_row_is_refused(device):
 
 # ------------------------------------------------------------------------------------------ GPU only
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(4096, 4096), (8192, 1000)], ids=str)
+@pytest.mark.parametrize("shape", [(4096, 4096), (8192, 1000), (1024, 16384)], ids=str)
 def test_gpu_rmsnorm_large_shapes(shape):
     # Realistic sizes (too slow for the interpreter): output and grads vs the reference. Speed is measured by
     # benchmarks/, never asserted in a test.
@@ -182,7 +198,7 @@ def test_gpu_rmsnorm_large_shapes(shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(4096, 4096), (8192, 1000)], ids=str)
+@pytest.mark.parametrize("shape", [(4096, 4096), (8192, 1000), (1024, 16384)], ids=str)  # 16384: db on the host
 def test_gpu_layernorm_large_shapes(shape):
     C = shape[-1]
     g = torch.Generator().manual_seed(0)
