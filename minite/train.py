@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minite import finetune
+from minite import finetune, resources
 from minite.checkpoint import (
     CheckpointError,
     check_finite,
@@ -548,6 +548,7 @@ def _announce(run: Run) -> None:
     t = run.cfg.train
     data = run.plan.data
     prec = _precision_name(t, run.dev)
+    picked = resources.threads_note(t.threads, run.dev, run.par.active)  # " (picked in 2.1 s)", " (cached)"
     if run.plan.resume is not None:
         start = f"resuming at step {run.step}"
     elif run.plan.base is not None:
@@ -555,7 +556,7 @@ def _announce(run: Run) -> None:
     else:
         start = "from scratch"
     print(f"minite.train: {run.model.num_params() / 1e6:.2f}M parameters, {run.dev}, precision {prec}, "
-          f"compile {run.compiled}, threads {torch.get_num_threads()}, data {data.dir} (vocab "
+          f"compile {run.compiled}, threads {torch.get_num_threads()}{picked}, data {data.dir} (vocab "
           f"{data.tokenizer.vocab_size}, {len(data.split('train')):,} train tokens), {start}", flush=True)
     if extra := _non_defaults(run, prec):  # issue 37: what changes the math or the speed, said at the start
         print("minite.train: " + "; ".join(extra), flush=True)

@@ -561,3 +561,86 @@ def test_the_first_lines_name_what_changes_the_math_or_the_speed(run_cfg, tmp_pa
     for words in ("MoE 4 experts, top-2, balance aux", "fp8 recipe current", "emulated on cpu",
                   f"TensorBoard in {tmp_path / 'moe'}"):
         assert words in line, line
+
+
+# ------------------------------------------------------------------------------------------ thread picking: cost
+def _fake_clock(monkeypatch):
+    """resources' perf_counter replaced by a clock that only work() advances: no real work is timed."""
+    import types
+
+    from minite import resources
+    clock = [0.0]
+    monkeypatch.setattr(resources, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(resources, "_cores", lambda: 2)
+    return clock
+
+
+@pytest.mark.parametrize("step_s", [0.05, 0.4, 10.0])
+def test_thread_picking_stays_within_its_budget(monkeypatch, step_s):
+    # was (issue 37): ~27 s of silence before the first line on 2 busy cores. A step of step_s seconds under 2
+    # threads and 1/4 of that under 1: the picker must keep 1, and spend at most its budget plus one step of each
+    # count (when steps are longer than the budget: 2 one-thread steps, one warm-up and one timed, and 1 step of 2).
+    from minite import resources
+    clock, steps = _fake_clock(monkeypatch), []
+
+    def make_work():
+        def work():
+            steps.append(torch.get_num_threads())
+            clock[0] += step_s if torch.get_num_threads() == 2 else step_s / 4
+        return work
+    assert resources._fastest(make_work, budget_s=3.0) == 1
+    assert sorted(set(steps)) == [1, 2]
+    assert clock[0] <= max(3.0, 2 * step_s / 4) + step_s, (clock[0], steps)
+    if step_s == 10.0:
+        assert steps == [1, 1, 2]
+    assert len(steps) <= 2 * (2 + 3)  # never more than the old fixed 2 warm-up + 3 timed steps per count
+
+
+def test_pick_threads_caches_per_machine_and_model_size(monkeypatch, tmp_path):
+    from minite import resources
+    from minite.models.gpt import GPT, GPTConfig
+    monkeypatch.setenv("MINITE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(resources, "_cores", lambda: 2)
+    monkeypatch.setattr(resources, "_load", lambda: 0.5)  # a quiet machine: timed
+    timed = []
+    monkeypatch.setattr(resources, "_fastest", lambda make_work, **kw: timed.append(kw) or 1)  # no real timing
+    model = GPT(GPTConfig(vocab_size=40, n_layer=1, n_head=2, n_embd=16, block_size=16, backend="torch"))
+    assert resources.pick_threads(model, 4, 16) == 1 and len(timed) == 1
+    assert resources.last_pick.startswith("picked in ") and timed[0]["budget_s"] == resources.THREAD_BUDGET_S
+    assert resources.cache_file() == tmp_path / "threads.json" and resources.cache_file().exists()
+    assert resources.pick_threads(model, 4, 16) == 1 and len(timed) == 1 and resources.last_pick == "cached"
+    resources.pick_threads(model, 8, 16)  # another batch: timed again
+    bigger = GPT(GPTConfig(vocab_size=40, n_layer=2, n_head=2, n_embd=16, block_size=16, backend="torch"))
+    resources.pick_threads(bigger, 4, 16)  # another model size: timed again
+    assert len(timed) == 3
+    entries = json.loads(resources.cache_file().read_text())
+    assert len(entries) == 3 and all("cores=2|" in k for k in entries)
+    for e in entries.values():  # older than a day: timed again
+        e["at"] -= resources.CACHE_MAX_AGE_S + 1
+    resources.cache_file().write_text(json.dumps(entries))
+    resources.pick_threads(model, 4, 16)
+    assert len(timed) == 4 and resources.last_pick.startswith("picked in ")
+    resources.cache_file().write_text("{not json")  # a corrupt cache is timed again, not an error
+    resources.pick_threads(model, 4, 16)
+    assert len(timed) == 5
+    assert resources.pick_threads(model, 4, 16, cache=False) == 1 and len(timed) == 6
+    monkeypatch.setattr(resources, "_load", lambda: 3.2)  # busy: more runnable processes than cores: 1, untimed
+    assert resources.pick_threads(model, 4, 16, cache=False) == 1 and len(timed) == 6
+    assert resources.last_pick == "load 3.2 on 2 cores, not timed"
+
+
+def test_the_first_line_says_how_threads_were_picked(run_cfg, monkeypatch, tmp_path, capsys):
+    from minite import resources
+    monkeypatch.setenv("MINITE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(resources, "_cores", lambda: 2)
+    monkeypatch.setattr(resources, "_load", lambda: 0.5)
+    monkeypatch.setattr(resources, "_fastest", lambda make_work, **kw: 1)
+    for out, note in (("a", "picked in 0.0 s"), ("b", "cached")):
+        train(run_cfg(**{"train.threads": 0, "train.max_iters": 1, "train.eval_interval": 1,
+                         "train.out_dir": str(tmp_path / out)}))
+        first = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("minite.train:"))
+        assert f"threads 1 ({note})," in first, first
+    train(run_cfg(**{"train.threads": 1, "train.max_iters": 1, "train.eval_interval": 1,
+                     "train.out_dir": str(tmp_path / "c")}))
+    first = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("minite.train:"))
+    assert "threads 1," in first  # told: nothing picked, nothing said
