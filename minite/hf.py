@@ -515,18 +515,21 @@ def revert_minite(family: str) -> None:
             del cls._minite_original_init
 
 
-def apply_minite_to_llama(model=None, *, backend: str | None = None, **switches: bool):
+def apply_minite_to_llama(model: PreTrainedModel | None = None, *, backend: str | None = None,
+                          **switches: bool) -> PreTrainedModel | None:
     """Liger's ``apply_liger_kernel_to_llama`` shape: with a model, ``apply_minite(model, ...)``; without, patch
     LlamaModel / LlamaForCausalLM so that every Llama built afterwards (``from_pretrained`` too) is swapped."""
     return _apply_to("llama", model, backend, switches)
 
 
-def apply_minite_to_mistral(model=None, *, backend: str | None = None, **switches: bool):
+def apply_minite_to_mistral(model: PreTrainedModel | None = None, *, backend: str | None = None,
+                            **switches: bool) -> PreTrainedModel | None:
     """apply_minite_to_llama for Mistral (a sliding window runs up to its length, see the module docstring)."""
     return _apply_to("mistral", model, backend, switches)
 
 
-def apply_minite_to_qwen2(model=None, *, backend: str | None = None, **switches: bool):
+def apply_minite_to_qwen2(model: PreTrainedModel | None = None, *, backend: str | None = None,
+                          **switches: bool) -> PreTrainedModel | None:
     """apply_minite_to_llama for Qwen2 (its q/k/v biases ride along in the swapped projections)."""
     return _apply_to("qwen2", model, backend, switches)
 
