@@ -3,6 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from minite.kernels import swiglu as K
 from minite.kernels.swiglu import _rows, swiglu, swiglu_bwd, swiglu_ref
 from minite.nn import SwiGLU
 from minite.testing import assert_close, check_op
@@ -42,6 +43,24 @@ def test_kernel_noncontiguous_inputs(device):
     assert not gate.is_contiguous()
     assert _rows(gate).data_ptr() == gate.data_ptr()  # the launcher reads the strided rows in place, no copy
     assert_close(_triton(gate, up), swiglu_ref(gate, up), name="swiglu(chunked views)")
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fused", [False, True], ids=["contiguous", "chunked"])
+def test_kernel_several_blocks_per_row(fused, dtype, device, monkeypatch):
+    """16 columns per program: rows of 37 take 3 programs (the last one masked), strided rows (halves of a fused
+    (N, 2H) projection) and contiguous ones (launched as ONE row of N * H). Output, dgate, dup."""
+    monkeypatch.setattr(K, "BLOCK_CPU", 16)
+    g = torch.Generator().manual_seed(5)
+    if fused:  # check_op clones its inputs (contiguous): chunk inside, so the kernel sees the strided views
+        gu = (3 * torch.randn(2, 3, 2 * 37, generator=g)).to(dtype).to(device)
+        assert not gu.chunk(2, dim=-1)[0].is_contiguous()
+        assert check_op("swiglu blocks", lambda gu: _triton(*gu.chunk(2, dim=-1)),
+                        lambda gu: swiglu_ref(*gu.chunk(2, dim=-1)), gu)  # output, d(gate|up) in one grad
+    else:
+        gate, up = (3 * torch.randn(2, 2, 3, 37, generator=g)).to(dtype).to(device).unbind(0)
+        assert check_op("swiglu blocks", _triton, swiglu_ref, gate, up)
 
 
 @pytest.mark.triton
