@@ -98,7 +98,40 @@ def run_sweep(op: str, rows: int, cols: list[int], dtype, device: str) -> list[d
                     out.append({"op": op, "C": C, "row_elems": elems, "programs_per_sm": per_sm, "max_warps": warps,
                                 "ms": ms, "table": "sweep"})
     K.ROW_ELEMS, K.BWD_PROGRAMS_PER_SM, K.BWD_MAX_WARPS = saved
+    # the forward's warp cap, and (LayerNorm) db in the kernel beside dw or from the host past DB_IN_KERNEL_MAX
+    saved = K.FWD_MAX_WARPS, K.DB_IN_KERNEL_MAX
+    for C in cols:
+        x = torch.randn(rows, C, device=device, dtype=dtype)
+        w, b, dy = torch.ones(C, device=device, dtype=dtype), torch.zeros(C, device=device, dtype=dtype), \
+            torch.randn_like(x)
+        xg, wg, bg = (t.clone().requires_grad_(True) for t in (x, w, b))
+        norm = (lambda x, w, b: K.rmsnorm(x, w)) if op == "rmsnorm" else K.layernorm
+        for warps in (8, 16, 32):
+            K.FWD_MAX_WARPS = warps
+            ms = common.do_bench(lambda: norm(x, w, b))
+            print(f"  sweep {op} C={C} fwd warps<={warps}: {ms:.4f} ms fwd")
+            out.append({"op": op, "C": C, "fwd_max_warps": warps, "ms": ms, "mode": "fwd", "table": "sweep"})
+        K.FWD_MAX_WARPS = saved[0]
+        for db_max in ((C - 1, C) if op == "layernorm" else ()):
+            K.DB_IN_KERNEL_MAX = db_max
+            ms = common.do_bench(lambda: norm(xg, wg, bg).backward(dy), grad_to_none=[xg, wg, bg])
+            print(f"  sweep {op} C={C} db {'in the kernel' if db_max >= C else 'on the host'}: {ms:.4f} ms fwd+bwd")
+            out.append({"op": op, "C": C, "db_in_kernel": db_max >= C, "ms": ms, "mode": "fwd+bwd", "table": "sweep"})
+    K.FWD_MAX_WARPS, K.DB_IN_KERNEL_MAX = saved
     return out
+
+
+def print_vs_peers(results: list[dict], peers=("liger", "torch.compile")) -> None:
+    """minite's speed relative to each peer at the same op, C and mode (> 1: minite is faster); saved in the JSON
+    as speedup_vs_<peer> on minite's rows."""
+    ms = {(r["op"], r["C"], r["mode"], r["impl"]): r["ms"] for r in results}
+    for r in results:
+        if r["impl"] != "minite":
+            continue
+        vs = {p: ms[(r["op"], r["C"], r["mode"], p)] / r["ms"] for p in peers if (r["op"], r["C"], r["mode"], p) in ms}
+        r.update({f"speedup_vs_{p}": v for p, v in vs.items()})
+        print(f"  minite {r['op']:>9} C={r['C']:>6} {r['mode']:>8}: "
+              + ", ".join(f"{v:.2f}x {p}" for p, v in vs.items()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--ops", nargs="+", default=["rmsnorm", "layernorm"], choices=["rmsnorm", "layernorm"])
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
-    p.add_argument("--sweep", action="store_true", help="only time minite under its launch knobs (no peers)")
+    p.add_argument("--sweep", action="store_true", help="only time minite under its launch knobs (no peers): "
+                   "rows per step, backward programs per SM and warps, forward warps, LayerNorm's db placement")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/rmsnorm_<device>.json)")
     args = p.parse_args(argv)
     common.set_timer(args.timer)
@@ -127,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     for op in args.ops:
         results += run(op, args.rows, args.cols, dtype, "cuda", common.do_bench, not args.no_compile)
     common.print_bandwidth_table(results, [("op", 9), ("C", 6)], peak)
+    print_vs_peers(results)
     common.save_results("rmsnorm", results, device=name, out=args.out, peak_bw=peak, peak_from=peak_from)
     common.save_plot("rmsnorm", name, common.bandwidth_plot(results, "C", peak, group="op"), args.out)
     return 0

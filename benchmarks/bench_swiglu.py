@@ -63,22 +63,56 @@ def run(rows: int, hiddens: list[int], dtype: torch.dtype, do_bench) -> list[dic
     return out
 
 
+def print_vs_peers(results: list[dict], peers=("torch.compile", "liger-kernel")) -> None:
+    """minite's speed relative to each peer at the same H and mode (> 1: minite is faster); saved in the JSON as
+    speedup_vs_<peer> on minite's rows."""
+    ms = {(r["H"], r["mode"], r["impl"]): r["ms"] for r in results}
+    for r in results:
+        if r["impl"] == "minite triton":
+            vs = {p: ms[(r["H"], r["mode"], p)] / r["ms"] for p in peers if (r["H"], r["mode"], p) in ms}
+            r.update({f"speedup_vs_{p}": v for p, v in vs.items()})
+            print(f"  minite H={r['H']:>6} {r['mode']:>8}: " + ", ".join(f"{v:.2f}x {p}" for p, v in vs.items()))
+
+
+def sweep(rows: int, hiddens: list[int], dtype: torch.dtype) -> list[dict]:
+    """minite's fwd and fwd+bwd under its columns per program (kernels/swiglu.py BLOCK_GPU)."""
+    from minite.kernels import swiglu as K
+
+    saved, out = K.BLOCK_GPU, []
+    for H in hiddens:
+        g, u = (torch.randn(rows, H, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+        dh = torch.randn(rows, H, device="cuda", dtype=dtype)
+        for block in (1024, 2048, 4096):
+            K.BLOCK_GPU = block
+            times = common.fwd_bwd_ms(lambda: K.swiglu(g, u), lambda: K.swiglu(g, u).backward(dh), [g, u])
+            print(f"  sweep H={H} block={block}: {times['fwd']:.4f} ms fwd, {times['fwd+bwd']:.4f} ms fwd+bwd")
+            out.append({"H": H, "block": block, **times, "table": "sweep"})
+    K.BLOCK_GPU = saved
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_timer_args(p)
     p.add_argument("--rows", type=int, default=8192, help="N = B * T tokens")
     p.add_argument("--hidden", type=int, nargs="+", default=[4096, 11008, 14336], help="MLP hidden widths H")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    p.add_argument("--sweep", action="store_true", help="only time minite under its columns per program")
     args = p.parse_args(argv)
     common.set_timer(args.timer)
     if not common.require_cuda("bench_swiglu"):
         return 0
     name = common.device_name()
+    if args.sweep:
+        rows = sweep(args.rows, args.hidden, DTYPES[args.dtype])
+        common.write_json(common.results_path("swiglu_sweep", name), {"device": name, "results": rows})
+        return 0
     bw, key = common.peak_bandwidth(name)
     results = run(args.rows, args.hidden, DTYPES[args.dtype], common.do_bench)
     print(f"device: {name} (peak HBM bandwidth from {key}: {bw / 1e12:.2f} TB/s)")
     common.print_bandwidth_table(results, [("N", 6), ("H", 6)], bw, rate="GBs", base_impl="torch eager",
                                  ms_fmt="8.3f", rate_width=7)
+    print_vs_peers(results)
     common.save_results("swiglu", results, device=name, peak_bw=bw, peak_from=key)
     common.save_plot("swiglu", name, common.bandwidth_plot(results, "H", bw, rate="GBs"))
     return 0
