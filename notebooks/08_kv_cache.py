@@ -265,7 +265,59 @@ plt.show()
 # %% [markdown]
 # Without the cache the time per token grows linearly with $L$ (the whole context goes through the model
 # again); with it the step stays nearly flat at these sizes, where the projections and Python overhead dominate
-# and reading $L$ cached keys is cheap. On a GPU the cached step is bandwidth-bound as computed in section 2.
+# and reading $L$ cached keys is cheap. Section 2's bandwidth bound is what a batch-1 step *could* reach on a GPU;
+# the recorded GPU run below shows how far a small model's step is from it.
+#
+# **Recorded on a GPU.** An **NVIDIA H200** ran `bench_attention.py --decode` on 2026-11-28 (torch 2.11, triton
+# 3.6) for the GPU default model, a 12-layer, 768-wide GPT with 12 query and 4 key/value heads (75.7M parameters,
+# bf16), after $L = 256$ tokens. `benchmarks/results/decode_nvidia-h200.json` holds its three rows, made from that
+# run's log (the plain-PyTorch peer series did not exist yet). Beside them: section 2's roofline, the bytes one
+# cached step must read (151.4 MB of weights and 3.1 MB of cache) over the H200's 4.8 TB/s.
+
+# %% tags=["nbval-ignore-output"]
+from minite.recorded import recorded
+
+recs = recorded("decode")  # {file name: JSON}; {} where nothing is recorded
+here = torch.cuda.get_device_name() if DEVICE == "cuda" else None
+gpu = next((r for r in recs.values() if r["device"] == here), recs.get("decode_nvidia-h200.json"))
+if gpu is None:
+    print("No GPU decode result recorded: run `python benchmarks/bench_attention.py --decode` on a GPU.")
+else:
+    L_rec = max(r["L"] for r in gpu["results"])
+    rows = [r for r in gpu["results"] if r["L"] == L_rec]
+    cached = next(r for r in rows if r.get("bytes_per_token"))
+    roof = gpu["hbm_bytes_per_s"] / cached["bytes_per_token"] if "hbm_bytes_per_s" in gpu else None
+    names = [r["impl"].removeprefix("minite ") for r in rows] + (["HBM roofline"] if roof else [])
+    vals = [r["tokens_per_s"] for r in rows] + ([roof] if roof else [])
+    fig, ax = plt.subplots(figsize=(6.5, 3.4))
+    ax.bar(range(len(vals)), vals, color=[f"C{i}" for i in range(len(rows))] + ["gray"] * bool(roof))
+    ax.set_xticks(range(len(vals)), [n.replace(" + ", "\n+ ") for n in names], fontsize=8)
+    ax.set(yscale="log", ylabel="tokens/s (log)", title=f"batch-1 decode after L={L_rec} — {gpu['device']}")
+    plt.show()
+    for n, v, r in zip(names, vals, rows + [{"bytes_per_token": 1}]):  # no cache reads more: no share of it
+        print(f"{n:28} {v:9.1f} tok/s" + (f"  ({100 * v / roof:.1f}% of the roofline)" if roof and r.get(
+            "bytes_per_token") else ""))
+
+# %% [markdown]
+# **Where minite lost on the H200 (2026-11-28), and why.** Two things, and neither is attention's arithmetic.
+# *Eager, the cache was slower than no cache* (41.7 against 47.8 tokens/s): each layer built the decode lengths
+# as a host list and copied them to the GPU, and a host-to-device copy of pageable memory synchronises the stream:
+# 12 syncs a token, on top of ~100 µs of Python per minite op. At batch 1 and $L = 256$ the uncached forward's
+# extra FLOPs cost less than those stalls. *As one CUDA graph, the step ran 1688 tokens/s, 5.4 % of the roofline*
+# (~31k tokens/s): a dispatch count of that step gave 244 GPU kernels a token, each a few microseconds however
+# little it reads, so the step was bound by kernel latency, not by bandwidth (the 49 GEMVs alone read the weights at
+# about 0.7 TB/s in an H100 profile). gpt-fast (PyTorch's compact reference decoder) writes its step in plain torch
+# ops for that reason: Inductor fuses everything between the GEMVs.
+#
+# **Changed since, not measured yet** (section 7 and the decode kernel of section 4): the cached layer reads the
+# cache's device lengths (no host copy, no sync); `decode_step` writes the norms with their residual adds, RoPE
+# with the cache write and SwiGLU in torch ops for Inductor to fuse; the decode kernel runs one pass with no merge
+# up to 512 keys. Inductor's graph of a 12-layer step now makes 110 launches (135 before; the measured step's
+# eager dispatch count was 244). Expected, not
+# measured: the eager cached step faster than no cache again, and the graph at roughly 2.5–3k tokens/s (110
+# kernels at ~3.3 µs), still under a tenth of the roofline; closer needs faster GEMVs (Inductor's
+# `coordinate_descent_tuning`, as gpt-fast sets) and fusing the norm and SwiGLU into them. Until a GPU run records
+# a new `decode_<device>.json`, the plot shows the old step.
 #
 # ## 6. Where it runs
 #
@@ -277,6 +329,7 @@ plt.show()
 out = model.generate(idx[:1, :4], 4, temperature=0)
 same = model.generate(idx[:1, :4], 4, temperature=0, use_cache=False)
 print(out.tolist()[0], "cached == uncached:", torch.equal(out, same))
+assert torch.equal(out, same), "the cached generation must produce exactly the uncached tokens"
 
 # %% [markdown]
 # ## 7. One graph a step
