@@ -204,8 +204,8 @@ for ax, balanced in zip(axes, (False, True)):
             owner[qc, :qc + 1] = r
     ax.imshow(owner, cmap="tab10", vmin=0, vmax=9)
     work = [float((owner == r).sum()) - 0.5 * int((owner.diagonal() == r).sum()) for r in range(cp)]  # half diagonals
-    ax.set(title=f"{'balanced' if balanced else 'contiguous'}: tiles per rank {work}, "
-                 f"{max(work) / min(work):.0f}x",
+    ax.set(title=f"{'balanced' if balanced else 'contiguous'}: tiles per rank\n"
+                 f"[{', '.join(f'{w:g}' for w in work)}], max/min {max(work) / min(work):.0f}x",
            xlabel=f"key chunk (T/{n} tokens each)", ylabel=f"query chunk (T/{n} tokens each)")
 ax.legend(handles=[Patch(color=plt.get_cmap("tab10")(r / 9), label=f"computed by rank {r}") for r in range(cp)] +
           [Patch(facecolor="white", edgecolor="k", label="masked (future keys)")], loc="upper left",

@@ -355,7 +355,7 @@ def test_wrong_answers_pass_no_check_of_chapter_14(tmp_path):
 CORE = "def mean_of(xs):\n    return sum(xs) / len(xs)"
 
 
-def _lesson(root: Path, check: str):
+def _mean_lesson(root: Path, check: str):
     _pair(root / "notebooks" / "43_mean", [nbformat.v4.new_markdown_cell("# lesson"), _cell("import os"),
                                            _cell(CORE), _cell("print('unrelated')"), _cell(check)])
 
@@ -364,7 +364,7 @@ TABLE = {"43_mean": (["def mean_of", "CHECK: mean"], ("/ len(xs)", "/ (len(xs) -
 
 
 def test_a_planted_core_fails_an_asserting_check(tmp_path):
-    _lesson(tmp_path, "# CHECK: mean\nassert abs(mean_of([1.0, 2.0, 6.0]) - 3.0) < 1e-12")
+    _mean_lesson(tmp_path, "# CHECK: mean\nassert abs(mean_of([1.0, 2.0, 6.0]) - 3.0) < 1e-12")
     assert cn.planted_cores(tmp_path, TABLE) == []
     script = cn.lesson_script(tmp_path / "notebooks" / "43_mean.py", TABLE["43_mean"][0])
     assert "unrelated" not in script  # only the named cells run
@@ -373,11 +373,11 @@ def test_a_planted_core_fails_an_asserting_check(tmp_path):
 @pytest.mark.parametrize("check", ["# CHECK: mean\nprint(mean_of([1.0, 2.0, 6.0]))",  # prints, asserts nothing
                                    "# CHECK: mean\nassert abs(mean_of([1.0, 2.0, 6.0]) - 3.0) < 2"])  # too loose
 def test_a_check_the_planted_core_passes_is_reported(tmp_path, check):
-    _lesson(tmp_path, check)
+    _mean_lesson(tmp_path, check)
     assert any("still passes" in p for p in cn.planted_cores(tmp_path, TABLE))
 
 
 def test_a_core_that_fails_as_written_or_an_edit_not_found_is_reported(tmp_path):
-    _lesson(tmp_path, "# CHECK: mean\nassert mean_of([1.0, 2.0, 6.0]) == 4.0")
+    _mean_lesson(tmp_path, "# CHECK: mean\nassert mean_of([1.0, 2.0, 6.0]) == 4.0")
     assert any("fail as written" in p for p in cn.planted_cores(tmp_path, TABLE))
     assert any("occurs 0 times" in p for p in cn.planted_cores(tmp_path, {"43_mean": (["def mean_of"], ("xx", "y"))}))

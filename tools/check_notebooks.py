@@ -492,22 +492,45 @@ def lesson_script(py: Path, markers: list[str], edit: tuple[str, str] | None = N
     return text
 
 
-def _run_script(text: str, root: Path, timeout: int = 240):
+_DRIVER = """import json, sys, traceback
+out = []
+for path in sys.argv[2:]:  # each script in a fresh namespace; the imports are paid once
+    try:
+        exec(compile(open(path).read(), path, "exec"), {"__name__": "__main__"})
+        out.append(None)
+    except BaseException:
+        out.append(traceback.format_exc()[-600:])
+json.dump(out, open(sys.argv[1], "w"))
+"""
+
+
+def _run_scripts(texts: list[str], root: Path, timeout: int = 300) -> list[str | None]:
+    """Run each script in turn in one fresh Python process (cwd = root): None for one that ran to its end, else
+    the tail of its traceback. A process that dies or hangs fails every script it did not report."""
+    import json
     import os
     import subprocess
     import tempfile
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(text)
-    env = {**os.environ, "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
-    try:
-        return subprocess.run([sys.executable, f.name], cwd=root, env=env, capture_output=True, text=True,
-                              timeout=timeout)
-    finally:
-        os.unlink(f.name)
+    with tempfile.TemporaryDirectory() as d:
+        paths = []
+        for k, text in enumerate(texts):
+            paths.append(os.path.join(d, f"script{k}.py"))
+            Path(paths[-1]).write_text(text)
+        report = os.path.join(d, "report.json")
+        env = {**os.environ, "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+        try:
+            run = subprocess.run([sys.executable, "-c", _DRIVER, report, *paths], cwd=root, env=env,
+                                 capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return [f"timed out after {timeout} s"] * len(texts)
+        if not os.path.exists(report):
+            return [f"the process died (exit {run.returncode}): {(run.stdout + run.stderr)[-400:]}"] * len(texts)
+        return json.loads(Path(report).read_text())
 
 
 def planted_cores(root: Path, table: dict | None = None) -> list[str]:
-    """For each lesson of `table` (PLANTED): its core's cells must pass as written and fail with the mistake."""
+    """For each lesson of `table` (PLANTED): its core's cells must pass as written and fail with the mistake.
+    One process per lesson runs both versions."""
     problems = []
     for stem, (markers, edit) in (PLANTED if table is None else table).items():
         py = root / "notebooks" / f"{stem}.py"
@@ -518,12 +541,10 @@ def planted_cores(root: Path, table: dict | None = None) -> list[str]:
         except ValueError as e:
             problems.append(str(e))
             continue
-        ok = _run_script(real, root)
-        if ok.returncode != 0:
-            problems.append(f"notebooks/{stem}.py: its core's cells fail as written: {(ok.stdout + ok.stderr)[-400:]}")
-            continue
-        bad = _run_script(wrong, root)
-        if bad.returncode == 0:
+        ok, bad = _run_scripts([real, wrong], root)
+        if ok is not None:
+            problems.append(f"notebooks/{stem}.py: its core's cells fail as written: {ok[-400:]}")
+        elif bad is None:
             problems.append(f"notebooks/{stem}.py: with {edit[0]!r} -> {edit[1]!r} planted in its core, every check "
                             "of the cells run still passes: a check there prints instead of asserting, or its "
                             "tolerance fits the mistake")
