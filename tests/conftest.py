@@ -21,6 +21,12 @@ if "MINITE_PUT_BACK_DIR" not in os.environ:
     import tempfile
     os.environ["MINITE_PUT_BACK_DIR"] = tempfile.mkdtemp(prefix="minite-put-back-")
 
+# Thread picks are cached per machine (minite/resources.py, ~/.cache/minite): the suite keeps its own, so a test that
+# times the picker never reads a pick a user's run (or an earlier suite) left, and writes nothing in the user's home.
+if "MINITE_CACHE_DIR" not in os.environ:
+    import tempfile
+    os.environ["MINITE_CACHE_DIR"] = tempfile.mkdtemp(prefix="minite-cache-")
+
 import pytest  # noqa: E402
 
 from minite._triton import HAS_TRITON, interpreting  # noqa: E402
