@@ -35,7 +35,8 @@ MAX_FUSED_SIZE = 65536  # one row must fit in one program's registers/SRAM: the 
 # GPU knobs (bench_rmsnorm.py --sweep): elements per program step, backward programs per SM, backward warp cap
 # per op (H100, C=16384 fwd+bwd: RMSNorm 1.02 ms at <=16 warps vs 1.08 at 32), forward warp cap (16 warps at
 # C=16384: <= 64 registers, so two rows in flight per SM; 32 warps leave room for one), and the widest LayerNorm
-# row whose backward keeps db in registers beside dw (16384 columns spilled 212 B at 32 warps, 2.18 ms fwd+bwd).
+# row whose backward keeps db in registers beside dw (16384 columns still spill 104 B at 32 warps, 168 at 16; the
+# old kernel's 212 B took 2.18 ms fwd+bwd on an H100, Liger 1.50).
 ROW_ELEMS, BWD_PROGRAMS_PER_SM, BWD_MAX_WARPS = 4096, 2, {"rmsnorm": 16, "layernorm": 16}
 FWD_MAX_WARPS, DB_IN_KERNEL_MAX = 16, 8192
 
