@@ -278,8 +278,9 @@ assert_close(o, attention_ref(q.contiguous(), k.contiguous(), v.contiguous()), n
 assert o.stride(1) < o.stride(2), "o is stored in q's memory order: heads inside tokens"
 
 qkv = randn(B_, T_, (H_ + 2 * KVH_) * D_, seed=21).requires_grad_()
-ang = torch.arange(T_, dtype=torch.float64)[:, None] * 10000.0 ** (-torch.arange(0, D_, 2) / D_)  # (T, D/2)
-cos, sin = (f(ang).float().to(DEVICE) for f in (torch.cos, torch.sin))
+pos_, dim_ = (torch.arange(n, dtype=torch.float64, device=DEVICE) for n in (T_, D_ // 2))
+ang = pos_[:, None] * 10000.0 ** (-2 * dim_ / D_)  # (T, D/2): RoPE's angles
+cos, sin = (f(ang).float() for f in (torch.cos, torch.sin))
 got = attention_qkv(qkv, cos, sin, H_, KVH_, backend="triton")  # (B, T, H, D)
 qkv64 = qkv.detach().double().requires_grad_()
 xs = qkv64.view(B_, T_, H_ + 2 * KVH_, D_)
