@@ -45,9 +45,9 @@ _SAFE_PATH = ["-P"] if sys.version_info >= (3, 11) else []  # -P: no working dir
 def _kernel_manager(scratch: str, confined: bool):
     """A KernelManager that starts ``python -P -s -m ipykernel_launcher`` (this interpreter), through the
     Landlock launcher when `confined`: writes only under `scratch` and /dev."""
-    from jupyter_client.manager import KernelManager
+    from jupyter_client.manager import AsyncKernelManager  # nbclient's own kind: its timeouts need an async client
 
-    class ScratchKernel(KernelManager):
+    class ScratchKernel(AsyncKernelManager):
         def format_kernel_cmd(self, extra_arguments=None):
             kernel = [sys.executable, *_SAFE_PATH, "-s", "-Xfrozen_modules=off", "-m", "ipykernel_launcher", "-f",
                       os.path.realpath(self.connection_file)]
