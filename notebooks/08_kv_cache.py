@@ -22,8 +22,8 @@
 # $O(T^2)$ projections. But with causal attention the keys and values of past tokens **never change**: each layer
 # can store them once. That store is the **KV cache**; with it a step pushes one token through the projections
 # and MLPs and attends over the cached keys. This chapter sizes the cache for real models, shows why decoding is
-# limited by memory bandwidth rather than FLOPs, builds minite's `KVCache`, and writes the split-KV decode kernel
-# that keeps a GPU busy when the batch is small.
+# limited by memory bandwidth rather than FLOPs, builds a KV cache (checked against minite's `KVCache`), and writes
+# the split-KV decode kernel and its merge that keep a GPU busy when the batch is small.
 
 # %%
 import os, torch
@@ -114,6 +114,47 @@ for B, t in ((1, 1024), (1, 8192), (32, 8192)):
 # match the keys cached earlier), writes k/v there and attends over the cache. `GPT.forward(idx, kv_cache=...)`
 # advances the lengths once all layers have written. A prefill is chapter 07's kernel with $T_q < T_k$ and the
 # bottom-right causal mask; a one-token step is the decode kernel below.
+
+# %% [markdown]
+# The cache itself is a few lines: two preallocated tensors per layer, and each sequence's length on the host, so
+# a write knows its positions without reading the device. Every layer of one step writes at the same positions;
+# only then do the lengths move (`advance`): a right-padded prefill advances each sequence by its own real length.
+
+# %% tags=["nbval-check-output"]
+class LessonCache:
+    def __init__(self, n_layer, B, KVH, T_max, D):
+        self.k = [torch.zeros(B, KVH, T_max, D, device=DEVICE) for _ in range(n_layer)]  # (B, KVH, T_max, D)
+        self.v = [torch.zeros(B, KVH, T_max, D, device=DEVICE) for _ in range(n_layer)]
+        self.lengths = [0] * B  # host copy: a write needs no device read
+        self.T_max = T_max
+
+    def write(self, layer, k, v):  # k, v: (B, KVH, T, D), the new tokens of every sequence
+        T = k.shape[2]
+        assert max(self.lengths) + T <= self.T_max, "cache overflow"
+        for b, p in enumerate(self.lengths):
+            self.k[layer][b, :, p:p + T] = k[b]
+            self.v[layer][b, :, p:p + T] = v[b]
+
+    def advance(self, counts):  # once per step, after every layer wrote
+        self.lengths = [p + n for p, n in zip(self.lengths, counts)]
+
+
+# CHECK: the lesson's cache holds what minite's KVCache holds after a ragged prefill and two steps
+mine, ref = LessonCache(2, 2, 2, 16, 8), KVCache(2, 2, 2, 16, 8, device=DEVICE)
+g = torch.Generator().manual_seed(0)
+for T, counts in ((5, [5, 3]), (1, [1, 1]), (1, [1, 1])):  # a right-padded prefill (3 real tokens), then 2 steps
+    for layer in range(2):
+        k, v = (torch.randn(2, 2, T, 8, generator=g).to(DEVICE) for _ in range(2))
+        mine.write(layer, k, v)
+        ref.write(layer, k, v)
+    mine.advance(counts)
+    ref.advance(counts)
+assert mine.lengths == ref.host_lengths == ref.lengths.tolist() == [7, 5]
+for layer in range(2):
+    for b, n in enumerate(mine.lengths):  # the real entries; past them each cache holds what was overwritten last
+        assert torch.equal(mine.k[layer][b, :, :n], ref.k[layer][b, :, :n])
+        assert torch.equal(mine.v[layer][b, :, :n], ref.v[layer][b, :, :n])
+print("PASS: the lesson's cache equals minite's KVCache (ragged prefill, then one token a step)")
 
 # %% tags=["nbval-check-output"]
 # CHECK: cached decoding equals recomputation
@@ -228,7 +269,18 @@ q = randn(3, 8, 32, seed=1)
 kc, vc = randn(3, 2, 200, 32, seed=2), randn(3, 2, 200, 32, seed=3)
 lengths = torch.tensor([200, 57, 1], device=DEVICE)
 o_part, l_part = decode_split(q, kc, vc, lengths, S=4)
-o, lse = lse_merge_ref(o_part, l_part)  # the merge, in PyTorch here
+def merge(o_part, l_part):  # (..., S, D), (..., S) -> (..., D), (...): chapter 07's LSE rule, S chunks at once
+    m = l_part.amax(-1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # every chunk empty: no -inf - -inf
+    w = torch.exp(l_part - m)  # each chunk's weight, <= 1
+    tot = w.sum(-1, keepdim=True)
+    return (w[..., None] * o_part).sum(-2) / torch.where(tot == 0, 1.0, tot), (m + torch.log(tot)).squeeze(-1)
+
+
+o, lse = merge(o_part, l_part)  # the merge, in PyTorch here
+ref_o, ref_lse = lse_merge_ref(o_part, l_part)
+assert_close(o, ref_o, name="merge vs minite's lse_merge_ref")
+assert_close(lse, ref_lse, name="merged LSE vs minite's")
 assert_close(o, decode_attention_ref(q, kc, vc, lengths), name="split-KV vs reference")
 assert_close(o, decode_attention(q, kc, vc, lengths, backend="triton"), name="vs minite's decode kernel")
 print("chunk LSEs of sequence 1, head 0:", [round(x, 3) for x in l_part[1, 0].tolist()])
