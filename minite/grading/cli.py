@@ -61,19 +61,25 @@ def _generate(args) -> int:
 def _selfcheck(args) -> int:
     """Run the notebook as it is and say which of its check cells passed. Its check cells are the student's own
     copy, so this is feedback, not a grade (grading swaps in the course's pristine checks: `grade`)."""
-    from .notebook import check_cells
+    from .notebook import check_cells, stub_source, task_name
     from .sandbox import _execute
     nb, why = _read_student(Path(args.notebook))
     if nb is None:
         print(f"error: {why}")
         return 2
     checks = check_cells(nb)
+    stubs = set()  # tasks whose cell is still the exercise's stub (stubbing it again changes nothing)
+    for cell in nb.cells:
+        name = task_name(cell)
+        if name and stub_source(cell.source, name) == cell.source:
+            stubs.add(name)
     cells = _execute(nb, args.timeout)
     passed = 0
     for index, name in checks:
         ok = cells[index].ok
         passed += ok
-        print(f"  {'PASS' if ok else 'FAIL'}  {name}" + ("" if ok else f": {cells[index].error}"))
+        why = "not attempted (its task cell is still the exercise's stub)" if name in stubs else cells[index].error
+        print(f"  {'PASS' if ok else 'FAIL'}  {name}" + ("" if ok else f": {why}"))
     print(f"self-check (this notebook's own check cells, not a grade): {passed}/{len(checks)}")
     return 0
 
