@@ -15,12 +15,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # (measured: a tiny training test went from 0.26 s to 9.6 s with 2 threads x 2 workers on 2 cores).
     torch.set_num_threads(1)
 
-# The grader moves what a notebook wrote over the course's files to a put-back folder (minite/grading/guard.py):
-# the suite's attack notebooks do that on purpose, so theirs go to a temporary folder, not into the repository.
-if "MINITE_PUT_BACK_DIR" not in os.environ:
-    import tempfile
-    os.environ["MINITE_PUT_BACK_DIR"] = tempfile.mkdtemp(prefix="minite-put-back-")
-
 # Thread picks are cached per machine (minite/resources.py, ~/.cache/minite): the suite keeps its own, so a test that
 # times the picker never reads a pick a user's run (or an earlier suite) left, and writes nothing in the user's home.
 if "MINITE_CACHE_DIR" not in os.environ:
