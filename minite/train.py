@@ -691,4 +691,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from minite.parallel.runtime import exit_process
+    exit_process(main())  # sys.exit, or (in a process group) a clean exit without finalisation

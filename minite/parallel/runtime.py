@@ -24,7 +24,7 @@ import torch.distributed as dist
 from minite.parallel import comm, reshard, watch
 from minite.parallel.dims import ParallelDims, ParallelError, check_layout, fill_dp, init_distributed, select_device
 
-__all__ = ["Parallel", "setup_parallel"]
+__all__ = ["Parallel", "setup_parallel", "exit_process"]
 
 
 class Parallel:
@@ -194,6 +194,28 @@ def _shutdown() -> None:
     watch.stop()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_process(code: int) -> None:
+    """The end of a ``python -m minite.train`` process: in a process group, leave it together and end the process
+    without the interpreter's finalisation; otherwise ``sys.exit(code)``.
+
+    Why: the subgroups (dp, cp, ep, ...) stay referenced by the model's modules and autograd state after
+    ``destroy_process_group``, so their gloo backends are destroyed during interpreter finalisation, while gloo's
+    worker threads may still hold tensors whose release needs the GIL: the process then dies of SIGABRT
+    ("terminate called without an active exception") after a run that succeeded, and torchrun reports the whole
+    run as failed. Every file of the run is closed by now; stdout and stderr are flushed before ``os._exit``."""
+    if not dist.is_initialized():
+        sys.exit(code)
+    try:
+        if code == 0:  # a clean end: nobody closes its connections while a peer still talks on them
+            dist.barrier()
+        watch.stop()
+        dist.destroy_process_group()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def setup_parallel(cfg) -> Parallel:

@@ -6,10 +6,11 @@ import json
 
 import pytest
 import torch
+from relaunch import torchrun  # tests/parallel/relaunch.py
 
 from minite._triton import HAS_TRITON
 from minite.config import make_config
-from minite.parallel.launch import results, torchrun, worker_device, worker_env, workers_note
+from minite.parallel.launch import results, worker_device, worker_env, workers_note
 
 PRESET = "cpu"  # named on both sides: minite.train's default preset is "gpu" wherever CUDA is available
 FLAGS = {"model.n_layer": 2, "model.n_head": 4, "model.n_kv_head": 2, "model.n_embd": 32, "model.mlp_hidden": 64,

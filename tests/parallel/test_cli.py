@@ -6,9 +6,10 @@ device with the same preset (conftest.train_cli): on an H100 the command line to
 while the reference took "cpu", and the curves were 0.158 apart.
 """
 import pytest
+from relaunch import torchrun  # tests/parallel/relaunch.py
 
 from minite.models.gpt import GPT, GPTConfig
-from minite.parallel.launch import torchrun, worker_device
+from minite.parallel.launch import worker_device
 from minite.train import load_checkpoint, train
 
 pytestmark = pytest.mark.distributed

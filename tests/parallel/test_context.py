@@ -4,10 +4,10 @@ Ulysses'), and the CLI runs ``torchrun --nproc-per-node 2 -m minite.train --para
 against the one-process loss curve."""
 import pytest
 import torch
+from relaunch import torchrun  # tests/parallel/relaunch.py
 
 from minite.ops import attention
 from minite.parallel import context as cx
-from minite.parallel.launch import torchrun
 
 
 def _randn(*shape, seed=0):

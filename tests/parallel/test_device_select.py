@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from relaunch import torchrun  # tests/parallel/relaunch.py
 
 from minite.config import make_config
 from minite.parallel import ParallelError, launch
 from minite.parallel.dims import ParallelDims, init_distributed, select_device
-from minite.parallel.launch import torchrun, worker_device, worker_env, workers_note
+from minite.parallel.launch import worker_device, worker_env, workers_note
 from minite.parallel.runtime import Parallel, setup_parallel
 
 

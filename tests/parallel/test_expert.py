@@ -7,12 +7,12 @@ the dense checkpoints resume in one process; a rank killed in the dispatch ends 
 refused before any process starts. A MoE with ZeRO: test_moe_zero.py; with pp: test_moe_pp.py; with cp:
 test_moe_cp.py."""
 import pytest
+from relaunch import torchrun  # tests/parallel/relaunch.py
 
 from minite.config import make_config
 from minite.errors import ParallelError
 from minite.models.gpt import GPT, GPTConfig
 from minite.parallel.dims import check_layout
-from minite.parallel.launch import torchrun
 from minite.train import load_checkpoint, train
 
 pytestmark = pytest.mark.distributed

@@ -8,8 +8,8 @@ one process's fp16 loss curve and gradient norm."""
 import json
 
 import pytest
+from relaunch import torchrun  # tests/parallel/relaunch.py
 
-from minite.parallel.launch import torchrun
 from minite.train import train
 
 pytestmark = pytest.mark.distributed

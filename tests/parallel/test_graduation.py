@@ -12,10 +12,11 @@ import json
 
 import pytest
 import torch
+from relaunch import torchrun  # tests/parallel/relaunch.py
 
 from minite.config import ConfigError, make_config
 from minite.parallel.dims import ParallelError
-from minite.parallel.launch import torchrun, worker_device
+from minite.parallel.launch import worker_device
 from minite.train import load_checkpoint, train
 
 pytestmark = pytest.mark.distributed

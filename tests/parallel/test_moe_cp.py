@@ -7,10 +7,10 @@ and AdamW state against one process); ``minite.train`` at dp=2 x cp=2 x ep=2 tra
 import json
 
 import pytest
+from relaunch import torchrun  # tests/parallel/relaunch.py
 
 from minite.config import make_config
 from minite.parallel.dims import check_layout
-from minite.parallel.launch import torchrun
 from minite.train import load_checkpoint, train
 
 pytestmark = pytest.mark.distributed

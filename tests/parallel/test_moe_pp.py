@@ -9,11 +9,11 @@ summed_load). A MoE with pp and cp together is accepted."""
 import json
 
 import pytest
+from relaunch import torchrun  # tests/parallel/relaunch.py
 
 from minite.config import make_config
 from minite.models.gpt import GPT, GPTConfig
 from minite.parallel.dims import check_layout
-from minite.parallel.launch import torchrun
 from minite.train import load_checkpoint, train
 
 MOE = {"model.moe_num_experts": 4, "model.moe_top_k": 2}

@@ -5,11 +5,11 @@ and ep = 4 (the dense parameters sharded over dp, the experts over their edp rep
 weights and AdamW state after 5 clipped steps, a one-process checkpoint resumed, against one process. A launch of
 ``minite.train`` at dp=4 ep=2 zero=2 trains one process's 20-step curve, and its checkpoint resumes in one process."""
 import pytest
+from relaunch import torchrun  # tests/parallel/relaunch.py
 
 from minite.config import make_config
 from minite.models.gpt import GPT, GPTConfig
 from minite.parallel.dims import check_layout
-from minite.parallel.launch import torchrun
 from minite.parallel.workers.moe_zero import CASES, case_name
 from minite.train import load_checkpoint, train
 

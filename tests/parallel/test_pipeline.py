@@ -9,9 +9,9 @@ import itertools
 
 import pytest
 import torch
+from relaunch import torchrun  # tests/parallel/relaunch.py
 
 from minite.models.gpt import GPT, GPTConfig
-from minite.parallel.launch import torchrun
 from minite.parallel.pipeline_schedule import SCHEDULES, afab, bubble_fraction, check_schedule, one_f_one_b, simulate
 
 CHECKS = [f"grads_{s}_m{m}" for s in SCHEDULES for m in (1, 2, 3, 4, 6)] + \
