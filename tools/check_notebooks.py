@@ -463,6 +463,35 @@ def authors_words(root: Path) -> list[str]:
 # holds `old`. The real lesson must pass those cells and the planted one must fail one of them: a check that
 # prints but does not assert, or asserts with a tolerance the mistake fits in, passes both.
 PLANTED: dict[str, tuple[list[str], tuple[str, str]]] = {
+    "00_triton_from_zero": (["def naive_softmax(x", "def softmax_fwd_kernel", "def softmax_fwd(x)",
+                             "def softmax_bwd_kernel", "def minite_softmax"],
+                            ("dx = y * (dy - tl.sum(y * dy, axis=0))", "dx = y * (dy + tl.sum(y * dy, axis=0))")),
+    #                                                             the backward's row term with the wrong sign
+    "01_floating_point": (["def fp32_fields", "def round_to_format_bits", "specials = torch.tensor"],
+                          ("round_up = (rem > half)", "round_up = (rem >= half)")),  # ties rounded away from even
+    "02_fp8": (["def fp8_matmul_kernel", "from minite.testing import fp8_dot_tolerance"],
+               ("acc * (tl.load(A_scale_inv_ptr) * tl.load(B_scale_inv_ptr))", "acc * tl.load(A_scale_inv_ptr)")),
+    #                                                             B's per-tensor scale left out of the epilogue
+    "03_rmsnorm": (["from minite.bytecount import", "def naive_rmsnorm", "import rmsnorm_ref", "def rmsnorm_fwd_kernel",
+                    "def rms_dx_row", "def rmsnorm_bwd_kernel", "from minite.ops import rmsnorm"],
+                   ("tl.sum(g * xhat, axis=0) / N_COLS)", "tl.sum(g * xhat, axis=0) / (N_COLS - 1))")),  # off by one
+    "04_rope": (["def rope_cache", "def naive_rope", "def rope_kernel", "from minite.ops import rope"],
+                ("rope_apply(dy, cos, sin, ctx.layout, -1)", "rope_apply(dy, cos, sin, ctx.layout, 1)")),  # the
+    #                                                             backward rotates by +angle instead of undoing it
+    "05_swiglu": (["from minite.bytecount import", "def naive_swiglu", "def swiglu_fwd_kernel", "def swiglu_bwd_kernel",
+                   "from minite.kernels.swiglu import swiglu"],
+                  ("dsilu = sig * (1.0 + g * (1.0 - sig))", "dsilu = sig * (1.0 - g * (1.0 - sig))")),  # a sign
+    "06_cross_entropy": (["def ce_fwd_kernel", "def ce_bwd_kernel", "from minite.kernels.cross_entropy import cross"],
+                         ("start + cols == t, 1.0", "start + cols == t + 1, 1.0")),  # the one-hot one column off
+    "07_flash_attention": (["def naive_attention", "def flash_fwd_kernel", "def flash_bwd_dkdv_kernel",
+                            "def flash_bwd_dq_kernel", "# CHECK: lesson backward kernels"],
+                           ("// BLOCK_M * BLOCK_M if CAUSAL", "// BLOCK_M * BLOCK_M + BLOCK_M if CAUSAL")),  # dK/dV
+    #                                                             skip the diagonal's query tile: an off-by-one block
+    "08_kv_cache": (["def decode_partial_kernel", "# CHECK: lesson split-KV decode"],
+                    ("hi = tl.minimum(lo + CHUNK, n_keys)", "hi = tl.minimum(lo + CHUNK, n_keys - 1)")),  # the last
+    #                                                             cached key (the newest token) never read
+    "09_lora": (["def fused_lora_fwd", "from minite.kernels.lora import lora_linear, lora_linear_ref"],
+                ("tl.dot(xa * s, b_t, acc", "tl.dot(xa, b_t, acc")),  # the adapter's scale s = alpha / r left out
     "10_data_parallel": (["g = torch.Generator().manual_seed(1)", "def ring_all_reduce", "ring_all_reduce(vs)",
                           "def zero3_step", "CHECK: simulated ZeRO-3"],
                          ("/ ys[r].numel() / W", "/ ys[r].numel()")),  # the ranks' gradients summed, not averaged
@@ -475,6 +504,11 @@ PLANTED: dict[str, tuple[list[str], tuple[str, str]]] = {
     "14_graduation": (["mlp_loss(w1, w2, x, t)"], ("for ws in (w1, w2)] for d in grid]",
                                                     "for ws in (w1, w2)] for d in grid]\navg = [[a * DP for a in ga] "
                                                     "for ga in avg]")),  # the dp sum taken for the mean
+    "15_fp8_at_scale": (["def blockwise_matmul_kernel", "for M, K, N in ((33, 200, 45)"],
+                        ("acc += part * sa[:, None] * sb[None, :]", "acc += part * sa[:, None]")),  # B's block scales
+    #                                                             left out
+    "16_moe": (["def my_tile_table"], ("tl.load(Offsets_ptr + e + 1)", "tl.load(Offsets_ptr + e)")),  # each expert's
+    #                                                             rows end where they start: an off-by-one expert
 }
 
 
