@@ -4,11 +4,13 @@
 
 ``partition`` balances the stages by parameter count (the embedding counts on the first stage, the tied head on
 the last). ``PipelineGPT.step(x, y)`` cuts the batch into m micro-batches and runs a schedule from
-``pipeline_schedule`` (AFAB or 1F1B): activations go forward and their gradients come back with ordered
-``isend``/``irecv`` (never ``batch_isend_irecv``: it hangs on gloo). Sends are non-blocking and receives wait, so any
-schedule whose dependencies are acyclic cannot deadlock. The tied embedding lives on both end stages; their two
-gradients are summed after the backward (Megatron's embedding group), so both copies take the same AdamW step.
-With a ``trace.Recorder`` active, each step reports a "pp" event (F or B, micro-batch, start, end; a forward also
+``pipeline_schedule`` (AFAB or 1F1B) or ``schedules`` (ZB-H1: each backward split into B, the input gradient
+sent upstream at once, and W, the weight gradients, run later by ``schedules.DeferredWeights``): activations go
+forward and their gradients come back with ordered ``isend``/``irecv`` (never ``batch_isend_irecv``: it hangs on
+gloo). Sends are non-blocking and receives wait, so any schedule whose dependencies are acyclic cannot deadlock.
+The tied embedding lives on both end stages; their two gradients are summed after the backward (Megatron's
+embedding group), so both copies take the same AdamW step.
+With a ``trace.Recorder`` active, each step reports a "pp" event (F, B or W, micro-batch, start, end; a forward also
 the bytes of activations autograd saved for its backward): the lesson's timeline and memory per stage.
 
 A mixture of experts (chapter 16): the m micro-batches are gradient accumulation, so each stage adds its blocks'
@@ -33,8 +35,8 @@ from minite.models.gpt import GPT
 from minite.parallel import comm, trace
 from minite.parallel.dims import ParallelError
 from minite.parallel.expert import average_grads, grad_squares, is_expert
-from minite.parallel.pipeline_schedule import SCHEDULES, check_schedule
 from minite.parallel.pipeline_stage import Stage, StageMoE, _PendingGrads, my_tokens, partition
+from minite.parallel.schedules import RUNNABLE, DeferredWeights, check_ops
 from minite.parallel.sequence import gather_dense
 
 __all__ = ["partition", "Stage", "PipelineGPT"]
@@ -53,11 +55,12 @@ class PipelineGPT(nn.Module):
         self.dims = dims
         self.p = p
         self.s = s
-        if isinstance(schedule, str) and schedule not in SCHEDULES or microbatches < 0:
-            raise ParallelError(f"pipeline schedule {schedule!r} (one of {sorted(SCHEDULES)}), microbatches="
+        if isinstance(schedule, str) and schedule not in RUNNABLE or microbatches < 0:
+            raise ParallelError(f"pipeline schedule {schedule!r} (one of {sorted(RUNNABLE)}), microbatches="
                                 f"{microbatches} (>= 1, or 0 for pp={p})")
         self.microbatches = microbatches or p
-        self.schedule = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
+        self.schedule = RUNNABLE[schedule] if isinstance(schedule, str) else schedule
+        self._split = None  # the B/W split of my stage's backward (DeferredWeights), made by the first ZB schedule
         self.layers = partition(dense, p)
         self.stage = Stage(dense, self.layers[s], s == 0, s == p - 1)
         for name, q in self.stage.named_parameters():  # the dense name of every parameter (TP shards have theirs)
@@ -108,7 +111,10 @@ class PipelineGPT(nn.Module):
             q.grad = None
         xs, ys = self._chunks(x, y, m)
         steps = list(self.schedule(self.p, m, self.s))
-        check_schedule(steps, m, self.s)
+        split = check_ops(steps, m, self.s)  # W ops: the backward is split into B and W
+        if split and self._split is None:
+            self._split = DeferredWeights(st)
+        keep = self._split.forward if split else (lambda i: contextlib.nullcontext())
         prev = self.dims.neighbour("pp", -1)
         nxt = self.dims.neighbour("pp", 1)
         ins, outs, sends = {}, {}, []
@@ -118,7 +124,7 @@ class PipelineGPT(nn.Module):
             if kind == "F":
                 inp = xs[i] if first else self._recv(xs[i], prev).requires_grad_()
                 weights = itertools.chain(st.parameters(), st.buffers())  # not activations
-                with trace.span("pp", x.device, step="F", mb=i) as row, trace.saved_bytes(row, weights):
+                with trace.span("pp", x.device, step="F", mb=i) as row, trace.saved_bytes(row, weights), keep(i):
                     out = st(inp, ys[i] if last else None)
                 out, share = moe.after_forward(i, out, last)  # MoE: + the balance loss ("aux"), stats
                 loss += share
@@ -128,13 +134,20 @@ class PipelineGPT(nn.Module):
                     sends.append((comm.send(out.detach(), nxt, self.group), out))
                 ins[i] = inp
                 outs[i] = out
-            else:
+            elif kind == "B":
                 grad = torch.full_like(outs[i], self._seed / m) if last else self._recv(xs[i], nxt)
-                with trace.span("pp", x.device, step="B", mb=i):
-                    moe.backward(i, outs.pop(i), grad, self._seed / m)
                 inp = ins.pop(i)
+                with trace.span("pp", x.device, step="B", mb=i):
+                    if split:
+                        dx = self._split.backward_input(i, *moe.roots(i, outs.pop(i), grad, self._seed / m), inp)
+                    else:  # the whole backward
+                        moe.backward(i, outs.pop(i), grad, self._seed / m)
+                        dx = inp.grad
                 if not first:
-                    sends.append((comm.send(inp.grad, prev, self.group), inp.grad))
+                    sends.append((comm.send(dx, prev, self.group), dx))
+            else:  # W: my weight gradients of micro-batch i (its B ran earlier)
+                with trace.span("pp", x.device, step="W", mb=i):
+                    self._split.backward_weight(i)
         for work, _ in sends:
             work.wait()
         self._sum_tied_grads()

@@ -162,11 +162,12 @@ class StageMoE:
 
     def backward(self, i: int, out: torch.Tensor, grad: torch.Tensor, seed: float) -> None:
         """Micro-batch i's backward from `grad`, its balance loss seeded with `seed` (loss scale / m)."""
+        torch.autograd.backward(*self.roots(i, out, grad, seed))
+
+    def roots(self, i: int, out: torch.Tensor, grad: torch.Tensor, seed: float) -> tuple[list, list]:
+        """Micro-batch i's backward roots and their gradients: out with `grad`, its balance loss with `seed`."""
         aux = self.held.pop(i, None)
-        if aux is None:
-            torch.autograd.backward(out, grad)
-        else:
-            torch.autograd.backward([out, aux], [grad, torch.full_like(aux, seed)])
+        return ([out], [grad]) if aux is None else ([out, aux], [grad, torch.full_like(aux, seed)])
 
     def gather_stats(self, group) -> dict | None:
         """Every stage's routing (a collective over `group`, the pp group, then over the ranks of the global batch,

@@ -1,8 +1,9 @@
 """Chapter 12: pipeline parallelism on real torch.distributed (gloo), world 2 and 4, one torchrun launch each.
 
-Every rank compares its stage's loss and gradients with the dense GPT from the same seed (AFAB and 1F1B, micro-batch
-counts 1, 2, 3, 4, 6: at world 4 the first three are below the stage count), the train path (grad accumulation,
-global clipping, AdamW, consolidated state dict), the peak activation memory per stage and the rejections. The CLI
+Every rank compares its stage's loss and gradients with the dense GPT from the same seed (AFAB, 1F1B and ZB-H1,
+micro-batch counts 1, 2, 3, 4, 6: at world 4 the first three are below the stage count), the train path (grad
+accumulation, global clipping, AdamW, consolidated state dict), the peak activation memory per stage and the
+rejections. The CLI
 test trains 20 steps with ``--parallel.pp=2`` and compares the curve with one process.
 """
 import itertools
@@ -13,9 +14,10 @@ from relaunch import torchrun  # tests/parallel/relaunch.py
 
 from minite.models.gpt import GPT, GPTConfig
 from minite.parallel.pipeline_schedule import SCHEDULES, afab, bubble_fraction, check_schedule, one_f_one_b, simulate
+from minite.parallel.schedules import RUNNABLE
 
-CHECKS = [f"grads_{s}_m{m}" for s in SCHEDULES for m in (1, 2, 3, 4, 6)] + \
-    ["reject", "train_3_steps", "memory_afab", "memory_1f1b"]
+CHECKS = [f"grads_{s}_m{m}" for s in RUNNABLE for m in (1, 2, 3, 4, 6)] + \
+    ["reject", "train_3_steps"] + [f"memory_{s}" for s in RUNNABLE]
 
 
 # ------------------------------------------------------------------ single process: schedules and partition
@@ -95,16 +97,20 @@ def test_dead_stage_ends_the_run_naming_it(tmp_path):
 
 
 @pytest.mark.distributed
-def test_cli_pp2_matches_single_process(corpus, cli, flags, curve):
-    """The one-process curve, on the workers' device with the same preset (conftest.train_cli)."""
+@pytest.mark.parametrize("schedule", ["1f1b", "zbh1"])
+def test_cli_pp2_matches_single_process(corpus, cli, flags, curve, schedule):
+    """The one-process curve (run once for both schedules), on the workers' device with the same preset
+    (conftest.train_cli)."""
     from minite.train import load_checkpoint, train
     d, data = corpus
     flags = {**flags, "model.n_layer": 4, **data}
-    train(cli({**flags, "train.out_dir": str(d / "single_pp")}, 2)[0])
+    if not (d / "single_pp" / "ckpt.pt").exists():
+        train(cli({**flags, "train.out_dir": str(d / "single_pp")}, 2)[0])
     loss1, val1 = curve(d / "single_pp")
-    out = d / "pp2"
+    out = d / f"pp2_{schedule}"
     args = cli({**flags, "train.out_dir": str(out), "train.sample_tokens": 8}, 2)[1]
-    res = torchrun(2, [*args, "--parallel.pp=2", "--parallel.microbatches=4"], timeout=180)
+    res = torchrun(2, [*args, "--parallel.pp=2", "--parallel.microbatches=4", f"--parallel.pp_schedule={schedule}"],
+                   timeout=180)
     assert res.returncode == 0, res.stdout[-3000:]
     loss, val = curve(out)
     assert len(loss) == 20 and len(val) == 3

@@ -1,5 +1,5 @@
-"""Chapter 12's checks: every stage's loss and gradients against the dense GPT (AFAB and 1F1B, several micro-batch
-counts), minite.train's path, the rejections, a dying stage; the lesson's activation memory and timeline per
+"""Chapter 12's checks: every stage's loss and gradients against the dense GPT (AFAB, 1F1B and ZB-H1, several
+micro-batch counts), minite.train's path, the rejections, a dying stage; the lesson's activation memory and timeline per
 stage; the exercise's 1F1B order, run in a real pipeline step."""
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from minite.parallel import trace
 from minite.parallel.dims import ParallelError
 from minite.parallel.pipeline import PipelineGPT
 from minite.parallel.pipeline_schedule import SCHEDULES, bubble_fraction
+from minite.parallel.schedules import RUNNABLE, in_flight
 from minite.parallel.workers.common import batches, tiny_gpt
 from minite.parallel.workers.grade import Wrong, graded
 
@@ -25,14 +26,16 @@ def dense_and_batch(batch: int = B, **kw):
 
 
 def activation_peak(rows: list[dict]) -> int:
-    """The most bytes of saved activations held at once, from the "pp" events of one schedule (trace)."""
+    """The most bytes of saved activations held at once, from the "pp" events of one schedule (trace): a micro-batch
+    holds its forward's from its F to its W (ZB-H1: the B/W split), or to its B (the whole backward)."""
+    release = "W" if any(row["step"] == "W" for row in rows) else "B"
     held, live, peak = {}, 0, 0
     for row in rows:
         if row["step"] == "F":
             held[row["mb"]] = row["saved_bytes"]
             live += row["saved_bytes"]
             peak = max(peak, live)
-        else:
+        elif row["step"] == release:
             live -= held.pop(row["mb"])
     return peak
 
@@ -49,16 +52,19 @@ def compare(dims, schedule, m, model=None, x=None, y=None) -> dict:
     grads = dict(model.named_parameters())
     errs = {n: float((q.grad - grads[n].grad).abs().max()) for n, q in pipe.stage.named_parameters()}
     return {"loss_err": abs(loss - float(dense_loss.detach())), "grad_err": max(errs.values()), "n_grads": len(errs),
-            "layers": [list(r) for r in pipe.layers], "steps": rec.rows("pp")}
+            "layers": [list(r) for r in pipe.layers], "steps": rec.rows("pp"),
+            "deferred": len(pipe._split.hooks) if pipe._split else 0}  # linears whose W ran apart (ZB-H1)
 
 
 def check_grads(dims, args) -> dict:
     out = {}
-    for sched in SCHEDULES:
+    for sched in RUNNABLE:
         for m in (1, 2, 3, 4, 6):
             r = compare(dims, sched, m)
-            ok = r["loss_err"] < TOL and r["grad_err"] < TOL and r["n_grads"] > 0
-            out[f"grads_{sched}_m{m}"] = {"ok": ok, **{k: r[k] for k in ("loss_err", "grad_err", "n_grads")}}
+            ok = r["loss_err"] < TOL and r["grad_err"] < TOL and r["n_grads"] > 0 and (r["deferred"] > 0) == (
+                sched == "zbh1")
+            out[f"grads_{sched}_m{m}"] = {"ok": ok, **{k: r[k] for k in ("loss_err", "grad_err", "n_grads",
+                                                                          "deferred")}}
     return out
 
 
@@ -112,17 +118,20 @@ def check_die(dims, args) -> dict:
 
 # ----------------------------------------------------------------------------------- the lesson's measurements
 def pp_memory(dims, args) -> dict:
-    """Peak activation bytes per stage: AFAB holds all m micro-batches, 1F1B at most p - stage of them."""
+    """Peak activation bytes per stage: AFAB holds all m micro-batches, 1F1B at most p - stage of them, ZB-H1 at
+    most p (from F to W), as its op list says; the events come in the schedule's order (F, B, W)."""
     m = 6
     out = {}
-    for sched in SCHEDULES:
+    for sched in RUNNABLE:
         rows = compare(dims, sched, m)["steps"]
         per_mb = [r["saved_bytes"] for r in rows if r["step"] == "F"]
         assert min(per_mb) == max(per_mb)
         peak = activation_peak(rows)
-        held = m if sched == "afab" else min(dims.pp - dims.pp_rank, m)
-        out[f"memory_{sched}"] = {"ok": peak == held * per_mb[0] > 0, "peak_act_bytes": peak,
-                                  "per_microbatch": per_mb[0], "held": held}
+        ops = RUNNABLE[sched](dims.pp, m, dims.pp_rank)
+        want = {"afab": m, "1f1b": min(dims.pp - dims.pp_rank, m), "zbh1": min(dims.pp, m)}[sched]
+        held, order = in_flight(ops), [(r["step"], r["mb"]) for r in rows] == ops
+        out[f"memory_{sched}"] = {"ok": peak == held * per_mb[0] > 0 and held == want and order,
+                                  "peak_act_bytes": peak, "per_microbatch": per_mb[0], "held": held, "order": order}
     return out
 
 
