@@ -6,7 +6,9 @@ Precedence (first that is set wins)::
 
 A module attribute reaches here as the call argument (``RMSNorm(backend="torch")`` passes it on).
 "auto" picks Triton when the tensor is on a CUDA device, or on the CPU while the Triton interpreter is on;
-otherwise the reference. "auto" never raises. A forced "triton" that cannot run raises a RuntimeError
+otherwise the reference. On CUDA an op that names itself (``op="attention"``) follows the recorded benchmark of the
+device's family instead (minite/choices.py): the peer the torch backend runs (SDPA, Inductor's fusion) where it was
+faster than minite's kernel. "auto" never raises. A forced "triton" that cannot run raises a RuntimeError
 that says why. ``$MINITE_BACKEND`` is read at call time, never inside a kernel.
 """
 
@@ -18,7 +20,7 @@ import threading
 
 import torch
 
-from minite import _triton
+from minite import _triton, choices
 from minite._triton import HAS_TRITON, TRITON_IMPORT_ERROR, interpreting
 
 __all__ = ["BACKENDS", "use_backend", "get_backend", "resolve_backend", "triton_available_for"]
@@ -79,8 +81,9 @@ def triton_available_for(x: torch.Tensor) -> tuple[bool, str]:
     return False, f"Triton kernels run on CUDA (or the CPU interpreter), not on device {x.device}"
 
 
-def resolve_backend(x: torch.Tensor, backend: str | None = None) -> str:
-    """Return "torch" or "triton" for an op whose main input is `x`."""
+def resolve_backend(x: torch.Tensor, backend: str | None = None, op: str | None = None) -> str:
+    """Return "torch" or "triton" for an op whose main input is `x`; `op` (a key of minite.choices.TABLE) lets
+    "auto" on CUDA run the peer where the device family's recorded benchmark shows it faster."""
     name = _check_name(backend, "the backend argument") if backend is not None else get_backend()
     if name == "torch":
         return "torch"
@@ -89,4 +92,6 @@ def resolve_backend(x: torch.Tensor, backend: str | None = None) -> str:
         if not ok:
             raise RuntimeError(f"backend='triton' was forced but cannot run: {why}")
         return "triton"
+    if ok and op is not None and x.device.type == "cuda" and choices.peer_runs(op, x.device):
+        return "torch"  # "auto" on a GPU where the recorded peer wins
     return "triton" if ok else "torch"  # "auto": never raises

@@ -15,6 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent / "minite"
 LAYERS = [  # (module or package, layer): the longest matching prefix decides
     ("minite._triton", 0), ("minite._validate", 0), ("minite.errors", 0), ("minite.backend", 0),
+    ("minite.choices", 0),
     ("minite.compile", 0), ("minite.bytecount", 0), ("minite.checkpoint", 0), ("minite.data", 0),
     ("minite.resources", 0),
     ("minite.formats", 1),

@@ -27,8 +27,8 @@ def test_imports_stay_light_and_the_facades_are_whole():
     code = ("import sys, minite.parallel.dims, minite.errors; "
             "print(sorted(m for m in sys.modules if m.startswith('minite')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert eval(out) == ["minite", "minite._triton", "minite.backend", "minite.errors", "minite.parallel",
-                         "minite.parallel.dims", "minite.parallel.watch"]
+    assert eval(out) == ["minite", "minite._triton", "minite.backend", "minite.choices", "minite.errors",
+                         "minite.parallel", "minite.parallel.dims", "minite.parallel.watch"]
     import minite
     import minite.layers.lora as L
     assert set(minite.lora.__all__) == set(L.__all__)
