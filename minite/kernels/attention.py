@@ -696,7 +696,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, scale: fl
     place, and stores the output in q's memory order, as SDPA's flash path does."""
     _check(q, k, v)
     scale = _v.scale("attention", scale)  # None, or finite and > 0
-    if resolve_backend(q, backend) == "triton":
+    # auto on a GPU: SDPA where it was faster (minite/choices.py); not for the LSE (the reference's is an fp32 pass)
+    if resolve_backend(q, backend, op=None if return_lse else "attention") == "triton":
         _check_triton(q)
         o, lse = AttentionFunction.apply(q, k, v, causal, scale, None, 0)
         return (o, lse) if return_lse else o
@@ -751,7 +752,7 @@ def attention_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, n_head: int, n_kv_head:
     scale = _v.scale("attention_qkv", scale)
     if qkv.stride(-1) != 1 or qkv.stride(0) != T * N and B > 1 or qkv.stride(1) != N and T > 1:
         qkv = qkv.contiguous()  # views of it must address (B, T, heads, D)
-    if resolve_backend(qkv, backend) == "triton":
+    if resolve_backend(qkv, backend, op="attention") == "triton":  # auto on a GPU: SDPA where it was faster
         _check_triton(qkv.view(B, T, H + 2 * KVH, D))
         cos, sin = cos.contiguous(), sin.contiguous()  # one row stride for both
         return QKVAttentionFunction.apply(qkv, cos, sin, H, KVH, causal, scale)[0]

@@ -281,7 +281,7 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100, r
     if logits.shape[1] == 0:  # no classes, so every row is ignored (checked above): torch's answers, no crash
         rows = logits.to(torch.promote_types(logits.dtype, torch.float32)).sum(-1)  # (N,) zeros, in the graph
         return rows if reduction == "none" else rows.sum() if reduction == "sum" else rows.sum() / 0.0
-    if resolve_backend(logits, backend) == "triton":
+    if resolve_backend(logits, backend, op="cross_entropy") == "triton":
         logits = logits if logits.stride(-1) == 1 else logits.contiguous()  # rows may be strided, columns not
         return CrossEntropyFunction.apply(logits, target.long().contiguous(), int(ignore_index), reduction,
                                           float(label_smoothing))

@@ -286,7 +286,7 @@ def _check_size(op: str, x) -> None:
 def rmsnorm(x: Tensor, weight: Tensor, *, eps: float = 1e-6, backend: str | None = None) -> Tensor:
     """RMSNorm over the last dim: x (..., C), weight (C,) -> (..., C) in x.dtype."""
     _v.norm_args("rmsnorm", x, weight, None, eps)
-    if x.numel() and resolve_backend(x, backend) == "triton":  # empty: nothing to launch, the reference is exact
+    if x.numel() and resolve_backend(x, backend, op="rmsnorm") == "triton":  # empty: nothing to launch (exact ref)
         _check_size("rmsnorm", x)
         return RMSNormFunction.apply(x, weight, eps)
     return rmsnorm_ref(x, weight, eps)
@@ -297,7 +297,7 @@ def layernorm(x: Tensor, weight: Tensor, bias: Tensor, *, eps: float = 1e-5, bac
     if bias is None:
         raise ValueError("layernorm: bias is required (pass torch.zeros(C) for none)")
     _v.norm_args("layernorm", x, weight, bias, eps)
-    if x.numel() and resolve_backend(x, backend) == "triton":
+    if x.numel() and resolve_backend(x, backend, op="layernorm") == "triton":
         _check_size("layernorm", x)
         return LayerNormFunction.apply(x, weight, bias, eps)
     return layernorm_ref(x, weight, bias, eps)

@@ -171,7 +171,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, layout: str =
          backend: str | None = None) -> torch.Tensor:
     """Rotate x (B, H, T, D) (or (B, T, H, D) with layout="bthd") by the angles in cos/sin (T, D/2)."""
     _check_inputs(x, cos, sin, layout)
-    if x.numel() and resolve_backend(x, backend) == "triton":  # empty (D = 0, T = 0, ...): the reference
+    if x.numel() and resolve_backend(x, backend, op="rope") == "triton":  # empty (D = 0, T = 0, ...): the ref
         return RoPEFunction.apply(x, cos, sin, layout)
     return rope_ref(x, cos, sin, layout=layout)
 

@@ -228,7 +228,7 @@ def softmax(x: torch.Tensor, *, dim: int = -1, backend: str | None = None) -> to
     if x.numel() == 0:  # torch.softmax's answer: an empty tensor of the same shape (nothing to normalise)
         resolve_backend(x, backend)  # a bad backend name is still an error
         return x.clone()
-    if resolve_backend(x, backend) == "triton":
+    if resolve_backend(x, backend, op="softmax") == "triton":
         return SoftmaxFunction.apply(x, dim)
     return softmax_ref(x, dim)
 

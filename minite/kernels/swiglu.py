@@ -161,7 +161,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None) 
     _check_inputs(gate, up)
     if gate.dim() == 0:  # a scalar: the kernels work on rows, so run it as one row of one element
         return swiglu(gate.reshape(1), up.reshape(1), backend=backend).reshape(())
-    if gate.numel() and resolve_backend(gate, backend) == "triton":
+    if gate.numel() and resolve_backend(gate, backend, op="swiglu") == "triton":
         return SwiGLUFunction.apply(gate, up)
     return swiglu_ref(gate, up)
 

@@ -161,7 +161,7 @@ class LoRALinear(Linear):
                 y = y + _MergedGuard.apply(self.lora_A, self.lora_B)  # + an exact 0 whose backward says why
             return y
         fused = (not is_fp8_enabled() and isinstance(self.lora_dropout, nn.Identity)
-                 and resolve_backend(x, self.backend) == "triton")
+                 and resolve_backend(x, self.backend, op="lora") == "triton")  # auto: the recorded winner
         if fused:  # x A^T once, then ONE GEMM whose last K-step adds (s x A^T) B^T: y is written once
             from minite.kernels.lora import lora_linear
             dev = x.device.type  # under torch.autocast, run in its dtype as F.linear would (a Function is not cast)
