@@ -7,9 +7,11 @@
 #   make check-fast  ruff (notebooks' .py too), notebook checks (copied answers, jupytext pairs in sync, exercises
 #                    without outputs and in sync with solutions), line budgets (< 60 s)
 #   make lab         JupyterLab on the course (notebooks/, exercises/); jupytext saves both files of a pair
-#   make exercises   regenerate exercises/ from solutions/
-#   make grade NB=exercises/00_triton_from_zero.ipynb [TIMEOUT=300] [REPORT=path.json] [SOLUTION=...]   score a notebook
-#   make check NB=exercises/00_triton_from_zero.ipynb    self-check: the notebook's own check cells (not a grade)
+#   make exercises   regenerate exercises/NN_topic_exercise.ipynb from solutions/NN_topic.ipynb (an exercise with
+#                    edits is kept and named, never overwritten: ARGS=--force replaces it)
+#   make grade NB=exercises/00_triton_from_zero_exercise.ipynb [TIMEOUT=300] [REPORT=path.json] [CSV=path.csv]
+#                    [SOLUTION=...]   score a notebook: points per task and the total (REPORT: JSON, CSV: a row per task)
+#   make check NB=exercises/00_triton_from_zero_exercise.ipynb    self-check: the notebook's own check cells (not a grade)
 #   make bundle      dist/minite-course.zip: the course for learners, without solutions/ (and tests/)
 #   make bench       every benchmark: kernel ones need CUDA (they say so and exit on CPU); bench_train also runs on CPU
 #   make scale       chapter 14: each parallel/recompute technique vs its baseline on the CPU (memory, bytes, time)
@@ -106,17 +108,17 @@ notebooks: $(STAMP)
 
 ifeq ($(BUNDLE),)
 exercises: $(STAMP)
-	$(PY) -m minite.grading generate
+	$(PY) -m minite.grading generate $(ARGS)
 else
 exercises:  # the instructor's targets: they need solutions/ and tools/, which a learner's bundle leaves out
 	@echo "make exercises regenerates exercises/ from solutions/: the course repository has them, this bundle does not"; exit 2
 endif
 
 grade: $(STAMP)
-	@test -n "$(NB)" || { echo "usage: make grade NB=exercises/00_triton_from_zero.ipynb"; exit 2; }
+	@test -n "$(NB)" || { echo "usage: make grade NB=exercises/00_triton_from_zero_exercise.ipynb"; exit 2; }
 ifeq ($(BUNDLE),)
 	$(PY) -I -m minite.grading grade $(NB) $(if $(TIMEOUT),--timeout $(TIMEOUT),) $(if $(REPORT),--report $(REPORT),) \
-		$(if $(SOLUTION),--solution $(SOLUTION),)
+		$(if $(CSV),--csv $(CSV),) $(if $(SOLUTION),--solution $(SOLUTION),)
 else
 	@echo "a learner's bundle holds no solutions/: this is a self-check of the notebook's own check cells, not a grade"
 	$(PY) -m minite.grading selfcheck $(NB) $(if $(TIMEOUT),--timeout $(TIMEOUT),)
@@ -124,7 +126,7 @@ endif
 
 # A self-check: run a notebook and report its own check cells (no solutions/ needed; says it is not a grade)
 check: $(STAMP)
-	@test -n "$(NB)" || { echo "usage: make check NB=exercises/00_triton_from_zero.ipynb"; exit 2; }
+	@test -n "$(NB)" || { echo "usage: make check NB=exercises/00_triton_from_zero_exercise.ipynb"; exit 2; }
 	$(PY) -m minite.grading selfcheck $(NB) $(if $(TIMEOUT),--timeout $(TIMEOUT),)
 
 ifeq ($(BUNDLE),)

@@ -26,8 +26,8 @@
 # ```
 #
 # with your code (keep the two marker lines), run the cell, then run the check cell right after it. The check
-# cells are graded: `python -m minite.grading grade exercises/00_triton_from_zero.ipynb` reruns the notebook with
-# pristine check cells and prints `score: k/4`. Without a GPU, kernels run on the Triton interpreter, so
+# cells are graded: `python -m minite.grading grade exercises/00_triton_from_zero_exercise.ipynb` reruns the
+# notebook with pristine check cells and prints `score: k/4`. Without a GPU, kernels run on the Triton interpreter, so
 # `print(...)` and `breakpoint()` work inside them (lesson section 9). Use GPU-legal code: no Python control flow
 # on tensor values, `tl.constexpr` block sizes, masks on every ragged edge, fp32 arithmetic after each load.
 

@@ -26,7 +26,7 @@
 # ```
 #
 # with your code (keep the marker lines), run the cell, then the check cell below it. Grade with
-# `python -m minite.grading grade exercises/01_floating_point.ipynb`.
+# `python -m minite.grading grade exercises/01_floating_point_exercise.ipynb`.
 
 # %%
 import os, torch

@@ -26,7 +26,7 @@
 # ```
 #
 # with your code (keep the marker lines), run the cell, then run the check cell right after it. Grade with
-# `python -m minite.grading grade exercises/02_fp8.ipynb`.
+# `python -m minite.grading grade exercises/02_fp8_exercise.ipynb`.
 #
 # 1. the **delayed-scaling update**: roll the amax history, compute the next scale, keep the old one when the amax
 #    is 0 or not finite;

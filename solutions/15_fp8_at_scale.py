@@ -26,7 +26,7 @@
 # ```
 #
 # with your code (keep the marker lines), run the cell, then run the check cell right after it. Grade with
-# `python -m minite.grading grade exercises/15_fp8_at_scale.ipynb`.
+# `python -m minite.grading grade exercises/15_fp8_at_scale_exercise.ipynb`.
 #
 # 1. **E8M0 scale selection**: the OCP MX shared scale of a block from its amax, as E8M0 bits;
 # 2. **a 1 × 128 quantize kernel** (a whole kernel): DeepSeek-V3's activation quantization, bit-exact;

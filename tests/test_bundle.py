@@ -32,8 +32,8 @@ def _env(course: Path) -> dict:
 def test_the_bundle_has_a_learners_readme(course):
     text = (course / "README.md").read_text()
     assert text == text.replace("{{CHAPTERS}}", "")  # the chapter list was filled in
-    assert "make check NB=exercises/00_triton_from_zero.ipynb" in text and "self-check" in text
-    assert "[exercise](exercises/07_flash_attention.ipynb)" in text and "Flash attention" in text
+    assert "make check NB=exercises/00_triton_from_zero_exercise.ipynb" in text and "self-check" in text
+    assert "[exercise](exercises/07_flash_attention_exercise.ipynb)" in text and "Flash attention" in text
     for word in ("solutions/", "instructor", "make grade", "BEGIN SOLUTION", "issue", "tests/"):
         assert word not in text, word  # nothing of the course's own upkeep or of grading others
     assert (course / "exercises" / "test_exercises.py").is_file()
@@ -56,7 +56,8 @@ def test_the_bundles_make_test_runs_the_lessons_and_the_exercises(course):
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_make_check_self_checks_an_exercise_in_the_unzipped_bundle(course):
     stamp = VENV / ".minite-setup"  # -o: make never re-runs the set-up (pip) into this environment
-    p = subprocess.run(["make", "-o", str(stamp), "check", f"VENV={VENV}", "NB=exercises/00_triton_from_zero.ipynb"],
+    p = subprocess.run(["make", "-o", str(stamp), "check", f"VENV={VENV}",
+                        "NB=exercises/00_triton_from_zero_exercise.ipynb"],
                        cwd=course, env=_env(course), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "pip install" not in p.stdout and f"{VENV}/bin/python -m minite.grading selfcheck" in p.stdout

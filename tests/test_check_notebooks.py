@@ -109,7 +109,7 @@ def test_task_metadata_change_unsyncs_a_pair(chapter):
 
 
 def test_exercise_with_outputs_fails(chapter):
-    ex = chapter / "exercises" / "42_norm.ipynb"
+    ex = chapter / "exercises" / "42_norm_exercise.ipynb"
     nb = nbformat.read(ex, as_version=4)
     nb.cells[2].outputs = [nbformat.v4.new_output("stream", name="stdout", text="PASS: layernorm\n")]
     nb.cells[2].execution_count = 4
@@ -118,8 +118,8 @@ def test_exercise_with_outputs_fails(chapter):
     problems = cn.exercises_with_outputs(chapter)
     assert any("check cell 2 carries outputs" in p for p in problems), problems
     assert any("holds a solution" in p for p in problems), problems
-    assert cn.exercises_stale(chapter) == ["exercises/42_norm.ipynb: out of sync with solutions/ (run `make "
-                                           "exercises`)"]
+    assert cn.exercises_stale(chapter) == ["exercises/42_norm_exercise.ipynb: out of sync with solutions/ (run "
+                                           "`make exercises`)"]
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "check_notebooks.py"), "--root", str(chapter)],
                          capture_output=True, text=True)
     assert out.returncode == 1 and "carries outputs" in out.stdout
@@ -329,7 +329,7 @@ WRONG_14 = {
 def test_wrong_answers_pass_no_check_of_chapter_14(tmp_path):
     from minite.grading import STUB, grade
     solution = ROOT / "solutions" / "14_graduation.ipynb"
-    ex = nbformat.read(ROOT / "exercises" / solution.name, as_version=4)
+    ex = nbformat.read(ROOT / "exercises" / "14_graduation_exercise.ipynb", as_version=4)
     for cell in ex.cells:
         todo = list(WRONG_14.get(cell.get("metadata", {}).get("minite", {}).get("task"), []))
         if todo:
@@ -343,7 +343,7 @@ def test_wrong_answers_pass_no_check_of_chapter_14(tmp_path):
             assert not todo, "one wrong answer per region"
             cell.source = "\n".join(out)
     assert {c.metadata.get("minite", {}).get("task") for c in ex.cells} - {None} == set(WRONG_14)
-    student = tmp_path / "exercises" / solution.name
+    student = tmp_path / "exercises" / "14_graduation_exercise.ipynb"
     student.parent.mkdir(parents=True)
     nbformat.write(ex, student)
     rep = grade(student, solution, timeout=120)

@@ -19,14 +19,18 @@ from minite.grading import (
     END,
     END_YOURS,
     STUB,
+    GradeReport,
     assemble,
     check_cells,
+    exercise_name,
     generate_all,
     grade,
     make_exercise,
     regions,
     task_cells,
+    task_points,
 )
+from minite.grading.cli import _csv
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
@@ -124,10 +128,95 @@ def test_make_exercise_rejects_unbalanced_markers_and_unnamed_tasks():
 
 def test_generate_all_writes_and_detects_stale(tmp_path, tiny):
     ex_dir = tmp_path / "exercises"
-    assert generate_all(tiny.parent, ex_dir) == ["99_tiny.ipynb"]
+    assert generate_all(tiny.parent, ex_dir) == ["99_tiny_exercise.ipynb"]  # its tab in JupyterLab says so
     assert generate_all(tiny.parent, ex_dir, check=True) == []
-    (ex_dir / "99_tiny.ipynb").write_text((ex_dir / "99_tiny.ipynb").read_text().replace("area", "aera"))
-    assert generate_all(tiny.parent, ex_dir, check=True) == ["99_tiny.ipynb"]
+    ex = ex_dir / "99_tiny_exercise.ipynb"
+    ex.write_text(ex.read_text().replace("area", "aera"))
+    assert generate_all(tiny.parent, ex_dir, check=True) == ["99_tiny_exercise.ipynb"]
+
+
+def _edit(path: Path, old: str, new: str) -> None:
+    nb = nbformat.read(path, as_version=4)
+    for c in nb.cells:
+        c.source = c.source.replace(old, new)
+    nbformat.write(nb, path)
+
+
+def test_generate_never_overwrites_or_drops_a_learners_edits(tmp_path, tiny):
+    """Run, regenerate after a change to the solution: an untouched exercise (outputs do not count) is replaced;
+    one with edits is kept and named (--force replaces it); one under the old name NN_topic.ipynb is kept and
+    named if edited (it still grades: test_old_and_new_exercise_names_grade_against_the_same_solution), removed
+    if it holds nothing of anyone's."""
+    ex_dir = tmp_path / "exercises"
+    generate_all(tiny.parent, ex_dir)
+    ex, old = ex_dir / "99_tiny_exercise.ipynb", ex_dir / "99_tiny.ipynb"
+    ran = nbformat.read(ex, as_version=4)
+    ran.cells[1].outputs = [nbformat.v4.new_output("stream", name="stdout", text="ran\n")]
+    nbformat.write(ran, ex)
+    _edit(tiny, "# tiny", "# tiny, revised")  # the instructor's change
+    notes = []
+    assert generate_all(tiny.parent, ex_dir, notes=notes) == ["99_tiny_exercise.ipynb"] and notes == []
+    _edit(ex, f"    {STUB}", "    return 3.14 * r * r")  # a learner's answer ...
+    nbformat.write(nbformat.read(ex, as_version=4), old)  # ... and the same work under the old name
+    _edit(tiny, "# tiny, revised", "# tiny, again")
+    mine = ex.read_bytes()
+    assert generate_all(tiny.parent, ex_dir, notes=notes) == [] and ex.read_bytes() == mine and old.exists()
+    assert notes[0].startswith(f"kept {old}: it holds edits") and f"make grade NB={old}" in notes[0], notes
+    assert f"{ex} holds edits too" in notes[0] and notes[1].startswith(f"not overwritten: {ex}"), notes
+    assert "--force" in notes[1]
+    assert generate_all(tiny.parent, ex_dir, check=True) == [
+        "99_tiny.ipynb (the old name of 99_tiny_exercise.ipynb: move it there, or delete it)", ex.name]
+    notes = []
+    assert generate_all(tiny.parent, ex_dir, force=True, notes=notes) == [ex.name] and old.exists()
+    assert f"move it there: mv {old} {ex}" in notes[0], notes  # the new name holds no work now
+    nbformat.write(make_exercise(nbformat.read(tiny, as_version=4)), old)  # an old copy nobody edited
+    notes = []
+    assert generate_all(tiny.parent, ex_dir, notes=notes) == [] and not old.exists()
+    assert notes == [f"removed {old}: the old name of {ex.name}, with nothing edited in it"]
+    ex.write_text("not a notebook")  # someone's file: never overwritten
+    assert generate_all(tiny.parent, ex_dir, notes=[]) == [] and ex.read_text() == "not a notebook"
+
+
+def test_old_and_new_exercise_names_grade_against_the_same_solution(tmp_path):
+    from minite.grading import course_solution
+    from minite.grading.grader import missing
+    sol = ROOT / "solutions" / "03_rmsnorm.ipynb"
+    for name in ("03_rmsnorm_exercise.ipynb", "03_rmsnorm.ipynb"):
+        assert course_solution(tmp_path / name) == sol
+    (tmp_path / "03_rmsnorm.ipynb").write_text("{}")
+    why = missing(tmp_path / "03_rmsnorm_exercise.ipynb")
+    assert why.startswith(f"notebook to grade not found: {tmp_path / '03_rmsnorm_exercise.ipynb'}; did you mean "
+                          f"{tmp_path / '03_rmsnorm.ipynb'}?"), why
+    assert missing(tmp_path / "04_rope.ipynb") == f"notebook to grade not found: {tmp_path / '04_rope.ipynb'}"
+
+
+def test_points_per_task_come_from_the_solution(tiny):
+    sol = tiny_solution()
+    assert task_points(sol) == {"add": 1, "area": 1, "scale": 1}  # one each unless the task says
+    sol.cells[4].metadata["minite"]["points"] = 2.5
+    sol.cells[7].metadata["minite"]["points"] = 3  # a check cell's points stand only where no task cell has its name
+    assert task_points(sol) == {"add": 1, "area": 2.5, "scale": 1}
+    assert make_exercise(sol).cells[4].metadata["minite"]["points"] == 2.5
+    for bad in (0, -1, "2", True, float("nan")):
+        sol.cells[4].metadata["minite"]["points"] = bad
+        with pytest.raises(ValueError, match=rf"cell 4 \('area'\): points must be a positive number, got {bad!r}"):
+            make_exercise(sol)
+
+
+def test_the_report_shows_points_per_task_and_the_total_and_the_csv_carries_them():
+    rep = GradeReport(notebook="ex.ipynb", solution="sol.ipynb", passed=["add", "scale"], failed=["area"],
+                      reasons={"area": "=HYPERLINK(\"x\") is false"}, order=["add", "area", "scale"],
+                      points={"add": 2, "area": 3, "scale": 0.5}, errors=["a note"])
+    assert (rep.score, rep.total) == (2.5, 5.5)
+    assert rep.summary().splitlines()[2:] == ["  PASS  add    2/2", "  FAIL  area   0/3: =HYPERLINK(\"x\") is false",
+                                              "  PASS  scale  0.5/0.5", "  note: a note", "score: 2.5/5.5"]
+    assert [r["earned"] for r in rep.tasks()] == [2, 0, 0.5]
+    assert _csv([rep]).splitlines() == [
+        "notebook,solution,task,passed,points,earned,reason", "ex.ipynb,sol.ipynb,add,1,2,2,",
+        "ex.ipynb,sol.ipynb,area,0,3,0,\"'=HYPERLINK(\"\"x\"\") is false\"",  # a spreadsheet shows it as text
+        "ex.ipynb,sol.ipynb,scale,1,0.5,0.5,", "ex.ipynb,sol.ipynb,TOTAL,2,5.5,2.5,a note"]
+    plain = GradeReport(notebook="n", passed=["a"], failed=["b"])  # no points declared: a check is one point
+    assert (plain.score, plain.total, plain.summary().splitlines()[-1]) == (1, 2, "score: 1/2")
 
 
 def test_course_exercises_are_in_sync_with_solutions():
@@ -208,15 +297,20 @@ def test_top_level_answer_may_not_rebind_the_notebooks_names():
 @pytest.mark.notebook
 def test_grading_rules_on_a_tiny_notebook(tmp_path, tiny):
     sol = nbformat.read(tiny, as_version=4)
+    sol.cells[4].metadata["minite"]["points"] = 2  # area: 2 points
+    nbformat.write(sol, tiny)
     full = grade(tiny, tiny, timeout=120)
-    assert (full.score, full.total, full.failed) == (3, 3, []), full.summary()
+    assert (full.score, full.total, full.failed) == (4, 4, []), full.summary()
+    assert "  PASS  area   2/2" in full.summary() and full.summary().endswith("score: 4/4")
 
-    blank = write(make_exercise(sol), tmp_path / "blank.ipynb")
+    ex = make_exercise(sol)
+    ex.cells[2].metadata["minite"]["points"] = 100  # the student's copy of the metadata counts for nothing
+    blank = write(ex, tmp_path / "blank.ipynb")
     rep = grade(blank, tiny, timeout=120)
-    assert (rep.score, rep.failed) == (0, ["add", "area", "scale"]), rep.summary()
+    assert (rep.score, rep.total, rep.failed) == (0, 4, ["add", "area", "scale"]), rep.summary()
     # issue 26: an untouched task says so (it said NotImplementedError)
     assert all(rep.reasons[n] == "not attempted (its task cell is still the exercise's stub)" for n in rep.failed)
-    assert "FAIL  add: not attempted" in rep.summary()
+    assert "FAIL  add    0/1: not attempted" in rep.summary()
 
     # wrong answers that run: the grader's own comparison fails them, with the worst error
     wrong = solve(make_exercise(sol), {
@@ -226,7 +320,7 @@ def test_grading_rules_on_a_tiny_notebook(tmp_path, tiny):
         "scale": "SCALE = 2.0",
     })
     rep = grade(write(wrong, tmp_path / "wrong.ipynb"), tiny, timeout=120)
-    assert (rep.score, rep.failed) == (0, ["add", "area", "scale"]), rep.summary()
+    assert (rep.score, rep.total, rep.failed) == (0, 4, ["add", "area", "scale"]), rep.summary()
     assert "elements differ" in rep.reasons["add"] and "AssertionError: area" in rep.reasons["area"]
 
 
@@ -262,7 +356,7 @@ def test_solution_scores_full_and_blank_exercise_scores_zero(solution):
     rep = grade(solution, solution)
     assert rep.total >= 2, f"{solution.name}: a chapter needs at least two graded tasks"
     assert rep.score == rep.total, rep.summary()
-    rep = grade(ROOT / "exercises" / solution.name, solution)
+    rep = grade(ROOT / "exercises" / exercise_name(solution.name), solution)
     assert rep.score == 0, f"a blank exercise must fail every check:\n{rep.summary()}"
     # ... and fail only at its stubs: every other cell that fails, fails with the stub's NotImplementedError
     assert all(e.startswith("task ") or "NotImplementedError" in e for e in rep.errors), rep.summary()
@@ -280,7 +374,7 @@ def test_chapter_solved_before_a_rebuild_with_fresh_ids_still_scores_full(tmp_pa
     for name, i in task_cells(old).items():
         lines = old.cells[i].source.splitlines()
         answers[name] = ["\n".join(lines[b + 1:e]) for b, e in regions(old.cells[i].source, name)]
-    student = nbformat.read(ROOT / "exercises" / solution.name, as_version=4)
+    student = nbformat.read(ROOT / "exercises" / exercise_name(solution.name), as_version=4)
     for c in student.cells:
         name = c.get("metadata", {}).get("minite", {}).get("task")
         if name:
@@ -291,7 +385,7 @@ def test_chapter_solved_before_a_rebuild_with_fresh_ids_still_scores_full(tmp_pa
         c["id"] = uuid.uuid4().hex[:8]
     assert not {c.get("id") for c in old.cells} & {c["id"] for c in rebuilt.cells}
     new_sol = write(nbformat.from_dict(rebuilt), tmp_path / "solutions" / solution.name)
-    rep = grade(write(student, tmp_path / "exercises" / solution.name), new_sol)
+    rep = grade(write(student, tmp_path / "exercises" / exercise_name(solution.name)), new_sol)
     assert rep.score == rep.total >= 2, rep.summary()
 
 
@@ -304,8 +398,8 @@ def test_wrong_answers_pass_no_check(chapter, tmp_path):
     sol = nbformat.read(solution, as_version=4)
     assert set(task_cells(sol)) == set(WRONG[chapter]), "one wrong answer per task"
     answers = wrong_answers(sol, WRONG[chapter])
-    ex = student_notebook(nbformat.read(ROOT / "exercises" / solution.name, as_version=4), answers)
-    student = tmp_path / "exercises" / solution.name
+    ex = student_notebook(nbformat.read(ROOT / "exercises" / exercise_name(solution.name), as_version=4), answers)
+    student = tmp_path / "exercises" / exercise_name(solution.name)
     student.parent.mkdir(parents=True)
     nbformat.write(ex, student)
     rep = grade(student, solution, timeout=120)

@@ -269,7 +269,8 @@ def test_the_solution_comes_from_the_course_never_from_beside_the_notebook(tmp_p
         if c.metadata.get("minite", {}).get("check"):
             c.source = "print('PASS')"
     write(planted, tmp_path / "solutions" / name)
-    blank = write(nbformat.read(ROOT / "exercises" / name, as_version=4), tmp_path / "exercises" / name)
+    ex = name.replace(".ipynb", "_exercise.ipynb")
+    blank = write(nbformat.read(ROOT / "exercises" / ex, as_version=4), tmp_path / "exercises" / ex)
     rep = grade(blank)
     assert rep.score == 0 and rep.total >= 2, rep.summary()
     assert rep.solution == str(ROOT / "solutions" / name) and f"solution: {ROOT / 'solutions' / name}" in rep.summary()
@@ -292,7 +293,8 @@ def test_nothing_the_notebook_writes_runs_in_the_grader_or_spoofs_its_report(tmp
     report = tmp_path / "report.json"
     env = {**os.environ, "PYTHONPATH": str(course)}
     run = "import sys; from minite.grading import main; sys.exit(main(sys.argv[1:], lint=False))"
-    cmd = [sys.executable, "-c", run, "grade", str(student), "--timeout", "120", "--report", str(report)]
+    cmd = [sys.executable, "-c", run, "grade", str(student), "--timeout", "120", "--report", str(report),
+           "--csv", str(tmp_path / "grades.csv")]
     out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     lines = out.stdout.strip().splitlines()
     assert lines and lines[-1] == "score: 0/3", out.stdout + out.stderr
@@ -300,6 +302,10 @@ def test_nothing_the_notebook_writes_runs_in_the_grader_or_spoofs_its_report(tmp
     assert "minite/testing.py" in out.stdout, out.stdout
     (rep,) = json.loads(report.read_text())
     assert (rep["score"], rep["total"], rep["solution"]) == (0, 3, str(sol_path.resolve())), rep
+    assert [(t["task"], t["points"], t["earned"]) for t in rep["tasks"]] == [("add", 1, 0), ("area", 1, 0),
+                                                                             ("scale", 1, 0)], rep
+    rows = (tmp_path / "grades.csv").read_text().splitlines()  # the instructor's sheet: a row per task, a total
+    assert len(rows) == 5 and rows[4].startswith(f"{student},{sol_path.resolve()},TOTAL,0,3,0,"), rows
 
 
 @pytest.mark.notebook
@@ -377,7 +383,7 @@ def test_a_renamed_copy_is_graded_against_the_solution_with_its_tasks(tmp_path):
     from minite.grading import course_solution
     from minite.grading.notebook import _repo_root
     mine = tmp_path / "00_mine.ipynb"
-    mine.write_bytes((_repo_root() / "exercises" / "00_triton_from_zero.ipynb").read_bytes())
+    mine.write_bytes((_repo_root() / "exercises" / "00_triton_from_zero_exercise.ipynb").read_bytes())
     assert course_solution(mine) == _repo_root() / "solutions" / "00_triton_from_zero.ipynb"
     stray = tmp_path / "notes.ipynb"
     nbformat.write(nbformat.v4.new_notebook(), stray)
@@ -402,11 +408,11 @@ def test_the_learner_bundle_stands_alone(tmp_path):
                                                   "minite-course/tools/bundle.py"))]
     zipfile.ZipFile(out).extractall(tmp_path)
     course = tmp_path / "minite-course"
-    plans = {t: subprocess.run(["make", "-n", t, "NB=exercises/00_triton_from_zero.ipynb"], cwd=course,
+    plans = {t: subprocess.run(["make", "-n", t, "NB=exercises/00_triton_from_zero_exercise.ipynb"], cwd=course,
                                capture_output=True, text=True).stdout for t in ("test", "grade", "check", "check-fast")}
     assert "pytest" in plans["test"] and " notebooks " in plans["test"] and " tests " not in plans["test"]
-    assert "minite.grading selfcheck exercises/00_triton_from_zero.ipynb" in plans["grade"]
-    assert "minite.grading selfcheck exercises/00_triton_from_zero.ipynb" in plans["check"]
+    assert "minite.grading selfcheck exercises/00_triton_from_zero_exercise.ipynb" in plans["grade"]
+    assert "minite.grading selfcheck exercises/00_triton_from_zero_exercise.ipynb" in plans["check"]
     assert "check_notebooks" not in plans["check-fast"] and "ruff check minite tools" in plans["check-fast"]
 
 

@@ -30,6 +30,7 @@ LEFT_OUT = ("solutions/", "tests/", "dist/", ".git/", ".venv/", "build/", ".ci/"
 MARK = ".learner-bundle"  # the Makefile sees it: test = lessons + exercises, grade = check = a self-check
 BEGIN = "### BEGIN SOLUTION"
 EXERCISE_TEST = "exercises/test_exercises.py"
+EXERCISE = "_exercise.ipynb"  # lesson notebooks/NN_topic.ipynb -> exercise exercises/NN_topic_exercise.ipynb
 
 
 def files(root: Path) -> list[str]:
@@ -73,7 +74,7 @@ def readme(root: Path, names: list[str]) -> str:
     lines = []
     for n in names:
         if n.startswith("notebooks/") and n.endswith(".ipynb"):
-            ex = "exercises/" + n.split("/", 1)[1]
+            ex = "exercises/" + n.split("/", 1)[1].removesuffix(".ipynb") + EXERCISE  # its own JupyterLab tab
             lines.append(f"- {_title(root / n)}: [lesson]({n})" + (f", [exercise]({ex})" if ex in names else ""))
     return (TOOLS / "bundle_README.md").read_text().replace("{{CHAPTERS}}", "\n".join(lines))
 

@@ -6,7 +6,7 @@ Any other failure fails this test, naming the notebook, the cell and the error: 
 unfinished task, a cell of the notebook's own code failing with anything but the stub's NotImplementedError, a
 task cell raising another error. A solved exercise passes too.
 
-    .venv/bin/python -m pytest exercises/test_exercises.py [-k 03_rmsnorm]
+    .venv/bin/python -m pytest exercises/test_exercises.py [-k 03_rmsnorm_exercise]
 """
 from __future__ import annotations
 

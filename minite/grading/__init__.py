@@ -6,13 +6,18 @@ Conventions (docs/chapter_template.md)
   and has one or more answer regions between the lines ``### BEGIN SOLUTION`` and ``### END SOLUTION``.
 * A *check cell* carries ``metadata.minite.check = NAME`` (the same NAME as its task), is tagged
   ``nbval-check-output``, starts with ``# CHECK: NAME``, ends with an ``assert`` and prints ``PASS: ...``.
-* ``exercises/NN_topic.ipynb`` is generated (``generate``): every region becomes ::
+* A task is worth ``metadata.minite.points`` of its task cell (a positive number; 1 when absent): the report
+  gives each task's points and the total (``score: earned/possible``), read from the course's solution only.
+* ``exercises/NN_topic_exercise.ipynb`` is generated (``generate``; the suffix tells its JupyterLab tab from the
+  lesson's, notebooks/NN_topic.ipynb): every region becomes ::
 
       ### BEGIN YOUR CODE
       raise NotImplementedError()
       ### END YOUR CODE
 
-  at the same indentation; code outputs and execution counts are cleared, jupytext pairing is removed.
+  at the same indentation; code outputs and execution counts are cleared, jupytext pairing is removed. An
+  exercise whose cells were edited after it was generated (a learner's answers) is never overwritten (``--force``
+  does), and one under the old name (exercises/NN_topic.ipynb) is kept and still grades; ``generate`` names both.
 
 Grading (``grade``)
 -------------------
@@ -63,9 +68,9 @@ so does a task whose name several cells of the notebook carry.
 CLI (cli.py; the score line is printed last, after every student's process is dead, and the report is also
 written to a file the grader creates)::
 
-    python -m minite.grading grade exercises/00_triton_from_zero.ipynb [more.ipynb] [--json] [--timeout S]
-                                   [--report PATH]
-    python -m minite.grading generate [--check]                             # solutions/ -> exercises/
+    python -m minite.grading grade exercises/00_triton_from_zero_exercise.ipynb [more.ipynb] [--json]
+                                   [--timeout S] [--report PATH] [--csv PATH]
+    python -m minite.grading generate [--check] [--force]                   # solutions/ -> exercises/
 """
 from __future__ import annotations
 
@@ -87,15 +92,19 @@ from .notebook import (  # noqa: E402
     END_YOURS,
     STUB,
     check_cells,
+    exercise_name,
     generate_all,
     make_exercise,
     regions,
+    solution_name,
     stub_source,
     task_cells,
+    task_points,
 )
 from .rewrite import rewrite_check  # noqa: E402
 from .sandbox import DEFAULT_TIMEOUT, _subreaper  # noqa: E402
 
 __all__ = ["make_exercise", "generate_all", "assemble", "grade", "GradeReport", "course_solution", "check_cells",
-           "task_cells", "regions", "stub_source", "main", "rewrite_check", "BEGIN", "END", "BEGIN_YOURS", "END_YOURS",
-           "STUB", "CHECK_TAG", "DEFAULT_TIMEOUT", "_subreaper"]
+           "task_cells", "task_points", "exercise_name", "solution_name", "regions", "stub_source", "main",
+           "rewrite_check", "BEGIN", "END", "BEGIN_YOURS", "END_YOURS", "STUB", "CHECK_TAG", "DEFAULT_TIMEOUT",
+           "_subreaper"]

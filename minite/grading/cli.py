@@ -9,6 +9,8 @@ it) is not the grader's: read the report file, or the last line.
 from __future__ import annotations
 
 import argparse
+import csv
+import io
 import json
 import os
 import sys
@@ -16,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from . import __doc__ as _package_doc
-from .grader import _read_student, grade, unreadable
+from .grader import _read_student, grade, missing, unreadable
 from .notebook import _repo_root, generate_all
 from .sandbox import DEFAULT_TIMEOUT
 
@@ -32,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
                    "a completed grading exits 0 whatever the score")
     g.add_argument("--report", help="write the reports (JSON) to this file (default: report.json in a new "
                                     "temporary folder; its path is printed)")
+    g.add_argument("--csv", help="also write one row per task (notebook, solution, task, passed, points, earned, "
+                                 "reason) and a TOTAL row per notebook to this CSV file")
     g.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT,
                    help=f"seconds each cell may run (a task's cell, its check) before it fails (default "
                         f"{DEFAULT_TIMEOUT})")
@@ -43,19 +47,25 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--solutions", default=str(_repo_root() / "solutions"))
     gen.add_argument("--exercises", default=str(_repo_root() / "exercises"))
     gen.add_argument("--check", action="store_true", help="only report exercises that are out of date (exit 1)")
+    gen.add_argument("--force", action="store_true", help="also overwrite an exercise whose cells were edited "
+                     "after it was generated (by default it is kept, and the command says so and exits 1)")
     return p
 
 
 def _generate(args) -> int:
-    stale = generate_all(Path(args.solutions), Path(args.exercises), check=args.check)
+    notes: list[str] = []
+    stale = generate_all(Path(args.solutions), Path(args.exercises), check=args.check, force=args.force,
+                         notes=notes)
     if args.check:
         if stale:
             print("exercises out of sync with solutions (run `make exercises`): " + ", ".join(stale))
             return 1
         print("exercises in sync with solutions")
-    else:
-        print(f"wrote {len(stale)} exercise notebook(s)" + (": " + ", ".join(stale) if stale else ""))
-    return 0
+        return 0
+    print(f"wrote {len(stale)} exercise notebook(s)" + (": " + ", ".join(stale) if stale else ""))
+    for note in notes:
+        print(f"  {note}")
+    return 1 if any(n.startswith("not overwritten") for n in notes) else 0
 
 
 def _selfcheck(args) -> int:
@@ -64,6 +74,8 @@ def _selfcheck(args) -> int:
     from .notebook import check_cells, stub_source, task_name
     from .sandbox import _execute
     nb, why = _read_student(Path(args.notebook))
+    if nb is None and not Path(args.notebook).exists():
+        why = missing(Path(args.notebook))
     if nb is None:
         print(f"error: {why}")
         return 2
@@ -99,6 +111,24 @@ def _write_report(text: str, path: str | None) -> Path:
     return target
 
 
+def _cell(value):
+    """A CSV field a spreadsheet shows as text: a reason or name starting like a formula gets a quote first."""
+    return "'" + value if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r") else value
+
+
+def _csv(reports) -> str:
+    """The reports as CSV: a row per task, then a TOTAL row per notebook (points earned of points possible)."""
+    out = io.StringIO()
+    w = csv.writer(out, lineterminator="\n")
+    w.writerow(["notebook", "solution", "task", "passed", "points", "earned", "reason"])
+    for rep in reports:
+        rows = [[r["task"], int(r["passed"]), r["points"], r["earned"], r["reason"]] for r in rep.tasks()]
+        rows.append(["TOTAL", len(rep.passed), rep.total, rep.score, "; ".join(rep.errors)])
+        for row in rows:
+            w.writerow([_cell(v) for v in [rep.notebook, rep.solution, *row]])
+    return out.getvalue()
+
+
 def _grade_one(nb: str, args, lint: bool):
     """grade(), or a report with one line saying why this notebook cannot be graded (no traceback; score 0)."""
     try:
@@ -122,8 +152,10 @@ def main(argv: list[str] | None = None, *, lint: bool = True) -> int:
     if args.solution and len(args.notebook) > 1:
         p.error("--solution applies to a single notebook")
     reports = [_grade_one(nb, args, lint) for nb in args.notebook]
-    dicts = [rep.__dict__ | {"score": rep.score, "total": rep.total} for rep in reports]
+    dicts = [rep.__dict__ | {"score": rep.score, "total": rep.total, "tasks": rep.tasks()} for rep in reports]
     where = _write_report(json.dumps(dicts, indent=1) + "\n", args.report)
+    if args.csv:
+        _write_report(_csv(reports), args.csv)
     sys.stdout.flush()
     if args.json:
         print(f"report: {where}", file=sys.stderr)

@@ -38,7 +38,17 @@ from . import confine
 from .assembly import assemble
 from .guard import Snapshot, sealed_imports
 from .judge import _judge, ready
-from .notebook import _repo_root, check_cells, stub_source, task_cells, task_name
+from .notebook import (
+    EXERCISE_SUFFIX,
+    _repo_root,
+    check_cells,
+    exercise_name,
+    solution_name,
+    stub_source,
+    task_cells,
+    task_name,
+    task_points,
+)
 from .sandbox import DEFAULT_TIMEOUT, _dumpable, _execute, _prepare, _reference
 
 
@@ -52,24 +62,42 @@ class GradeReport:
     order: list[str] = field(default_factory=list)  # every check, in notebook order
     errors: list[str] = field(default_factory=list)  # notes, and non-check cells that raised (hints)
     confinement: str = ""  # how the student's process was kept from writing (threat model: grader.py)
+    points: dict[str, int | float] = field(default_factory=dict)  # check -> its worth (the solution's; default 1)
+
+    def worth(self, name: str) -> int | float:
+        return self.points.get(name, 1)
 
     @property
-    def score(self) -> int:
-        return len(self.passed)
+    def score(self) -> int | float:
+        """Points earned: the worth of every passed check (one each unless the solution's task says)."""
+        return sum(self.worth(n) for n in self.passed)
 
     @property
-    def total(self) -> int:
-        return len(self.passed) + len(self.failed)
+    def total(self) -> int | float:
+        return sum(self.worth(n) for n in self.passed + self.failed)
+
+    def tasks(self) -> list[dict]:
+        """One row per check, in notebook order: name, passed, points, earned, reason (the JSON/CSV rows)."""
+        return [{"task": n, "passed": n in self.passed, "points": self.worth(n),
+                 "earned": self.worth(n) if n in self.passed else 0, "reason": self.reasons.get(n, "")}
+                for n in self.order or self.passed + self.failed]
 
     def summary(self) -> str:
         lines = [f"{self.notebook}", f"  solution: {self.solution}"] + \
             ([f"  confinement: {self.confinement}"] if self.confinement else [])
-        for n in self.order or self.passed + self.failed:
-            why = f": {self.reasons[n]}" if self.reasons.get(n) else ""
-            lines.append(f"  PASS  {n}" if n in self.passed else f"  FAIL  {n}{why}")
+        rows = self.tasks()
+        width = max([len(r["task"]) for r in rows], default=0)
+        for r in rows:
+            why = f": {r['reason']}" if r["reason"] else ""
+            pts = f"{_num(r['earned'])}/{_num(r['points'])}"
+            lines.append(f"  {'PASS' if r['passed'] else 'FAIL'}  {r['task']:<{width}}  {pts}{why}")
         lines += [f"  note: {e}" for e in self.errors]
-        lines.append(f"score: {self.score}/{self.total}")
+        lines.append(f"score: {_num(self.score)}/{_num(self.total)}")
         return "\n".join(lines)
+
+
+def _num(x) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
 def course_solution(student: Path) -> Path:
@@ -77,7 +105,7 @@ def course_solution(student: Path) -> Path:
     install): never a file beside the submitted notebook, which its author controls. A renamed copy
     (work/00_mine.ipynb) gets the one course solution whose task names are the notebook's."""
     solutions = _repo_root() / "solutions"
-    path = solutions / student.name
+    path = solutions / solution_name(student.name)  # 03_rmsnorm_exercise.ipynb, or its old name 03_rmsnorm.ipynb
     if path.exists():
         return path
     names = _task_names(student)
@@ -85,8 +113,20 @@ def course_solution(student: Path) -> Path:
     if len(matches) == 1:
         return matches[0]
     found = f"{len(matches)} course solutions have" if matches else "no course solution has"
-    raise FileNotFoundError(f"no solutions/{student.name} in the course at {_repo_root()}, and {found} this "
-                            f"notebook's tasks {sorted(names)}; pass --solution (make grade SOLUTION=...)")
+    raise FileNotFoundError(f"no solutions/{solution_name(student.name)} in the course at {_repo_root()}, and "
+                            f"{found} this notebook's tasks {sorted(names)}; pass --solution (make grade SOLUTION=...)")
+
+
+def missing(student: Path) -> str:
+    """Why `student` cannot be graded when it does not exist, naming the file under the exercise's other name
+    (exercises are NN_topic_exercise.ipynb; they were NN_topic.ipynb) when that one exists."""
+    stem = student.stem
+    other = student.with_name(solution_name(student.name) if stem.endswith(EXERCISE_SUFFIX)
+                              else exercise_name(student.name))
+    if other.exists() and other.suffix == ".ipynb":
+        return (f"notebook to grade not found: {student}; did you mean {other}? (exercises are named "
+                f"NN_topic{EXERCISE_SUFFIX}.ipynb now; one saved under the old name NN_topic.ipynb grades as well)")
+    return f"notebook to grade not found: {student}"
 
 
 def _task_names(path: Path) -> set[str]:
@@ -108,7 +148,9 @@ def unreadable(student, solution, why: str) -> GradeReport:
     it is known) failed."""
     report = GradeReport(notebook=str(student), solution=str(solution or ""), errors=[why])
     try:
-        names = [name for _, name in check_cells(nbformat.read(solution, as_version=4))] if solution else []
+        sol = nbformat.read(solution, as_version=4) if solution else None
+        names = [name for _, name in check_cells(sol)] if sol else []
+        report.points = task_points(sol, str(solution)) if sol else {}
     except Exception:  # noqa: BLE001 - the solution's own problem is reported when it is graded against
         names = []
     for name in names:
@@ -137,7 +179,7 @@ def grade(student: str | Path, solution: str | Path | None = None, *, timeout: i
     model above. `lint=False` skips the answer lint (tests use it to show that the records alone hold)."""
     student = Path(student)
     if not student.exists():
-        raise FileNotFoundError(f"notebook to grade not found: {student}")
+        raise FileNotFoundError(missing(student))
     if timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout}")
     solution = (Path(solution) if solution else course_solution(student)).resolve()
@@ -146,6 +188,7 @@ def grade(student: str | Path, solution: str | Path | None = None, *, timeout: i
     if not check_cells(sol_nb):
         raise ValueError(f"{solution} has no check cells (code cells with metadata minite={{'check': NAME}})")
     tasks = task_cells(sol_nb, str(solution))
+    points = task_points(sol_nb, str(solution))  # the course's, never the student's copy of the metadata
     student_nb, why = _read_student(student)
     if student_nb is None:
         return unreadable(student, solution, why)
@@ -166,7 +209,7 @@ def grade(student: str | Path, solution: str | Path | None = None, *, timeout: i
                                             _repo_root())
         with sealed_imports():
             cells = _execute(nb, timeout, confined=abi > 0)  # the kernel and its processes are dead when it returns
-            report = GradeReport(notebook=str(student), solution=str(solution), errors=notes)
+            report = GradeReport(notebook=str(student), solution=str(solution), errors=notes, points=points)
             if abi:
                 report.confinement = (f"Landlock (ABI {abi}): the notebook could write only in its own scratch "
                                       "folder")
