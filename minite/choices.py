@@ -164,10 +164,11 @@ def start_line(device_name: str, ops: list[tuple[str, bool]], *, requested: str 
         f"{k} runs " + ", ".join(v) for k, v in sorted(groups.items(), key=lambda kv: kv[0] == "minite"))
 
 
-def run_line(model: torch.nn.Module, device: torch.device, compiled: bool, context: str = "auto") -> str:
-    """start_line for a training run's model on a CUDA device: the model's backend, else `context`'s
-    (``minite.backend.get_backend()``: use_backend() or $MINITE_BACKEND)."""
+def run_line(model: torch.nn.Module, device: torch.device, compiled: bool, context: str = "auto") -> str | None:
+    """start_line for a training run's model on a CUDA device under auto (the model's backend, else `context`'s:
+    ``minite.backend.get_backend()``); None on another device or with a forced backend (the run asked for it)."""
     requested = getattr(getattr(model, "config", None), "backend", "auto")
+    if device.type != "cuda" or (context if requested == "auto" else requested) != "auto":
+        return None
     name, capability = _device(torch.cuda.current_device() if device.index is None else device.index)
-    return start_line(name, model_ops(model, compiled), capability=capability,
-                      requested=context if requested == "auto" else requested)
+    return start_line(name, model_ops(model, compiled), capability=capability)

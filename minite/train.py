@@ -37,7 +37,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minite import finetune, resources
+from minite import choices, finetune, resources
+from minite.backend import get_backend
 from minite.checkpoint import (
     CheckpointError,
     check_finite,
@@ -560,6 +561,8 @@ def _announce(run: Run) -> None:
           f"{data.tokenizer.vocab_size}, {len(data.split('train')):,} train tokens), {start}", flush=True)
     if extra := _non_defaults(run, prec):  # issue 37: what changes the math or the speed, said at the start
         print("minite.train: " + "; ".join(extra), flush=True)
+    if kernels := choices.run_line(run.model, run.dev, run.compiled != "off", get_backend()):  # issue 33: GPU, auto
+        print("minite.train: " + kernels, flush=True)  # which implementation runs each op, and why
 
 
 def _non_defaults(run: Run, prec: str) -> list[str]:

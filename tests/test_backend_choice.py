@@ -116,3 +116,13 @@ def test_auto_on_the_cpu_ignores_the_table():
     x = torch.zeros(2)
     assert resolve_backend(x, op="attention") == resolve_backend(x)
     assert resolve_backend(x, op="swiglu") == resolve_backend(x)
+
+
+def test_the_training_runs_line_only_under_auto_on_a_gpu(fake_gpu, tiny_gpt):
+    gpu = torch.device("cuda", 0)
+    line = choices.run_line(tiny_gpt, gpu, compiled=True)
+    assert line.startswith("kernels on NVIDIA H200 (hopper record, backend=auto): SDPA runs attention"), line
+    assert choices.run_line(tiny_gpt, gpu, compiled=True, context="triton") is None  # use_backend / $MINITE_BACKEND
+    assert choices.run_line(tiny_gpt, torch.device("cpu"), compiled=False) is None  # the CPU's lines are unchanged
+    tiny_gpt.config.backend = "triton"  # --model.backend=triton: minite's kernels, as asked; nothing to explain
+    assert choices.run_line(tiny_gpt, gpu, compiled=True) is None

@@ -30,8 +30,9 @@ RULES = [
     # (issue 35) the loss-free balance's explicit bias step at the optimizer step, and its import; (issue 32) compile
     # time apart from the steady state: the timed calls, the "compiling" notice, the closing line's fields; (issue 37)
     # --help with the run's preset values, a section-less flag's hint, the start line's non-defaults (MoE, FP8 and
-    # whether emulated, layout, recompute, TensorBoard) and TensorBoard's grouped tags
-    ("minite/train.py", 695),
+    # whether emulated, layout, recompute, TensorBoard) and TensorBoard's grouped tags; (issue 33) on a GPU, the line
+    # saying which implementation runs each op, and why (minite/choices.py)
+    ("minite/train.py", 698),
     ("minite/models/gpt.py", 330),           # the GPT and (chapter 16) its MoE blocks: config, balance loss, stats
     # the sm_90/sm_80 gate: record with the JIT's specialisation, capture a GPU's launches, compile, ptxas (cached),
     # read the sm_90 build (wgmma, replicated layouts, fp8 promotion intervals), report (issue 32)

@@ -51,7 +51,8 @@ class GPTConfig:
     tie_embeddings: bool = _doc("LM head tied to the token embedding (one (V_pad, C) matrix, key wte.weight); "
                                 "False: a separate lm_head.weight, as most Llama checkpoints have", True)
     vocab_multiple: int = _doc("pad the vocabulary up to a multiple of this (64: tensor-core friendly)", 64)
-    backend: str = _doc("op implementation: auto | torch | triton (auto: Triton on CUDA, else PyTorch)", "auto")
+    backend: str = _doc("op implementation: auto | torch | triton (auto: on CUDA per op the recorded winner, minite's "
+                        "kernel or the peer, minite/choices.py; on the CPU Triton if interpreted, else torch)", "auto")
     moe_num_experts: int = _doc("mixture of experts (chapter 16): experts per block instead of the MLP; 0 = dense", 0)
     moe_top_k: int = _doc("experts each token visits (1 <= top_k <= num_experts)", 2)
     moe_capacity_factor: float = _doc("assignments an expert may take in training, as a multiple of N*k/E; 0 = "
