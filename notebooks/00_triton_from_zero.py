@@ -287,7 +287,8 @@ wide = torch.randn(5, 13, generator=g).to(DEVICE)
 xs = wide[:, :10]                                    # (5, 10) view, row stride 13
 ys = torch.empty(5, 10, device=DEVICE)
 copy_rows_kernel[(5,)](xs, ys, xs.stride(0), ys.stride(0), 10, BLOCK_SIZE=16)
-print("row addressing with a row stride of", xs.stride(0), "->", "PASS" if torch.equal(ys, xs) else "FAIL")
+assert torch.equal(ys, xs), "each program must read its row at row * X_row_stride and write it at row * Y_row_stride"
+print("PASS: row addressing with a row stride of", xs.stride(0))
 
 # %% [markdown]
 # *Step 2: the math.* Two choices matter. The masked lanes must not disturb the result: they load $-\infty$,
@@ -528,9 +529,9 @@ def buggy_softmax(x, debug=False):
 
 
 x = (3 * torch.randn(4, 100, generator=torch.Generator().manual_seed(0))).to(DEVICE)
-check_op("buggy softmax, C = 100", buggy_softmax, naive_softmax, x, grad=False)
+assert not check_op("buggy softmax, C = 100", buggy_softmax, naive_softmax, x, grad=False)  # the bug shows
 x = (3 * torch.randn(4, 128, generator=torch.Generator().manual_seed(0))).to(DEVICE)
-check_op("buggy softmax, C = 128", buggy_softmax, naive_softmax, x, grad=False)
+assert check_op("buggy softmax, C = 128", buggy_softmax, naive_softmax, x, grad=False)  # ... and hides
 
 # %% [markdown]
 # Step 2: narrow it down. C = 128 passes, C = 100 fails: the difference is that 28 lanes of the 128-wide block are
@@ -828,6 +829,6 @@ print("PASS: causal attention with the lesson's softmax matches scaled_dot_produ
 # * A matmul is tiles + a K loop + an fp32 accumulator; its intensity comes from reusing strips, which the tile
 #   order makes possible.
 #
-# Next: `exercises/00_triton_from_zero.ipynb`. Four kernels this lesson did not write: a 2-D transpose, the
+# Next: `exercises/00_triton_from_zero_exercise.ipynb`. Four kernels this lesson did not write: a 2-D transpose, the
 # log-softmax, the online softmax for long rows, and a grouped-order matmul with a fused bias + ReLU epilogue.
-# `python -m minite.grading grade exercises/00_triton_from_zero.ipynb` scores them.
+# `python -m minite.grading grade exercises/00_triton_from_zero_exercise.ipynb` scores them.

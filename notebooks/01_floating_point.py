@@ -197,6 +197,7 @@ fields_kernel[(1,)](vals, out, len(vals), BLOCK_SIZE=4)
 for v, (sg, e32, sig) in zip(vals.tolist(), out.tolist()):
     back = (-1) ** sg * sig * 2.0 ** (e32 - 150)
     print(f"{v:>10.4g}: sign {sg}, e32 {e32:3d}, sig {sig:8d} (0x{sig:06x}) -> sig * 2^(e32 - 150) = {back:.7g}")
+    assert back == v, (v, back)  # the three fields give the value back exactly, the subnormal included
 
 # %% [markdown]
 # **Step 2: round to the target's quantum.** The target format (E exponent bits, M mantissa bits, bias $b$) keeps

@@ -151,8 +151,8 @@ x[0, :3] = torch.tensor([float("inf"), -1e9, 0.0])
 for f8 in (torch.float8_e4m3fn, torch.float8_e5m2):
     data, amax = quantize_torch(x, torch.tensor(7.5), f8)
     ref = quantize(x, 7.5, fp8_dtype=f8, backend="torch")
-    ok = torch.equal(data.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(amax, ref.amax)
-    print(f"{'PASS' if ok else 'FAIL'}: quantize_torch == minite's quantize reference [{str(f8)[6:]}]")
+    assert torch.equal(data.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(amax, ref.amax), f8
+    print(f"PASS: quantize_torch == minite's quantize reference, bit for bit [{str(f8)[6:]}]")
 
 # %% [markdown]
 # With the scale known in advance this is one read of $x$ (2 B/element in bf16) and one 1-byte write, if fused.

@@ -94,7 +94,8 @@ def rope_cache(T, D, base=10000.0, offset=0, device=None):
 
 cos, sin = rope_cache(8, 6)
 print("cos/sin shapes:", tuple(cos.shape), tuple(sin.shape), cos.dtype)
-print("offset 5 == rows 5..7 of the full cache:", torch.equal(rope_cache(3, 6, offset=5)[0], cos[5:8]))
+assert torch.equal(rope_cache(3, 6, offset=5)[0], cos[5:8]), "offset 5 must give rows 5..7 of the full cache"
+print("PASS: offset 5 == rows 5..7 of the full cache")
 t, inv_freq = torch.tensor(100_000.0), 10000.0 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64)
 err = ((t.double() * inv_freq).cos() - (t.float() * inv_freq.float()).double().cos()).abs().max()
 print(f"position 100,000, D = 64: largest |cos(fp32 angle) - cos(fp64 angle)| = {err:.0e}")

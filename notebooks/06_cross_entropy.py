@@ -87,6 +87,7 @@ def online_lse(x, block=1000):
 
 x = 30 * torch.randn(50304, dtype=torch.float64, generator=gen)
 print("online:", round(online_lse(x).item(), 9), " torch.logsumexp:", round(torch.logsumexp(x, 0).item(), 9))
+assert_close(online_lse(x), torch.logsumexp(x, 0), name="online logsumexp, 51 blocks")
 print("naive log(sum(exp(x))) in fp32 for x ~ 1e4:", torch.log(torch.exp(torch.tensor([1e4, 0.0])).sum()).item())
 
 # %% [markdown]

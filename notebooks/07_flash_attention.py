@@ -589,11 +589,10 @@ print("PASS: one packed launch equals four per-sequence launches, nothing comput
 # `benchmarks/results/logs_h100/final_bench_attention.log`.)
 
 # %% tags=["nbval-ignore-output"]
-from minite.recorded import recorded
+from minite.recorded import recorded_for
 
-runs = recorded("attention")  # {file name: JSON}; {} where nothing is recorded (an installed wheel)
-here = torch.cuda.get_device_name() if DEVICE == "cuda" else None
-res = next((r for r in runs.values() if r["device"] == here), runs.get("attention_nvidia-h200.json"))
+found = recorded_for("attention")  # (file, JSON) of this GPU, else of the H200; None where nothing is recorded
+res = found and found[1]
 if res is None:
     print("No GPU result recorded for this chapter: run `python benchmarks/bench_attention.py` on a GPU.")
 else:

@@ -327,11 +327,10 @@ plt.show()
 # cached step must read (151.4 MB of weights and 3.1 MB of cache) over the H200's 4.8 TB/s.
 
 # %% tags=["nbval-ignore-output"]
-from minite.recorded import recorded
+from minite.recorded import recorded_for
 
-recs = recorded("decode")  # {file name: JSON}; {} where nothing is recorded
-here = torch.cuda.get_device_name() if DEVICE == "cuda" else None
-gpu = next((r for r in recs.values() if r["device"] == here), recs.get("decode_nvidia-h200.json"))
+found = recorded_for("decode")  # (file, JSON) of this GPU, else of the H200; None where nothing is recorded
+gpu = found and found[1]
 if gpu is None:
     print("No GPU decode result recorded: run `python benchmarks/bench_attention.py --decode` on a GPU.")
 else:

@@ -517,11 +517,10 @@ print(f"bf16: |s B A| median {dW.abs().median():.1e} vs W's ulp median "
 # timer). On the CPU the kernels only run in the interpreter, where timings mean nothing.
 
 # %% tags=["nbval-ignore-output"]
-from minite.recorded import recorded
+from minite.recorded import recorded_for
 
-runs = recorded("lora")  # {file name: JSON}; {} where nothing is recorded
-here = torch.cuda.get_device_name() if DEVICE == "cuda" else None
-rec = next((r for r in runs.values() if r["device"] == here), runs.get("lora_nvidia-h200.json"))
+found = recorded_for("lora")  # (file, JSON) of this GPU, else of the H200; None where nothing is recorded
+rec = found and found[1]
 if rec is None:
     print("No GPU measurement recorded for this chapter: run `python benchmarks/bench_lora.py` on a GPU.")
 else:
@@ -572,5 +571,5 @@ else:
 #   rows): train the base with `--data.tokenizer=byte`, or drop/replace them with `--data.unknown_chars`.
 # * Under `fp8_autocast` the frozen base runs its GEMMs in FP8 (chapter 02) and the adapter in bf16.
 #
-# **Exercises** (`exercises/09_lora.ipynb`): derive the backward, write the $dA/dB$ reduction kernel and a Triton
-# merge kernel from their specs, and extract a LoRA from a full fine-tune.
+# **Exercises** (`exercises/09_lora_exercise.ipynb`): derive the backward, write the $dA/dB$ reduction kernel
+# and a Triton merge kernel from their specs, and extract a LoRA from a full fine-tune.

@@ -317,11 +317,10 @@ print(f"tokens per expert {moe.load.tolist()}, dropped assignments {int(moe.drop
 # or on a CPU the newest GPU run recorded: an **NVIDIA H200** on 2026-11-28 (torch 2.11, triton 3.6, CUDA-graph timer).
 
 # %% tags=["nbval-ignore-output"]
-from minite.recorded import recorded
+from minite.recorded import recorded_for
 
-recs = recorded("grouped_gemm")  # {file name: JSON}; {} where nothing is recorded
-here = torch.cuda.get_device_name() if DEVICE == "cuda" else None
-rec = next((r for r in recs.values() if r["device"] == here), recs.get("grouped_gemm_nvidia-h200.json"))
+found = recorded_for("grouped_gemm")  # (file, JSON) of this GPU, else of the H200; None where nothing is recorded
+rec = found and found[1]
 if rec is None:
     print("No GPU result recorded for this chapter: run `python benchmarks/bench_grouped_gemm.py` on a GPU.")
 else:
