@@ -35,8 +35,8 @@
 # Plan: (1) what the command composes, flag by flag; (2) layouts that cannot work, rejected with their numbers;
 # (3) checkpoints that do not care about the layout, and `--train.stop_at` for cluster time limits; (4) the
 # recompute trade, measured; (5) the recorded `make scale` results: curves, memory, bytes, time; (6) MFU,
-# computed from a recorded GPU run; (7) from here to 2 nodes of 8 GPUs; (8) out to Hugging Face; (9) after chapters
-# 15 and 16: the mixture-of-experts runs.
+# computed from a recorded GPU run, and which implementation `backend="auto"` runs for each op; (7) from here to
+# 2 nodes of 8 GPUs; (8) out to Hugging Face; (9) after chapters 15 and 16: the mixture-of-experts runs.
 
 # %%
 import os, torch
@@ -496,6 +496,54 @@ for name, run in recorded("train_step").items():  # the gpu preset (6 x 384, T =
 # mode, and within a few percent once CUDA graphs (`reduce-overhead`) remove the launch overheads that dominate
 # such a small model.
 #
+# **What `backend="auto"` does about it.** A library should not run its own kernel where a peer it can call is
+# faster. So on a GPU, `auto` decides per op from the recorded benchmarks of the device's family (hopper: H100,
+# H200, ...): **minite's kernel where the record shows it at least as fast as the peer, the peer where it does
+# not.** The peer is what `backend="torch"` runs for that op: PyTorch's SDPA (FlashAttention or cuDNN) for
+# attention; for the norms, RoPE, SwiGLU and cross-entropy, minite's reference ops, which Inductor fuses into one
+# kernel while `torch.compile` traces them (run eagerly they stay separate kernels, and the eager record decides
+# there); the three cuBLAS GEMMs of an unfused LoRA. "As fast" is the geometric mean, over the
+# recorded shapes, of peer time ÷ minite time for forward + backward (a training step runs both); at 1 or above
+# minite keeps the op. Two cases stay minite's whatever the ratio: ops where `backend="torch"` runs an fp32
+# reference rather than the benchmarked peer (the grouped GEMM's `torch._grouped_mm`, the FP8 GEMMs'
+# `torch._scaled_mm`), and every op on a GPU family with no record. `--model.backend=triton` forces minite's
+# kernels everywhere, `--model.backend=torch` the peers; on the CPU nothing changes (the interpreter runs the
+# kernels, or the reference runs). The table ships inside the package, `minite/choices.py`, because an installed
+# wheel has no `benchmarks/`; `tools/derive_choices.py` writes it from `benchmarks/results/`, and a test keeps the
+# two equal, so a new GPU run that changes a winner changes the table with it. Each op's record names its file:
+
+# %%
+from minite import choices  # noqa: E402
+
+cell = lambda r: "- (no peer to run)" if r is None else f"{r['ratio']:5.2f}x {r['peer']:<17s} -> {r['winner']}"
+for fam, ops in choices.TABLE.items():
+    print(f"{fam}: minite's speed / the peer's, fwd+bwd (geometric mean over the recorded shapes), and who runs it")
+    print(f"  {'op':13s} {'run eagerly':38s} {'under torch.compile':38s} record")
+    for op, e in ops.items():
+        print(f"  {op:13s} {cell(e['eager']):38s} {cell(e['compile']):38s} {e['file']}"
+              + ("" if e["peer_path"] else "  (torch runs an fp32 spec, not this peer)"))
+        for r in (e["eager"], e["compile"]):  # the rule, checked on every entry
+            assert r is None or r["winner"] == ("minite" if r["ratio"] >= 1 or not e["peer_path"] else "peer")
+if (ROOT / "tools" / "derive_choices.py").exists():  # a source checkout: the shipped table is the results' own
+    import sys; sys.path.insert(0, str(ROOT))
+    from tools.derive_choices import derive
+    assert derive() == choices.TABLE
+
+# %% [markdown]
+# `python -m minite.train` says the outcome in its first lines on a GPU, for the ops its model runs (the blocks'
+# ops under `torch.compile` when the run compiles them; the loss outside them, eagerly). For the `gpu` preset's
+# model on an H200, and on a GPU with no record:
+
+# %%
+ops = choices.model_ops(GPT(GPTConfig(n_layer=1, n_head=6, n_kv_head=2, n_embd=384, block_size=256)), compiled=True)
+for gpu in ("NVIDIA H200", "NVIDIA L4"):
+    print(choices.start_line(gpu, ops), "\n")
+if "hopper" in choices.TABLE and "attention" in choices.TABLE["hopper"]:
+    att = choices.TABLE["hopper"]["attention"]["compile"]
+    assert (choices.choose("attention", "NVIDIA H200", compiling=True)[0] == "peer") == (att["ratio"] < 1)
+assert choices.choose("attention", "NVIDIA L4")[0] == "minite"  # no record for the family: minite's kernel
+
+# %% [markdown]
 # ## 7. From here to two nodes of eight GPUs
 #
 # The launch is torchrun's, nothing minite-specific: on **each** node,
