@@ -189,7 +189,8 @@ class ParallelConfig:
     zero: int = _doc("ZeRO stage over the dp group: 0 = DDP, 1 = sharded optimizer, 2 = + grads, 3 = + params", 0)
     sp: bool = _doc("sequence parallelism on top of tp", False)
     microbatches: int = _doc("pipeline micro-batches per optimizer step (0 = pp); they split train.batch_size", 0)
-    pp_schedule: str = _doc("pipeline schedule: 1f1b | afab (GPipe) | zbh1 (zero-bubble H1: B/W split)", "1f1b")
+    pp_schedule: str = _doc("pipeline schedule: 1f1b | afab (GPipe) | zbh1 (zero-bubble H1: B/W split) | interleaved "
+                            "(Megatron's, 2 model chunks per rank)", "1f1b")
     timeout_s: float = _doc("collective timeout: a dead or hung rank makes the others fail after this", 120.0)
 
     def __post_init__(self):
@@ -198,7 +199,7 @@ class ParallelConfig:
             **{k: (lambda v: v >= 1, "an int >= 1") for k in ("tp", "pp", "cp", "ep")},
             "zero": (lambda v: v in (0, 1, 2, 3), "0, 1, 2 or 3"),
             "microbatches": (lambda v: v >= 0, "an int >= 0 (0 = pp)"),
-            "pp_schedule": (lambda v: v in ("1f1b", "afab", "zbh1"), "1f1b, afab or zbh1"),
+            "pp_schedule": (lambda v: v in ("1f1b", "afab", "zbh1", "interleaved"), "1f1b, afab, zbh1 or interleaved"),
             "cp_mode": (lambda v: v in ("ring", "a2a", "hybrid"), "ring, a2a or hybrid"),
             "cp_a2a": (lambda v: v >= 0, "an int >= 0 (0 = not hybrid)"),
             "timeout_s": (lambda v: math.isfinite(v) and v > 0, "a finite number of seconds > 0")})

@@ -63,8 +63,9 @@ RULES = [
     # every group of every layout: the grid's lines, ep, edp, edp_cp (16); issue 38: hybrid CP's a2a / ring groups
     # and the Ulysses head check of check_layout
     ("minite/parallel/dims.py", 290),
-    # the schedules' runner, (16) a MoE inside the stages, (01) fp16's S; issue 38: ZB-H1's B and W steps
-    ("minite/parallel/pipeline.py", 285),
+    # the schedules' runner, (16) a MoE inside the stages, (01) fp16's S; issue 38: ZB-H1's B and W steps, the
+    # interleaved schedule's model chunks (Chunks, ops by chunk, forward-only chunk by chunk, their checks)
+    ("minite/parallel/pipeline.py", 310),
     ("minite/parallel/expert.py", 300),      # EP's dispatch, its gradient averaging under dp/cp/tp, ZeRO's and pp's
     ("minite/parallel/*.py", 250),
     ("minite/parallel/workers/*.py", 260),   # the torchrun workers, a file per chapter: checks, measurements, task

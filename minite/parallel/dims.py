@@ -269,6 +269,11 @@ def check_layout(p, model, *, world: int, seq_len: int, batch_size: int, lora_r:
     elif p.pp > 1 and (B // p.dp) % microbatches:
         errs.append(f"the batch of {B // p.dp} sequences per dp rank does not split into {microbatches} "
                     "micro-batches (--parallel.microbatches)")
+    if p.pp > 1 and getattr(p, "pp_schedule", "") == "interleaved" and (  # issue 38
+            model.n_layer < 2 * p.pp or microbatches % p.pp or p.tp * p.cp > 1 or model.moe_num_experts):
+        errs.append(f"pp_schedule=interleaved (2 chunks a rank) needs n_layer >= 2*pp = {2 * p.pp} (n_layer="
+                    f"{model.n_layer}), micro-batches divisible by pp={p.pp} ({microbatches}), tp=cp=1 and no MoE "
+                    f"(tp={p.tp}, cp={p.cp}, moe_num_experts={model.moe_num_experts})")
     unsupported = [
         (p.pp > 1 and p.zero > 0, f"pp={p.pp} with zero={p.zero} (use zero=0: the pipeline averages gradients "
                                   "over dp itself)"),

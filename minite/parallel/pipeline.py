@@ -36,10 +36,23 @@ from minite.parallel import comm, trace
 from minite.parallel.dims import ParallelError
 from minite.parallel.expert import average_grads, grad_squares, is_expert
 from minite.parallel.pipeline_stage import Stage, StageMoE, _PendingGrads, my_tokens, partition
-from minite.parallel.schedules import RUNNABLE, DeferredWeights, check_ops
+from minite.parallel.schedules import SCHEDULES, DeferredWeights, check_ops
 from minite.parallel.sequence import gather_dense
 
 __all__ = ["partition", "Stage", "PipelineGPT"]
+
+
+class Chunks(nn.ModuleList):
+    """Interleaved 1F1B: my v stages (model chunks s, s + p, ...) seen as one stage by the rest of PipelineGPT:
+    first / last when it holds the model's first / last stage, wte that stage's embedding (the tied pair)."""
+
+    def __init__(self, chunks: list[Stage]):
+        super().__init__(chunks)
+        self.first, self.last, self.sp = chunks[0].first, chunks[-1].last, chunks[0].sp
+
+    @property
+    def wte(self):
+        return (self[0] if self.first else self[-1]).wte
 
 
 class PipelineGPT(nn.Module):
@@ -55,17 +68,28 @@ class PipelineGPT(nn.Module):
         self.dims = dims
         self.p = p
         self.s = s
-        if isinstance(schedule, str) and schedule not in RUNNABLE or microbatches < 0:
-            raise ParallelError(f"pipeline schedule {schedule!r} (one of {sorted(RUNNABLE)}), microbatches="
+        if isinstance(schedule, str) and schedule not in SCHEDULES or microbatches < 0:
+            raise ParallelError(f"pipeline schedule {schedule!r} (one of {sorted(SCHEDULES)}), microbatches="
                                 f"{microbatches} (>= 1, or 0 for pp={p})")
         self.microbatches = microbatches or p
-        self.schedule = RUNNABLE[schedule] if isinstance(schedule, str) else schedule
-        self._split = None  # the B/W split of my stage's backward (DeferredWeights), made by the first ZB schedule
-        self.layers = partition(dense, p)
-        self.stage = Stage(dense, self.layers[s], s == 0, s == p - 1)
-        for name, q in self.stage.named_parameters():  # the dense name of every parameter (TP shards have theirs)
-            if not hasattr(q, "dense_name"):
-                q.dense_name, q.dense_index, q.tp_replicas = name, (None, None), 1
+        self.schedule = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
+        self._split = None  # the B/W split of my stages' backward (DeferredWeights), made by the first ZB schedule
+        self.v = v = getattr(self.schedule, "v", 1)  # model chunks per rank (interleaved: stages s, s + p, ...)
+        if v > 1 and (dims.tp > 1 or dims.cp > 1 or getattr(self.config, "moe_num_experts", 0)):
+            raise ParallelError(f"interleaved pipeline schedule ({v} chunks per rank) with tp={dims.tp}, cp={dims.cp},"
+                                f" moe_num_experts={getattr(self.config, 'moe_num_experts', 0)}: only a dense GPT "
+                                "under pp (x dp) runs interleaved here; use 1f1b or zbh1")
+        if v > 1 and (self.microbatches % p or self.config.n_layer < p * v):
+            raise ParallelError(f"interleaved pipeline schedule: pp={p} x {v} chunks = {p * v} stages need n_layer >= "
+                                f"{p * v} (got {self.config.n_layer}) and micro-batches divisible by pp (got "
+                                f"{self.microbatches})")
+        self.layers = partition(dense, p * v)
+        self.chunks = [Stage(dense, self.layers[k], k == 0, k == p * v - 1) for k in range(s, p * v, p)]
+        self.stage = self.chunks[0] if v == 1 else Chunks(self.chunks)
+        for ch in self.chunks:  # the dense name of every parameter (TP shards have theirs)
+            for name, q in ch.named_parameters():
+                if not hasattr(q, "dense_name"):
+                    q.dense_name, q.dense_index, q.tp_replicas = name, (None, None), 1
         self.group = dims.group("pp")
         self.tp_group = dims.group("tp")
         self.cp_group = dims.group("cp")
@@ -103,51 +127,53 @@ class PipelineGPT(nn.Module):
         return loss / comm.size(self.cp_group), grads
 
     def _schedule(self, x, y, m: int):
-        """One schedule: (global loss, this stage's fresh gradients); .grad is left as it was."""
-        st, first, last = self.stage, self.stage.first, self.stage.last
-        params = list(st.parameters())
+        """One schedule: (global loss, this stage's fresh gradients); .grad is left as it was. Ops (kind, i) or,
+        interleaved, (kind, i, chunk c): my chunk c is stage c * p + s of the p * v."""
+        params = list(self.stage.parameters())
         kept = [q.grad for q in params]
         for q in params:
             q.grad = None
         xs, ys = self._chunks(x, y, m)
-        steps = list(self.schedule(self.p, m, self.s))
-        split = check_ops(steps, m, self.s)  # W ops: the backward is split into B and W
+        steps = [(*op, 0)[:3] for op in self.schedule(self.p, m, self.s)]
+        split = check_ops(steps, m, self.s, self.v)  # W ops: the backward is split into B and W
         if split and self._split is None:
-            self._split = DeferredWeights(st)
-        keep = self._split.forward if split else (lambda i: contextlib.nullcontext())
+            self._split = [DeferredWeights(ch) for ch in self.chunks]
         prev = self.dims.neighbour("pp", -1)
         nxt = self.dims.neighbour("pp", 1)
         ins, outs, sends = {}, {}, []
         loss = torch.zeros((), dtype=torch.float64, device=x.device)
-        self._moe = moe = StageMoE(st, self.config, self.training, m, x.device)
-        for kind, i in steps:
+        moes = [StageMoE(ch, self.config, self.training, m, x.device) for ch in self.chunks]
+        self._moe = moes[0]  # (interleaved: a dense GPT only)
+        for kind, i, c in steps:
+            st, moe, at = self.chunks[c], moes[c], (i, c)
             if kind == "F":
-                inp = xs[i] if first else self._recv(xs[i], prev).requires_grad_()
+                inp = xs[i] if st.first else self._recv(xs[i], prev).requires_grad_()
                 weights = itertools.chain(st.parameters(), st.buffers())  # not activations
-                with trace.span("pp", x.device, step="F", mb=i) as row, trace.saved_bytes(row, weights), keep(i):
-                    out = st(inp, ys[i] if last else None)
-                out, share = moe.after_forward(i, out, last)  # MoE: + the balance loss ("aux"), stats
+                keep = self._split[c].forward(i) if split else contextlib.nullcontext()  # ZB: keep linears' x, y
+                with trace.span("pp", x.device, step="F", mb=i, chunk=c) as row, trace.saved_bytes(row, weights), keep:
+                    out = st(inp, ys[i] if st.last else None)
+                out, share = moe.after_forward(i, out, st.last)  # MoE: + the balance loss ("aux"), stats
                 loss += share
-                if last:
+                if st.last:
                     loss += out.detach().double() / m
                 else:
                     sends.append((comm.send(out.detach(), nxt, self.group), out))
-                ins[i] = inp
-                outs[i] = out
+                ins[at] = inp
+                outs[at] = out
             elif kind == "B":
-                grad = torch.full_like(outs[i], self._seed / m) if last else self._recv(xs[i], nxt)
-                inp = ins.pop(i)
-                with trace.span("pp", x.device, step="B", mb=i):
+                grad = torch.full_like(outs[at], self._seed / m) if st.last else self._recv(xs[i], nxt)
+                inp = ins.pop(at)
+                with trace.span("pp", x.device, step="B", mb=i, chunk=c):
                     if split:
-                        dx = self._split.backward_input(i, *moe.roots(i, outs.pop(i), grad, self._seed / m), inp)
+                        dx = self._split[c].backward_input(i, *moe.roots(i, outs.pop(at), grad, self._seed / m), inp)
                     else:  # the whole backward
-                        moe.backward(i, outs.pop(i), grad, self._seed / m)
+                        moe.backward(i, outs.pop(at), grad, self._seed / m)
                         dx = inp.grad
-                if not first:
+                if not st.first:
                     sends.append((comm.send(dx, prev, self.group), dx))
             else:  # W: my weight gradients of micro-batch i (its B ran earlier)
-                with trace.span("pp", x.device, step="W", mb=i):
-                    self._split.backward_weight(i)
+                with trace.span("pp", x.device, step="W", mb=i, chunk=c):
+                    self._split[c].backward_weight(i)
         for work, _ in sends:
             work.wait()
         self._sum_tied_grads()
@@ -213,9 +239,9 @@ class PipelineGPT(nn.Module):
         prev = self.dims.neighbour("pp", -1)
         nxt = self.dims.neighbour("pp", 1)
         outs, sends = [], []
-        for i in range(m):
-            out = st(xs[i] if st.first else self._recv(xs[i], prev), ys[i] if st.last else None, last)
-            if st.last:
+        for ch, i in itertools.product(self.chunks, range(m)):  # interleaved: chunk by chunk (stage k before k + p)
+            out = ch(xs[i] if ch.first else self._recv(xs[i], prev), ys[i] if ch.last else None, last)
+            if ch.last:
                 outs.append(out)
             else:
                 sends.append((comm.send(out, nxt, self.group), out))
@@ -274,8 +300,9 @@ class PipelineGPT(nn.Module):
         ep = self.dims.group("ep")
         mine = {q.dense_name: gather_dense(q.detach(), q, ep if is_expert(q) else self.tp_group).cpu()
                 for q in self.stage.parameters()}
-        names = {n for n, _ in self.stage.named_parameters()}
-        mine.update({k: v.detach().cpu().clone() for k, v in self.stage.state_dict().items() if k not in names})
+        for ch in self.chunks:  # buffers and extra state, under their dense names
+            names = {n for n, _ in ch.named_parameters()}
+            mine.update({k: v.detach().cpu().clone() for k, v in ch.state_dict().items() if k not in names})
         if self.p == 1:
             return mine
         parts = [None] * self.p

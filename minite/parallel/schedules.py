@@ -30,7 +30,7 @@ from torch import nn
 
 from minite.parallel.pipeline_schedule import afab, one_f_one_b
 
-__all__ = ["zbh1", "interleaved", "SCHEDULES", "RUNNABLE", "FORMULAS", "check_ops", "check_plan", "plan",
+__all__ = ["zbh1", "interleaved", "SCHEDULES", "FORMULAS", "check_ops", "check_plan", "plan",
            "simulate_ops", "in_flight", "schedule_table", "DeferredWeights"]
 
 
@@ -68,7 +68,6 @@ def interleaved(v: int = 2):
 
 
 SCHEDULES = {"afab": afab, "1f1b": one_f_one_b, "zbh1": zbh1, "interleaved": interleaved(2)}
-RUNNABLE = {k: SCHEDULES[k] for k in ("afab", "1f1b", "zbh1")}  # what PipelineGPT runs (one chunk per rank)
 FORMULAS = {  # (bubble fraction, peak activations in stages' worth on the fullest rank) at unit F, B, W costs
     "afab": (lambda p, m, v: (p - 1) / (m + p - 1), lambda p, m, v: m),
     "1f1b": (lambda p, m, v: (p - 1) / (m + p - 1), lambda p, m, v: min(p, m)),

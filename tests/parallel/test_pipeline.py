@@ -1,10 +1,11 @@
 """Chapter 12: pipeline parallelism on real torch.distributed (gloo), world 2 and 4, one torchrun launch each.
 
-Every rank compares its stage's loss and gradients with the dense GPT from the same seed (AFAB, 1F1B and ZB-H1,
-micro-batch counts 1, 2, 3, 4, 6: at world 4 the first three are below the stage count), the train path (grad
-accumulation, global clipping, AdamW, consolidated state dict), the peak activation memory per stage and the
-rejections. The CLI
-test trains 20 steps with ``--parallel.pp=2`` and compares the curve with one process.
+Every rank compares its stage's loss and gradients with the dense GPT from the same seed (AFAB, 1F1B and ZB-H1 at
+micro-batch counts 1, 2, 3, 4, 6: at world 4 the first three are below the stage count; interleaved 1F1B, 2 chunks
+a rank, at 4 and 12), the train path (grad accumulation, global clipping, AdamW, consolidated state dict; 1F1B and
+interleaved), the peak activation memory per stage (and the events in the op list's order) and the rejections. The
+CLI test trains 20 steps with ``--parallel.pp=2`` (ZB-H1, interleaved) and compares the curve with one process.
+The schedules as data (ZB-H1, interleaved): test_pp_schedules.py.
 """
 import itertools
 
@@ -14,10 +15,11 @@ from relaunch import torchrun  # tests/parallel/relaunch.py
 
 from minite.models.gpt import GPT, GPTConfig
 from minite.parallel.pipeline_schedule import SCHEDULES, afab, bubble_fraction, check_schedule, one_f_one_b, simulate
-from minite.parallel.schedules import RUNNABLE
+from minite.parallel.schedules import SCHEDULES as ALL
+from minite.parallel.workers.pipeline import micro_counts
 
-CHECKS = [f"grads_{s}_m{m}" for s in RUNNABLE for m in (1, 2, 3, 4, 6)] + \
-    ["reject", "train_3_steps"] + [f"memory_{s}" for s in RUNNABLE]
+CHECKS = [f"grads_{s}_m{m}" for s in ALL for m in micro_counts(s)] + \
+    ["reject", "train_3_steps", "train_interleaved"] + [f"memory_{s}" for s in ALL]
 
 
 # ------------------------------------------------------------------ single process: schedules and partition
@@ -97,10 +99,11 @@ def test_dead_stage_ends_the_run_naming_it(tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("schedule", ["1f1b", "zbh1"])
+@pytest.mark.parametrize("schedule", ["zbh1", "interleaved"])  # 1F1B: test_moe_pp's CLI run
 def test_cli_pp2_matches_single_process(corpus, cli, flags, curve, schedule):
     """The one-process curve (run once for both schedules), on the workers' device with the same preset
-    (conftest.train_cli)."""
+    (conftest.train_cli). The two newest schedules; the default 1F1B runs from the CLI in test_moe_pp (pp x dp x ep),
+    and minite.train's path (grad accumulation, clipping, AdamW, state dict) with 1F1B in the workers' train check."""
     from minite.train import load_checkpoint, train
     d, data = corpus
     flags = {**flags, "model.n_layer": 4, **data}

@@ -127,3 +127,16 @@ def test_deferred_weights_split_gives_the_dense_gradients():
         want = dict(ref.named_parameters())
         for n, q in stage.named_parameters():
             torch.testing.assert_close(q.grad, want[n].grad, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_interleaved_layouts_that_cannot_run_are_refused_by_name():
+    from minite.config import ConfigError, ParallelConfig
+    from minite.parallel.dims import ParallelError, check_layout
+    with pytest.raises(ConfigError, match="pp_schedule='zb'.*interleaved"):
+        ParallelConfig(pp=2, pp_schedule="zb")
+    for n_layer, m, want in ((3, 2, "n_layer >= 2\\*pp = 4 \\(n_layer=3\\)"), (4, 3, "divisible by pp=2 \\(3\\)")):
+        p = ParallelConfig(pp=2, microbatches=m, pp_schedule="interleaved")
+        with pytest.raises(ParallelError, match=want):
+            check_layout(p, GPTConfig(n_layer=n_layer), world=2, seq_len=8, batch_size=6)
+    check_layout(ParallelConfig(pp=2, microbatches=2, pp_schedule="interleaved"), GPTConfig(n_layer=4), world=2,
+                 seq_len=8, batch_size=6)

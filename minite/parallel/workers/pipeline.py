@@ -10,7 +10,8 @@ from minite.parallel import trace
 from minite.parallel.dims import ParallelError
 from minite.parallel.pipeline import PipelineGPT
 from minite.parallel.pipeline_schedule import SCHEDULES, bubble_fraction
-from minite.parallel.schedules import RUNNABLE, in_flight
+from minite.parallel.schedules import SCHEDULES as ALL
+from minite.parallel.schedules import in_flight
 from minite.parallel.workers.common import batches, tiny_gpt
 from minite.parallel.workers.grade import Wrong, graded
 
@@ -31,35 +32,41 @@ def activation_peak(rows: list[dict]) -> int:
     release = "W" if any(row["step"] == "W" for row in rows) else "B"
     held, live, peak = {}, 0, 0
     for row in rows:
+        at = (row["mb"], row.get("chunk", 0))
         if row["step"] == "F":
-            held[row["mb"]] = row["saved_bytes"]
+            held[at] = row["saved_bytes"]
             live += row["saved_bytes"]
             peak = max(peak, live)
         elif row["step"] == release:
-            live -= held.pop(row["mb"])
+            live -= held.pop(at)
     return peak
+
+
+def micro_counts(sched: str) -> tuple[int, ...]:
+    """The micro-batch counts each schedule's gradients are checked at (interleaved: divisible by pp = 2 and 4)."""
+    return (4, 12) if sched == "interleaved" else (1, 2, 3, 4, 6)
 
 
 def compare(dims, schedule, m, model=None, x=None, y=None) -> dict:
     """Loss and every gradient of my stage vs the dense model's, after one pipeline step with m micro-batches."""
-    if model is None:
-        model, x, y = dense_and_batch()
+    if model is None:  # interleaved: 2 chunks of at least one layer per rank
+        model, x, y = dense_and_batch(n_layer=max(4, 2 * dims.pp) if schedule == "interleaved" else 4)
     pipe = PipelineGPT(model, dims, m, schedule)
     with trace.Recorder() as rec:
         loss = pipe.step(x, y)
     dense_loss = model(x, y)[1]
     dense_loss.backward()
     grads = dict(model.named_parameters())
-    errs = {n: float((q.grad - grads[n].grad).abs().max()) for n, q in pipe.stage.named_parameters()}
+    errs = {q.dense_name: float((q.grad - grads[q.dense_name].grad).abs().max()) for q in pipe.stage.parameters()}
     return {"loss_err": abs(loss - float(dense_loss.detach())), "grad_err": max(errs.values()), "n_grads": len(errs),
             "layers": [list(r) for r in pipe.layers], "steps": rec.rows("pp"),
-            "deferred": len(pipe._split.hooks) if pipe._split else 0}  # linears whose W ran apart (ZB-H1)
+            "deferred": sum(len(d.hooks) for d in pipe._split or [])}  # linears whose W ran apart (ZB-H1)
 
 
 def check_grads(dims, args) -> dict:
     out = {}
-    for sched in RUNNABLE:
-        for m in (1, 2, 3, 4, 6):
+    for sched in ALL:
+        for m in micro_counts(sched):
             r = compare(dims, sched, m)
             ok = r["loss_err"] < TOL and r["grad_err"] < TOL and r["n_grads"] > 0 and (r["deferred"] > 0) == (
                 sched == "zbh1")
@@ -83,26 +90,30 @@ def check_reject(dims, args) -> dict:
 
 
 def check_train(dims, args, steps: int = 3) -> dict:
-    """minite.train's path: loss = model(x, y)[1]; (loss / 2).backward() twice (grad_accum 2), global clip, AdamW."""
-    model, x, y = dense_and_batch()
-    pipe = PipelineGPT(model, dims, 3, "1f1b")
-    opt_d = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    opt_p = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
-    for _ in range(steps):
-        for half in (slice(0, B // 2), slice(B // 2, B)):
-            (model(x[half], y[half])[1] / 2).backward()
-            (pipe(x[half], y[half])[1] / 2).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-        pipe.clip_grad_norm_(0.05)
-        for opt in (opt_d, opt_p):
-            opt.step()
-            opt.zero_grad()
-    full = pipe.dense_state_dict()
-    err = max(float((full[n] - v).abs().max()) for n, v in model.state_dict().items())
-    with torch.no_grad():
-        loss_err = abs(float(pipe(x, y)[1]) - float(model(x, y)[1]))
-    return {"train_3_steps": {"ok": err < 1e-4 and loss_err < 1e-4 and set(full) == set(model.state_dict()),
-                              "param_err": err, "eval_loss_err": loss_err}}
+    """minite.train's path: loss = model(x, y)[1]; (loss / 2).backward() twice (grad_accum 2), global clip, AdamW;
+    1F1B, and interleaved (2 chunks a rank: 2 pp layers, 16 sequences, 4 micro-batches of each half)."""
+    out = {}
+    for name, sched, m, batch in (("train_3_steps", "1f1b", 3, B), ("train_interleaved", "interleaved", 4, 16)):
+        model, x, y = dense_and_batch(batch, n_layer=max(4, 2 * dims.pp) if sched == "interleaved" else 4)
+        pipe = PipelineGPT(model, dims, m, sched)
+        opt_d = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        opt_p = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
+        for _ in range(steps):
+            for half in (slice(0, batch // 2), slice(batch // 2, batch)):
+                (model(x[half], y[half])[1] / 2).backward()
+                (pipe(x[half], y[half])[1] / 2).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            pipe.clip_grad_norm_(0.05)
+            for opt in (opt_d, opt_p):
+                opt.step()
+                opt.zero_grad()
+        full = pipe.dense_state_dict()
+        err = max(float((full[n] - v).abs().max()) for n, v in model.state_dict().items())
+        with torch.no_grad():
+            loss_err = abs(float(pipe(x, y)[1]) - float(model(x, y)[1]))
+        out[name] = {"ok": err < 1e-4 and loss_err < 1e-4 and set(full) == set(model.state_dict()),
+                     "param_err": err, "eval_loss_err": loss_err}
+    return out
 
 
 def check_die(dims, args) -> dict:
@@ -120,18 +131,23 @@ def check_die(dims, args) -> dict:
 def pp_memory(dims, args) -> dict:
     """Peak activation bytes per stage: AFAB holds all m micro-batches, 1F1B at most p - stage of them, ZB-H1 at
     most p (from F to W), as its op list says; the events come in the schedule's order (F, B, W)."""
-    m = 6
     out = {}
-    for sched in RUNNABLE:
+    p, s = dims.pp, dims.pp_rank
+    for sched in ALL:
+        m = 4 if sched == "interleaved" else 6
         rows = compare(dims, sched, m)["steps"]
+        ops = [(*op, 0)[:3] for op in ALL[sched](p, m, s)]
+        order = [(r["step"], r["mb"], r.get("chunk", 0)) for r in rows] == ops
+        units = in_flight(ops)  # micro-batches (interleaved: chunks) between F and W (or B)
+        held = units / getattr(ALL[sched], "v", 1)  # stages' worth (interleaved: half a stage a chunk)
+        want = {"afab": m, "1f1b": min(p - s, m), "zbh1": min(p, m), "interleaved": min(
+            2 * (p - s - 1) + p + 1, 2 * m) / 2}[sched]
         per_mb = [r["saved_bytes"] for r in rows if r["step"] == "F"]
-        assert min(per_mb) == max(per_mb)
         peak = activation_peak(rows)
-        ops = RUNNABLE[sched](dims.pp, m, dims.pp_rank)
-        want = {"afab": m, "1f1b": min(dims.pp - dims.pp_rank, m), "zbh1": min(dims.pp, m)}[sched]
-        held, order = in_flight(ops), [(r["step"], r["mb"]) for r in rows] == ops
-        out[f"memory_{sched}"] = {"ok": peak == held * per_mb[0] > 0 and held == want and order,
-                                  "peak_act_bytes": peak, "per_microbatch": per_mb[0], "held": held, "order": order}
+        same = min(per_mb) == max(per_mb)  # one stage (or like chunks): every F saves the same bytes
+        out[f"memory_{sched}"] = {"ok": (peak == units * per_mb[0] > 0 if same else peak > 0) and held == want and
+                                  order and (same or sched == "interleaved"), "peak_act_bytes": peak,
+                                  "per_microbatch": per_mb[0], "held": held, "order": order}
     return out
 
 
