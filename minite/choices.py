@@ -117,20 +117,26 @@ def choose(op: str, device_name: str, *, compiling: bool = False, capability=Non
     return run["winner"], why
 
 
-_FAMILY_OF_INDEX: dict[int, tuple[str, tuple[int, int]]] = {}
+_DECIDED: dict[tuple[str, int, bool], bool] = {}  # (op, device index, compiling) -> does the peer run
 
 
-@torch.compiler.assume_constant_result  # torch.compile reads the device's name once, as a constant
 def _device(index: int) -> tuple[str, tuple[int, int]]:
-    if index not in _FAMILY_OF_INDEX:
-        _FAMILY_OF_INDEX[index] = (torch.cuda.get_device_name(index), tuple(torch.cuda.get_device_capability(index)))
-    return _FAMILY_OF_INDEX[index]
+    return torch.cuda.get_device_name(index), tuple(torch.cuda.get_device_capability(index))
+
+
+@torch.compiler.assume_constant_result  # torch.compile takes the answer as a constant (no device query traced)
+def _peer(op: str, index: int, compiling: bool) -> bool:
+    key = (op, index, compiling)
+    if key not in _DECIDED:  # once per op and device: an eager step pays a dict lookup per call, no more
+        name, capability = _device(index)
+        _DECIDED[key] = choose(op, name, compiling=compiling, capability=capability)[0] == "peer"
+    return _DECIDED[key]
 
 
 def peer_runs(op: str, device: torch.device) -> bool:
     """backend="auto" on CUDA: does the table send `op` to the peer on this device (now: compiling or not)?"""
-    name, capability = _device(torch.cuda.current_device() if device.index is None else device.index)
-    return choose(op, name, compiling=torch.compiler.is_compiling(), capability=capability)[0] == "peer"
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return _peer(op, index, torch.compiler.is_compiling())
 
 
 def model_ops(model: torch.nn.Module, compiled: bool) -> list[tuple[str, bool]]:

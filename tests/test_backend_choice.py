@@ -86,7 +86,7 @@ def fake_gpu(monkeypatch):
     """resolve_backend sees a CUDA tensor on an "NVIDIA H200" whose Triton can run; the table is FAKE."""
     monkeypatch.setattr(backend, "triton_available_for", lambda x: (True, ""))
     monkeypatch.setattr(choices, "TABLE", FAKE)
-    monkeypatch.setattr(choices, "_FAMILY_OF_INDEX", {})
+    monkeypatch.setattr(choices, "_DECIDED", {})
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (9, 0))
     monkeypatch.delenv("MINITE_BACKEND", raising=False)
