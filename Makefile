@@ -89,6 +89,8 @@ endif
 
 # Rooted at the repository so exercises/ is reachable and jupytext.toml applies; the jupytext server extension
 # (installed with jupytext) makes every save write both the .ipynb and its paired .py.
+# A lesson saved with no cell changed is written back as it was (tools/lab_hooks.py: running a lesson leaves git
+# clean; `python -m` puts the repository first on the server's path for it, not the kernels').
 # As root (a Docker image) Jupyter needs --allow-root; the "get Jupyter news?" toast is answered "never" once (it
 # covered the lesson); ARGS go to jupyter lab (make lab ARGS="--port 8889 --no-browser").
 LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings/overrides.json
@@ -98,8 +100,8 @@ lab: $(STAMP)
 	@test -f $(LAB_SETTINGS) || { mkdir -p $(dir $(LAB_SETTINGS)) && echo \
 		'{"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": false}}' \
 		> $(LAB_SETTINGS); }
-	$(VENV)/bin/jupyter lab --ServerApp.root_dir="$(CURDIR)" $(if $(filter 0,$(shell id -u)),--allow-root,) \
-		$(ARGS) notebooks/00_triton_from_zero.ipynb
+	$(PY) -m jupyterlab --ServerApp.root_dir="$(CURDIR)" $(if $(filter 0,$(shell id -u)),--allow-root,) \
+		--ContentsManager.pre_save_hook=tools.lab_hooks.keep_lesson_outputs $(ARGS) notebooks/00_triton_from_zero.ipynb
 
 # Re-create each NB's .ipynb from its jupytext .py and execute it: make notebooks NB="notebooks/03_rmsnorm.py"
 notebooks: $(STAMP)

@@ -51,3 +51,63 @@ def test_saving_in_the_lab_writes_both_files_of_a_pair(tmp_path):
     # and the other way: an edit of the .py shows when the notebook is opened
     (tmp_path / "solutions" / f"{sol.stem}.py").write_text(text.replace("# edited in JupyterLab", "# edited in vim"))
     assert any("# edited in vim" in c.source for c in cm.get(path)["content"].cells)
+
+
+def _lab(tmp_path, lesson: str):
+    """A copy of a lesson pair under tmp_path/notebooks, and the contents manager `make lab` runs (jupytext's,
+    with tools/lab_hooks.py's save hook)."""
+    pytest.importorskip("jupyter_server")
+    from jupyter_server.services.contents.filemanager import FileContentsManager
+    from jupytext.sync_contentsmanager import build_sync_jupytext_contents_manager_class
+
+    from tools.lab_hooks import keep_lesson_outputs
+    (tmp_path / "notebooks").mkdir()
+    shutil.copy(ROOT / "jupytext.toml", tmp_path / "jupytext.toml")
+    for suffix in (".py", ".ipynb"):
+        shutil.copy(ROOT / "notebooks" / f"{lesson}{suffix}", tmp_path / "notebooks" / f"{lesson}{suffix}")
+    cls = build_sync_jupytext_contents_manager_class(FileContentsManager)
+    cm = cls(root_dir=str(tmp_path))
+    cm.pre_save_hook = keep_lesson_outputs  # as --ContentsManager.pre_save_hook sets it
+    return cm
+
+
+def _run(nb):
+    """What a run in JupyterLab does to a notebook: new outputs and counts, no nbclient timings, another kernel."""
+    for i, c in enumerate(nb.cells):
+        if c.cell_type == "code":
+            c.outputs = [nbformat.v4.new_output("stream", name="stdout", text=f"my run {i}\n")]
+            c.execution_count = i
+            c.metadata.pop("execution", None)
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+
+
+def test_a_lesson_run_and_saved_in_the_lab_leaves_git_clean(tmp_path):
+    """Issue 37 item 7: running a lesson in JupyterLab rewrote its tracked .ipynb and .py. A save with no cell
+    changed writes both files back byte for byte; an edited cell is saved as usual; other folders are left alone."""
+    lesson = "11_tensor_parallel"
+    cm = _lab(tmp_path, lesson)
+    files = [tmp_path / "notebooks" / f"{lesson}{s}" for s in (".ipynb", ".py")]
+    before = [f.read_bytes() for f in files]
+    path = f"notebooks/{lesson}.ipynb"
+    nb = cm.get(path)["content"]
+    _run(nb)
+    cm.save({"type": "notebook", "format": "json", "content": nb}, path)
+    assert [f.read_bytes() for f in files] == before, "a run and a save changed the lesson's files"
+    nb.cells[-1].source += "\n# my note"  # an edit: saved, with the run's outputs
+    cm.save({"type": "notebook", "format": "json", "content": nb}, path)
+    assert "# my note" in files[1].read_text() and "my run" in files[0].read_text()
+    (tmp_path / "solutions").mkdir()  # outside notebooks/: saved as it comes
+    for f in files:
+        shutil.copy(f, tmp_path / "solutions" / f.name)
+    cm.save({"type": "notebook", "format": "json", "content": nb}, f"solutions/{lesson}.ipynb")
+    assert "Python 3 (ipykernel)" in (tmp_path / "solutions" / f"{lesson}.py").read_text()
+
+
+def test_make_lab_runs_the_lab_with_the_save_hook():
+    if shutil.which("make") is None:
+        pytest.skip("needs make")
+    plan = subprocess.run(["make", "-n", "-o", str(Path(sys.prefix) / ".minite-setup"), "lab",
+                           f"VENV={sys.prefix}"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert "-m jupyterlab " in plan and "--ContentsManager.pre_save_hook=tools.lab_hooks.keep_lesson_outputs" in plan
+    from traitlets.utils.importstring import import_item  # what the server does with the string, from the root
+    assert callable(import_item("tools.lab_hooks.keep_lesson_outputs"))
