@@ -22,12 +22,13 @@ import torch
 
 __all__ = ["TABLE", "FAMILIES", "family", "choose", "peer_runs", "model_ops", "start_line", "run_line"]
 
-# family -> patterns of its GPUs' names (slugs: "NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3"), newest first:
-# a family's record of an op comes from the newest GPU that has one.
+# family -> patterns of its data-centre GPUs' names (slugs: "NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3"),
+# newest first: a family's record of an op comes from the newest GPU that has one. A running device is placed by its
+# compute capability first (exact), its name only where the capability is not one of these.
 FAMILIES = {"hopper": ("gh200", "h200", "h100", "h800", "h20"),
-            "blackwell": ("gb200", "b200", "b100", "rtx-50"),
-            "ada": ("l40", "l4", "rtx-40", "rtx-6000-ada"),
-            "ampere": ("a100", "a800", "a40", "a30", "a10", "a6000", "rtx-30")}
+            "blackwell": ("gb200", "b200", "b100"),
+            "ada": ("l40", "l4"),
+            "ampere": ("a100", "a800", "a40", "a30", "a10")}
 _BY_CAPABILITY = {(9, 0): "hopper", (10, 0): "blackwell", (8, 9): "ada", (8, 0): "ampere", (8, 6): "ampere"}
 
 # BEGIN TABLE (tools/derive_choices.py writes this block)
@@ -92,12 +93,11 @@ def slug(name: str) -> str:
 
 
 def family(name: str, capability: tuple[int, int] | None = None) -> str | None:
-    """The GPU family of a device name (or a result file's slug), else of its compute capability; None: unknown."""
+    """The GPU family of a compute capability, else of a device name (or a result file's slug); None: unknown."""
+    if capability and tuple(capability) in _BY_CAPABILITY:
+        return _BY_CAPABILITY[tuple(capability)]
     s = slug(name)
-    for fam, patterns in FAMILIES.items():
-        if any(p in s for p in patterns):
-            return fam
-    return _BY_CAPABILITY.get(tuple(capability)) if capability else None
+    return next((fam for fam, patterns in FAMILIES.items() if any(p in s for p in patterns)), None)
 
 
 def choose(op: str, device_name: str, *, compiling: bool = False, capability=None, table: dict | None = None

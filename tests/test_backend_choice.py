@@ -47,7 +47,7 @@ def test_family_by_name_or_capability():
     assert choices.family("NVIDIA H100 80GB HBM3") == choices.family("nvidia-h200") == "hopper"
     assert choices.family("NVIDIA A100-SXM4-80GB") == "ampere"
     assert choices.family("Some New GPU") is None
-    assert choices.family("Some New GPU", (9, 0)) == "hopper"
+    assert choices.family("Some New GPU", (9, 0)) == choices.family("NVIDIA A100", (9, 0)) == "hopper"  # exact
 
 
 def test_choose_follows_the_table_per_regime():
