@@ -212,7 +212,8 @@ class ParallelDims:
             errs.append(f"pp={self.pp} stages but only n_layer={cfg.n_layer} layers")
         split = [f"{k}={getattr(self, k)}" for k in ("tp", "pp", "cp") if getattr(self, k) > 1]
         if not getattr(cfg, "tie_embeddings", True) and split:  # their heads read the (vocab-split) wte
-            errs.append(f"tie_embeddings=False (an untied LM head) is not supported with {', '.join(split)}")
+            errs.append(f"model.tie_embeddings=False (an untied LM head) is not supported with {', '.join(split)}: "
+                        "their LM head is the (vocab-split) token embedding; dp keeps a head whole")
         E = getattr(cfg, "moe_num_experts", 0)
         if self.ep > 1 and (E == 0 or E % self.ep):
             errs.append(f"ep={self.ep} needs a number of experts divisible by it, got moe_num_experts={E}")

@@ -354,3 +354,15 @@ def test_untied_head_is_refused_by_the_layouts_that_split_the_vocabulary():
     for kw in ({"tp": 2}, {"pp": 2}, {"cp": 2}):
         with pytest.raises(ParallelError, match=f"tie_embeddings=False .* not supported with {list(kw)[0]}=2"):
             ParallelDims(**kw).check_model(cfg)
+    # the launch's own check (minite.train, before any process group): the flag and the layout by name
+    from minite.config import make_config
+    from minite.parallel.dims import check_layout
+    untied = {f"model.{k}": v for k, v in TINY.items()} | {"model.tie_embeddings": False}
+    for flags in ({"parallel.tp": 2}, {"parallel.pp": 2}, {"parallel.cp": 2}, {"parallel.tp": 2, "parallel.cp": 2}):
+        run = make_config("cpu", {**untied, **flags})
+        layout = ", ".join(f"{k.split('.')[1]}=2" for k in flags)
+        with pytest.raises(ParallelError, match=rf"^parallel layout rejected: model\.tie_embeddings=False \(an untied "
+                                                rf"LM head\) is not supported with {layout}: "):
+            check_layout(run.parallel, run.model, world=2 * len(flags), seq_len=16, batch_size=8)
+    dp = make_config("cpu", untied)
+    check_layout(dp.parallel, dp.model, world=2, seq_len=16, batch_size=8)  # dp fills the world: accepted
