@@ -172,6 +172,29 @@ def pp_timeline(dims, args) -> dict:
     return out
 
 
+def pp_schedules_measure(dims, args) -> dict:
+    """Issue 38's table, measured: every schedule (AFAB, 1F1B, ZB-H1, interleaved) at m = the last --micro, each
+    rank's ops as (kind, mb, chunk, t0, t1, saved bytes) in --repeat timed steps after a warm-up step; the model of
+    pp_timeline (4 layers a stage: 2 a chunk interleaved). benchmarks/bench_pp_schedules.py reads them."""
+    m = args.micro[-1]
+    model, x, y = dense_and_batch(n_layer=4 * dims.pp, n_embd=args.width, n_head=4, mlp_hidden=4 * args.width,
+                                  batch=m * args.mb, vocab_size=64)
+    out = {}
+    for sched in ALL:
+        pipe = PipelineGPT(model, dims, m, sched)
+        pipe.step(x, y)  # warm-up
+        runs = []
+        for _ in range(args.repeat):
+            dist.barrier()
+            with trace.Recorder() as rec:
+                pipe.step(x, y)
+            runs.append([(r["step"], r["mb"], r.get("chunk", 0), r["t0"], r["t1"], r.get("saved_bytes", 0))
+                         for r in rec.rows("pp")])
+        out[f"measure_{sched}"] = {"ok": True, "runs": runs}
+        model.zero_grad(set_to_none=True)
+    return out
+
+
 # ----------------------------------------------------------------------------------- the exercise
 @graded("one_f_one_b", tol=TOL)
 def grade_one_f_one_b(dims, student) -> float:
@@ -192,5 +215,6 @@ CHECKS = {  # name: (check, the axis of ParallelDims that takes the world)
     "pp_die": (check_die, "pp"),
     "pp_memory": (pp_memory, "pp"),
     "pp_timeline": (pp_timeline, "pp"),
+    "pp_schedules_measure": (pp_schedules_measure, "pp"),
     "one_f_one_b": (grade_one_f_one_b, "pp"),
 }
