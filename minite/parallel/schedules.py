@@ -27,6 +27,7 @@ from collections import deque
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from minite.parallel.pipeline_schedule import afab, one_f_one_b
 
@@ -195,10 +196,11 @@ class DeferredWeights:
     """The B/W split of one stage's backward, with no hidden autograd machinery:
 
     F  a forward hook on each plain linear layer (``nn.Linear`` / ``minite.nn.Linear``, weight trainable, not
-       running FP8) keeps its input x and output y for the micro-batch
+       running FP8) keeps its input x (the storage autograd saves anyway) and its output's gradient edge (where
+       dL/dy will arrive: ``torch.autograd.graph.get_gradient_edge``, no tensor held)
     B  ``backward_input``: torch.autograd.grad of the micro-batch's roots w.r.t. the stage input, every other
-       parameter (norms, embedding, tied head, TP / LoRA / FP8 layers) and each kept y. Autograd computes no GEMM
-       for a weight it is not asked for, so B is the input-gradient chain; dL/dy is kept, the graph freed
+       parameter (norms, embedding, tied head, TP / LoRA / FP8 layers) and each kept edge. Autograd computes no
+       GEMM for a weight it is not asked for, so B is the input-gradient chain; dL/dy is kept, the graph freed
     W  ``backward_weight``: each kept linear's weight grad dy^T x (and bias grad sum dy) added to its .grad
 
     Between B and W a micro-batch holds only (x, dy) of its linear layers."""
@@ -206,18 +208,18 @@ class DeferredWeights:
     def __init__(self, stage: nn.Module):
         from minite.layers.linear import Linear
         self.params = [q for q in stage.parameters() if q.requires_grad]
-        self.mb, self.kept = None, {}  # micro-batch in forward; mb -> [(linear, x, y or dy)]
+        self.mb, self.kept = None, {}  # micro-batch in forward; mb -> [(linear, x, edge of y, then dy)]
         self.hooks = [mod.register_forward_hook(self._keep) for mod in stage.modules()
                       if type(mod) in (nn.Linear, Linear) and mod.weight.requires_grad]
 
     def _keep(self, mod, args, y):
         from minite.formats.autocast import is_fp8_enabled
         if self.mb is not None and torch.is_grad_enabled() and not is_fp8_enabled():
-            self.kept[self.mb].append((mod, args[0].detach(), y))
+            self.kept[self.mb].append((mod, args[0].detach(), get_gradient_edge(y)))
 
     @contextlib.contextmanager
     def forward(self, i: int):
-        """``with split.forward(i): out = stage(...)``: keep micro-batch i's linear inputs and outputs."""
+        """``with split.forward(i): out = stage(...)``: keep micro-batch i's linear inputs and output edges."""
         self.mb, self.kept[i] = i, []
         try:
             yield
@@ -230,7 +232,7 @@ class DeferredWeights:
         late = {id(q) for mod, _, _ in kept for q in (mod.weight, mod.bias) if q is not None}
         now = [q for q in self.params if id(q) not in late]
         lead = [inp] if inp is not None and inp.requires_grad else []
-        got = torch.autograd.grad(roots, lead + now + [y for _, _, y in kept], grads, allow_unused=True)
+        got = torch.autograd.grad(roots, lead + now + [edge for _, _, edge in kept], grads, allow_unused=True)
         for q, g in zip(now, got[len(lead):]):
             if g is not None:
                 q.grad = g if q.grad is None else q.grad + g
