@@ -82,6 +82,7 @@ NOT_RUN = {  # benchmarks this report leaves out, and why
     "bench_gpt_step.py": "its own stage (gpt_step)",
     "bench_scale.py": "chapter 14 on the CPU (make scale); nothing in it runs on a GPU",
     "bench_train.py": "a training run: the main stage runs the main job itself",
+    "bench_pp_schedules.py": "chapter 12's schedules, simulated and measured on CPU ranks over gloo (no GPU part)",
 }
 # The notebook stack and Liger-Kernel, carried as wheels (python 3.12, manylinux x86-64) for a machine without them
 WHEELS = ("nbval", "nbformat", "nbclient", "jupyter_client", "jupyter_core", "ipykernel", "ipython", "jupytext",
@@ -438,6 +439,15 @@ def finish(report: dict, ctx: dict, out: Path, since: float) -> Path:
                 ratios[p.stem] = gpt_step_lines(p) if p.stem.startswith("gpt_step") else peer_ratios(rows)
             except (ValueError, KeyError, TypeError) as e:
                 ratios[p.stem] = [f"(unreadable: {type(e).__name__}: {e})"]
+    # backend="auto"'s choice table follows the results just recorded (tools/derive_choices.py): the archive
+    # carries the regenerated minite/choices.py beside benchmarks/results (tests/test_backend_choice.py fails on a
+    # table older than the committed results)
+    derive = subprocess.run([sys.executable, str(ROOT / "tools" / "derive_choices.py")], cwd=ROOT,
+                            capture_output=True, text=True)
+    if (ROOT / "minite" / "choices.py").exists():
+        shutil.copy2(ROOT / "minite" / "choices.py", work / "choices.py")
+    ctx.setdefault("facts", {})["choices"] = "regenerated" if derive.returncode == 0 else \
+        f"derive_choices failed: {(derive.stderr or derive.stdout)[-200:]}"
     report.update(ratios=ratios, main=ctx.get("main"), suite=ctx.get("suite"), benches=ctx.get("benches", []),
                   facts=ctx.get("facts", {}), elapsed_s=ctx["clock"].elapsed())
     out.mkdir(parents=True, exist_ok=True)
