@@ -27,15 +27,17 @@
 # token by token (embedding, norms, projections, MLP, the loss), so it runs unchanged on a rank's $T/cp$ tokens.
 # Attention is the one place where tokens meet: each query needs every key before it. Transformer Engine's
 # context parallelism offers four ways (the `cp_comm_type` argument of `DotProductAttention`, which Megatron-LM
-# passes through); this chapter builds the first two:
+# passes through as `--cp-comm-type`); this chapter builds the first three (section 7 the all-to-all), and minite's
+# library has the fourth too (`--parallel.cp_mode=hybrid`):
 #
 # * **the ring** (`cp_comm_type="p2p"`): K/V blocks travel around the ranks, each step runs the chapter-07 flash
 #   kernel on the block at hand, and the partial outputs are merged exactly by their **log-sum-exp**;
 # * **all-gather K/V** (`cp_comm_type="all_gather"`): gather all keys once, reduce-scatter their gradients;
 # * **all-to-all** (`cp_comm_type="a2a"`, DeepSpeed-Ulysses, Jacobs et al. 2023): an all-to-all trades the
 #   sequence shard for a head shard, so each rank runs ordinary attention over the *whole* sequence for $H/cp$ of
-#   the heads, and a second all-to-all trades back; $cp$ must divide the number of (kv) heads;
-# * `"a2a+p2p"`: all-to-all inside a group of ranks (a node), the ring between groups.
+#   the heads, and a second all-to-all trades back; $cp$ must divide the number of heads;
+# * **all-to-all inside, ring across** (`cp_comm_type="a2a+p2p"`, the hybrid of USP, Fang & Zhao 2024):
+#   all-to-all inside a group of ranks (a node), the ring between groups.
 
 # %%
 import os, torch
@@ -317,17 +319,18 @@ print("PASS: the backward ring equals autograd, block by block equal to minite's
 # %%
 out_dir = tempfile.mkdtemp()
 # CPU workers over gloo; the launcher sets their environment (no interpreter on a GPU)
-res = torchrun(2, ["-m", "minite.parallel.workers", "cp_attn", "cp_gpt", "cp_measure", "--T", "256",
-                   "--out", out_dir], timeout=240)
+res = torchrun(2, ["-m", "minite.parallel.workers", "cp_attn", "cp_gpt", "cp_measure", "cp_ulysses", "--T", "256",
+                   "--out", out_dir], timeout=240)  # cp_ulysses: the all-to-all of section 7
 assert res.returncode == 0, res.stdout[-2000:]
 rep = results(out_dir)
+ring_checks = [n for n in rep[0] if n != "cp_measure" and "a2a" not in n]
 print(f"{'check':34} {'max error (both ranks)':>24}")
-for name in [n for n in rep[0] if n != "cp_measure"]:
+for name in ring_checks:
     worst = max(rep[r][name]["max_err"] for r in rep)
     print(f"{name:34} {'below 1e-5' if worst < 1e-5 else f'{worst:.1e}':>24}  "
           f"{'ok' if all(rep[r][name]['ok'] for r in rep) else 'FAIL'}")
 print("GPT under CP, losses of the 5 steps:", [round(x, 4) for x in rep[0]["gpt_ring_5_steps"]["losses"]])
-assert all(rep[r][name]["ok"] and rep[r][name]["max_err"] < 1e-4 for r in rep for name in rep[r] if name != "cp_measure")
+assert all(rep[r][name]["ok"] and rep[r][name]["max_err"] < 1e-4 for r in rep for name in ring_checks)
 
 # %% [markdown]
 # ## 6. Measured: work per rank, bytes and peak memory
@@ -417,15 +420,278 @@ plt.show()
 # $\approx 4\,b\,(T/cp)^2 h$ ($QK^\top$ and $PV$, 2 FLOPs per multiply-add; half that off the diagonal when
 # balanced). FLOPs per byte sent are then about $(T/cp)\,h / h_{kv}$: the ratio grows with $T/cp$, so CP pays at
 # long context, exactly where it is needed.
+
+# %% [markdown]
+# ## 7. Ulysses: trade the sequence for heads (all-to-all)
 #
-# ## 7. Why not PyTorch's own?
+# The ring keeps every rank on its own tokens and moves the keys past them. DeepSpeed-Ulysses (Jacobs et al. 2023)
+# moves the other way. Attention mixes tokens but never heads, so a rank that held **every token of some heads**
+# could run ordinary attention on them, with no merge at all. One all-to-all gets it there: rank $r$ holds
+# (B, H, T/cp, D), its tokens of every head; it cuts the heads into $cp$ groups and sends group $j$ to rank $j$, and
+# receives from each rank $j$ rank $j$'s tokens of head group $r$. Concatenated in rank order that is
+# (B, H/cp, T, D): the whole sequence of $H/cp$ heads. After attention, the **inverse** all-to-all (heads → seq)
+# hands each rank its own tokens of every head again, for the output projection. The backward runs the same two
+# exchanges the other way: the gradient of seq → heads is heads → seq of the gradient, and vice versa (both are
+# permutations of the entries, and a permutation's transpose is its inverse).
+#
+# Simulated in one process, an all-to-all is a transpose of a list of lists: what rank $r$ sends to rank $j$ is
+# what rank $j$ receives from rank $r$. The simulation also counts the bytes each rank sends to *other* ranks (its
+# own piece stays where it is), for the comparison with the ring below.
+
+# %%
+SENT = {}  # rank -> bytes sent to other ranks by the all-to-alls below (reset it to count)
+
+
+def all_to_all(sends):
+    """The collective over simulated ranks: sends[r][j] is what rank r sends to rank j; returns recv with
+    recv[r][j] = sends[j][r], what rank r received from rank j."""
+    n = len(sends)
+    for r in range(n):
+        SENT[r] = SENT.get(r, 0) + sum(p.numel() * p.element_size() for j, p in enumerate(sends[r]) if j != r)
+    return [[sends[j][r] for j in range(n)] for r in range(n)]
+
+
+def seq_to_heads(xs):
+    """xs[r] (B, H, T/n, D), rank r's tokens of every head -> rank r's (B, H/n, T, D): every rank's tokens, in rank
+    order, of head group r (heads r*H/n .. (r+1)*H/n - 1)."""
+    n = len(xs)
+    assert xs[0].shape[1] % n == 0, f"{xs[0].shape[1]} heads do not split over {n} ranks"
+    recv = all_to_all([x.chunk(n, dim=1) for x in xs])  # piece j of my tokens: head group j, for rank j
+    return [torch.cat(pieces, dim=2) for pieces in recv]  # rank j's tokens of my heads, in rank order
+
+
+def heads_to_seq(ys):
+    """The inverse: ys[r] (B, H/n, T, D) -> rank r's (B, H, T/n, D), its own tokens of every head, in head order."""
+    n = len(ys)
+    recv = all_to_all([y.chunk(n, dim=2) for y in ys])  # piece j: rank j's tokens of my heads, back to rank j
+    return [torch.cat(pieces, dim=1) for pieces in recv]  # head group j (from rank j) lands at heads j*H/n ..
+
+
+# %% tags=["nbval-check-output"]
+# CHECK: the all-to-all pair
+for n, B, H, T, D in ((2, 2, 4, 6, 3), (3, 2, 6, 9, 2), (4, 3, 8, 8, 5)):
+    x = torch.arange(B * H * T * D, dtype=torch.float32).view(B, H, T, D)  # every entry different
+    xs = list(x.chunk(n, dim=2))  # rank r holds tokens r*T/n .. (r+1)*T/n - 1 of every head
+    ys = seq_to_heads(xs)
+    for r in range(n):
+        assert torch.equal(ys[r], x.chunk(n, dim=1)[r]), (n, r)  # every token of head group r, in order
+    assert all(torch.equal(a, b) for a, b in zip(heads_to_seq(ys), xs)), n  # exactly the inverse
+print("PASS: seq->heads gives rank r every token of head group r, and heads->seq undoes it exactly")
+
+# %% [markdown]
+# The pair as autograd Functions (forward one way, backward the other), and Ulysses attention over simulated
+# ranks: shard, seq → heads for q, k and v, the chapter-07 kernel on whole sequences, heads → seq for the output.
+# Two details, both as in `minite.parallel.ulysses`:
+# * **Layout.** The all-to-all gathers the tokens in *rank* order. With contiguous shards that is position order;
+#   with the zig-zag shards of section 3 (what the GPT uses, so that the ring and the all-to-all share a layout)
+#   it is not, so the gathered tokens are sorted into position order before the causal kernel and unsorted after.
+#   Ulysses needs no load balancing of its own: every rank runs the full causal attention of $H/cp$ heads.
+# * **GQA.** The kv heads are split like the query heads when $cp$ divides their number $H_{kv}$: query head $h$
+#   reads kv head $h / (H/H_{kv})$, and both splits keep that pairing on one rank. With **fewer kv heads than
+#   ranks** there is nothing to split: minite copies each kv head $cp/H_{kv}$ times first (`repeat_interleave`),
+#   so rank $j$ receives the one copy its query heads read, and the copies' gradients are summed on the way back
+#   (`repeat_interleave`'s backward). That needs $cp \bmod H_{kv} = 0$; any other count is refused by name, like
+#   an $H$ that $cp$ does not divide. The copies cost bytes: k and v travel as $\max(H_{kv}, cp)$ heads.
+
+# %%
+class SeqToHeads(torch.autograd.Function):
+    """forward: seq -> heads over the simulated ranks / backward: the gradients travel back, heads -> seq."""
+    @staticmethod
+    def forward(ctx, *xs):
+        return tuple(seq_to_heads(list(xs)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return tuple(heads_to_seq(list(grads)))
+
+
+class HeadsToSeq(torch.autograd.Function):
+    """forward: heads -> seq / backward: seq -> heads."""
+    @staticmethod
+    def forward(ctx, *ys):
+        return tuple(heads_to_seq(list(ys)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return tuple(seq_to_heads(list(grads)))
+
+
+def ulysses_simulated(q, k, v, cp, causal=True, balanced=False):
+    """Ulysses over cp simulated ranks. q (B, H, T, D), k/v (B, KVH, T, D) hold the whole sequence; rank r holds
+    the tokens pos[r] (contiguous chunks, or the zig-zag shards). -> (each rank's output (B, H, T/cp, D), pos)."""
+    H, KVH, T = q.shape[1], k.shape[1], q.shape[2]
+    assert H % cp == 0 and (KVH % cp == 0 or cp % KVH == 0), f"H={H}, KVH={KVH}, cp={cp}"
+    if KVH < cp:  # fewer kv heads than ranks: a copy per rank, rank j's the one its query heads read
+        k, v = k.repeat_interleave(cp // KVH, dim=1), v.repeat_interleave(cp // KVH, dim=1)
+    pos = [zigzag_positions(T, cp, r) if balanced else torch.arange(r * T // cp, (r + 1) * T // cp)
+           for r in range(cp)]
+    order = torch.argsort(torch.cat(pos))  # the gathered tokens (rank order) -> position order
+    qs, ks, vs = (SeqToHeads.apply(*[t[:, :, p] for p in pos]) for t in (q, k, v))
+    outs = [attention(qs[r][:, :, order], ks[r][:, :, order], vs[r][:, :, order], causal=causal)  # chapter 07
+            [:, :, torch.argsort(order)] for r in range(cp)]  # back to rank order
+    return list(HeadsToSeq.apply(*outs)), pos
+
+
+# %% [markdown]
+# Checked against plain attention on the whole sequence in one process (fp64 autograd): every rank's output and
+# the gradients of q, k and v, for heads split evenly, GQA with kv heads split, and kv heads replicated (fewer than
+# $cp$), in both layouts and non-causal.
+
+# %% tags=["nbval-check-output"]
+# CHECK: Ulysses against dense attention
+def dense_attention(q, k, v, causal):
+    """softmax(q k^T / sqrt(D)) v over the whole sequence, kv heads repeated for GQA, in plain PyTorch."""
+    rep = q.shape[1] // k.shape[1]
+    s_ = q @ k.repeat_interleave(rep, 1).transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        s_ = s_.masked_fill(torch.ones(s_.shape[-2:], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return torch.softmax(s_, -1) @ v.repeat_interleave(rep, 1)
+
+
+g = torch.Generator().manual_seed(7)
+print(f"{'cp':>3}{'H':>3}{'KVH':>4}{'layout':>12}{'max |o - dense|':>17}{'max |dq,dk,dv - autograd|':>27}")
+for cp, H, KVH, causal, balanced in ((2, 4, 4, True, True), (2, 8, 2, True, True), (4, 4, 2, True, True),
+                                     (4, 8, 1, True, False), (3, 6, 3, False, False)):
+    T = 3 * 2 * cp  # 3 tokens per zig-zag chunk: odd shards
+    q, k, v = (torch.randn(2, h, T, 16, generator=g, dtype=torch.float64).to(DEVICE) for h in (H, KVH, KVH))
+    do = torch.randn(2, H, T, 16, generator=g, dtype=torch.float64).to(DEVICE)
+    qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
+    o_ref = dense_attention(qa, ka, va, causal)
+    o_ref.backward(do)
+    qu, ku, vu = (t.float().requires_grad_() for t in (q, k, v))
+    outs, pos = ulysses_simulated(qu, ku, vu, cp, causal, balanced)
+    torch.autograd.backward(outs, [do[:, :, p].float() for p in pos])  # each rank's dO, for its own tokens
+    e_o = max(float((o.detach() - o_ref.detach()[:, :, p]).abs().max()) for o, p in zip(outs, pos))
+    e_g = max(float((a.grad - b.grad).abs().max()) for a, b in zip((qu, ku, vu), (qa, ka, va)))
+    layout = ("zig-zag" if balanced else "contiguous") if causal else "non-causal"
+    print(f"{cp:>3}{H:>3}{KVH:>4}{layout:>12}{'below 1e-5' if e_o < 1e-5 else f'{e_o:.1e}':>17}"
+          f"{'below 1e-5' if e_g < 1e-5 else f'{e_g:.1e}':>27}")
+    assert e_o < 1e-5 and e_g < 1e-5, (cp, H, KVH, e_o, e_g)  # fp32 kernel vs fp64; a wrong inverse is O(1)
+print("PASS: Ulysses over simulated ranks equals dense attention: output, dq, dk and dv")
+
+# %% [markdown]
+# **On real ranks.** `minite.parallel.comm` has the same pair for a process group: `seq_to_heads(x, group)` packs
+# the head groups into one (cp, …) buffer, row $j$ for rank $j$, and makes one `all_to_all_single` of it;
+# `heads_to_seq` is its inverse; `SeqToHeads` / `HeadsToSeq` are the autograd Functions, and
+# `minite.parallel.ulysses.ulysses_attention` is the function above on them (≈ 30 lines). The launch of section 5
+# ran it on 2 ranks against the single-process kernel (o, LSE, dq, dk, dv; GQA with kv heads split and replicated),
+# and the GPT under it (every weight gradient, then 5 AdamW steps, against the dense model):
+
+# %%
+a2a_checks = [n for n in rep[0] if "a2a" in n]
+for name in a2a_checks:
+    got = [rep[r][name] for r in rep]
+    if "skipped" in got[0]:  # the Triton kernel on CPU tensors needs the interpreter: a GPU machine skips it
+        print(f"{name:30} skipped: {got[0]['skipped'][:60]}")
+        continue
+    worst = max(x["max_err"] for x in got)
+    print(f"{name:30} {'below 1e-5' if worst < 1e-5 else f'{worst:.1e}':>12}  {'ok' if all(x['ok'] for x in got) else 'FAIL'}")
+assert all(x["ok"] for r in rep for name in a2a_checks if "skipped" not in (x := rep[r][name]))
+
+# %% [markdown]
+# ### When does the all-to-all beat the ring?
+#
+# Count the bytes one rank sends per attention layer, with $s = T/cp$ tokens per rank, head size $d$, $e$ bytes per
+# element (2 in bf16), batch $b$.
+#
+# **All-to-all.** Each exchange sends $(cp-1)/cp$ of the tensor's shard (one of the $cp$ pieces stays home). The
+# forward exchanges q (H heads), k and v ($H'_{kv} = \max(H_{kv}, cp)$ heads each, counting the copies) and o
+# (H heads); the backward exchanges dO, dq, dk and dv, the same sizes. Per rank:
+#
+# $$\text{a2a} = 2\cdot\frac{cp-1}{cp}\, b\,s\,d\,(2H + 2H'_{kv})\, e .$$
+#
+# **Ring.** The forward sends the rank's K/V shard $cp-1$ hops, the backward again $cp-1$ hops, and the dK/dV
+# accumulator $cp$ hops home (minite carries it in fp32, $e_{acc} = 4$, for exact sums):
+#
+# $$\text{ring} = 2\,b\,s\,d\,H_{kv}\,\big(2(cp-1)\,e + cp\,e_{acc}\big).$$
+#
+# In the forward alone the ratio is $\text{a2a}/\text{ring} = (H + H'_{kv})/(cp\,H_{kv})$: without GQA
+# ($H_{kv} = H$) it is $2/cp$, equal at $cp = 2$ and falling from there; with GQA the ring's K/V are small and the
+# all-to-all still moves all of q and o, so the crossover moves out to $cp > 1 + H/H_{kv}$ (5 for Llama-3-8B's
+# 32/8 heads), and with one kv head (MQA) the ring always sends less. The deeper difference is the scaling: the
+# ring's bytes per rank approach $2\,b\,T\,d\,H_{kv}(2e + e_{acc})$ whatever $cp$ is (every K/V shard passes every rank),
+# the all-to-all's are $\propto T/cp$ and fall as ranks are added.
+#
+# Both formulas are checked below: the all-to-all's against the bytes the simulation counted (fp32, $e = 4$), the
+# ring's against the bytes the ring sent on real ranks in section 6 (recorded, fp32).
+
+# %%
+def sent_per_rank(mode, T, cp, H, KVH, D, e=2, e_acc=4, B=1):
+    """Bytes one rank sends per attention layer, forward + backward (the formulas above)."""
+    s = T // cp
+    if mode == "a2a":
+        return 2 * (cp - 1) / cp * B * s * D * (2 * H + 2 * max(KVH, cp)) * e
+    return 2 * B * s * D * KVH * (2 * (cp - 1) * e + cp * e_acc)
+
+
+for cp, H, KVH in ((2, 4, 4), (4, 8, 2), (4, 4, 1)):
+    T = 6 * cp
+    q, k, v = (torch.randn(2, h, T, 16, generator=g).to(DEVICE).requires_grad_() for h in (H, KVH, KVH))
+    SENT.clear()
+    outs, pos = ulysses_simulated(q, k, v, cp)
+    torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    want = sent_per_rank("a2a", T, cp, H, KVH, 16, e=4, B=2)
+    print(f"a2a  cp={cp} H={H} KVH={KVH}: counted {sorted(set(SENT.values()))} bytes per rank, formula {want:g}")
+    assert set(SENT.values()) == {want}
+for cp in (2, 4):
+    m = rec["runs"][f"cp{cp}_T512"]["0"]["ring_balanced"]
+    want = sent_per_rank("ring", 512, cp, 4, 4, 64, e=4) / (2 * (512 // cp) * 4 * 64 * 4)  # in K/V shards
+    print(f"ring cp={cp}: recorded {m['bytes_sent'] / m['kv_shard_bytes']:g} K/V shards, formula {want:g}")
+    assert m["bytes_sent"] / m["kv_shard_bytes"] == want
+
+# %% [markdown]
+# For a Llama-3-8B-sized attention layer ($H = 32$, $d = 128$) at $T = 128$k in bf16, per rank, forward +
+# backward, with all 32 kv heads (MHA), 8 (its GQA) and 1 (MQA); "–" where $cp$ cannot split the heads:
+
+# %%
+T, H, D = 131072, 32, 128
+cps = [2, 4, 8, 16, 32, 64]
+fig, ax = plt.subplots(figsize=(6.5, 3.6), layout="tight")
+print(f"{'kv heads':>8}{'':>6}" + "".join(f"{f'cp={c}':>9}" for c in cps))
+for KVH, color in ((32, "tab:blue"), (8, "tab:orange"), (1, "tab:green")):
+    ring = [sent_per_rank("ring", T, c, H, KVH, D) / 1e9 for c in cps]
+    a2a = [sent_per_rank("a2a", T, c, H, KVH, D) / 1e9 if H % c == 0 and (KVH % c == 0 or c % KVH == 0)
+           else float("nan") for c in cps]
+    print(f"{KVH:>8}{'ring':>6}" + "".join(f"{x:>8.2f}G" for x in ring))
+    print(f"{'':>8}{'a2a':>6}" + "".join(f"{x:>8.2f}G" if x == x else f"{'–':>9}" for x in a2a))
+    ax.plot(cps, ring, "--", color=color, label=f"ring, {KVH} kv heads")
+    ax.plot(cps, a2a, "o-", color=color, label=f"a2a, {KVH} kv heads")
+ax.set(xscale="log", yscale="log", xticks=cps, xticklabels=cps, xlabel="cp", ylabel="GB sent per rank and layer",
+       title="fwd+bwd, H=32, d=128, T=128k, bf16")
+ax.legend(fontsize=7, ncol=2)
+plt.show()
+
+# %% [markdown]
+# In the backward the ring's fp32 accumulator makes it heavier still, so over forward + backward the all-to-all
+# sends less from $cp = 2$ for MHA and GQA, and the ring less for MQA up to $cp = 16$ (at $cp = H = 32$ they are
+# even). What the table leaves out decides as much as the bytes:
+# * **Overlap.** The ring posts each transfer before a block's compute and hides it when the step computes longer
+#   than it sends (section 6). The all-to-all's bytes are on the critical path: attention cannot start before q, k
+#   and v have arrived, nor the output projection before o has; only other work (the next tensor's projection) can
+#   hide them.
+# * **Who talks to whom.** The ring needs only a neighbour, so it runs across nodes as well as inside one. In an
+#   all-to-all every pair of ranks exchanges at once: an NVLink/NVSwitch domain does that at full speed, a cluster
+#   network at about a ninth of it per GPU (an H200's NVLink moves 450 GB/s each way, a 400 Gb/s NIC 50 GB/s).
+# * **The limit $H/cp$.** Every rank needs whole heads: $cp$ must divide $H$, so $cp \le H$. With tensor
+#   parallelism a rank holds only $H/tp$ heads and $cp$ must divide those: Llama-3-8B at $tp = 8$ keeps 4 heads per
+#   rank, and Ulysses stops at $cp = 4$. Fewer kv heads than $cp$ cost the copies counted above. The ring has no
+#   such limit; $cp$ is bounded by the sequence only.
+#
+# Hence the hybrid (USP; TE's `a2a+p2p`; `--parallel.cp_mode=hybrid --parallel.cp_a2a=a` in minite): the
+# all-to-all over the $a$ ranks of a node, where bandwidth is high and $a$ divides the heads, and the ring across
+# the $cp/a$ nodes, on $a\,T/cp$ tokens of $H/a$ heads per group. Sorted by position, the tokens an all-to-all
+# group gathers are exactly a zig-zag shard of the sequence in $2\,cp/a$ chunks, so the ring of this chapter runs on
+# them unchanged. minite tests it at $cp = 4$ (all-to-all in pairs, the ring across) against one process
+# (`tests/parallel/test_context.py`).
+#
+# ## 8. Why not PyTorch's own?
 #
 # PyTorch ships an experimental `torch.distributed.tensor.experimental.context_parallel` that swaps SDPA for a ring.
 # It does not run on the CPU: it needs the flash or efficient SDPA backends, and the math backend (the only one on
 # CPU) fails with it (pytorch#147793). That is one more reason to build the ring here, on `parallel/comm.py`, where
 # it runs on gloo with the chapter-07 kernel and unchanged on GPUs with NCCL.
 #
-# ## 8. In the GPT
+# ## 9. In the GPT
 #
 # `minite.parallel.context_gpt.CPGPT` is the dense GPT with each attention core swapped for the ring: every other
 # module is the dense one, working on $T/cp$ tokens. Two details: RoPE rotates each token by its **global**
@@ -434,10 +700,12 @@ plt.show()
 # dp × cp group), and the loss value is all-reduced for logging. From the command line:
 #
 # ```
-# torchrun --nproc-per-node 2 -m minite.train --parallel.cp=2
+# torchrun --nproc-per-node 2 -m minite.train --parallel.cp=2                          # the ring
+# torchrun --nproc-per-node 2 -m minite.train --parallel.cp=2 --parallel.cp_mode=a2a   # Ulysses (section 7)
+# torchrun --nproc-per-node 4 -m minite.train --parallel.cp=4 --parallel.cp_mode=hybrid --parallel.cp_a2a=2
 # ```
 #
-# The run below trains 8 steps with CP on 2 ranks; the test suite compares 20 steps with one process.
+# Every rank holds all of the dense model's weights in each mode, so a checkpoint does not depend on it. The run below trains 8 steps with CP on 2 ranks; the test suite compares 20 steps with one process.
 
 # %%
 import contextlib, io

@@ -17,7 +17,7 @@
 # %% [markdown]
 # # 13 — Context parallelism: exercises
 #
-# Two graded tasks. Fill in each region between `### BEGIN YOUR CODE` and `### END YOUR CODE` (delete the
+# Three graded tasks. Fill in each region between `### BEGIN YOUR CODE` and `### END YOUR CODE` (delete the
 # `raise NotImplementedError()`), run the cell, then run its check cell.
 #
 # 1. **Ring attention on real ranks, graded through torchrun.** The check cell writes your function to a file and
@@ -25,6 +25,8 @@
 #    rank.
 # 2. **A whole Triton kernel from a spec**: one ring step that *continues* the online softmax from the running
 #    $(O, \mathrm{LSE})$ of the previous steps, instead of merging two finished results.
+# 3. **Ulysses' inverse all-to-all** (heads → sequence) for one rank, with one packed exchange, as
+#    `minite.parallel.comm` does it with `all_to_all_single`.
 
 # %%
 import os, torch
@@ -168,3 +170,55 @@ print(f"after each of 3 blocks, max |kernel - one softmax over all keys so far|:
       f"{'below 1e-5' if worst < 1e-5 else worst}")
 assert worst < 1e-5
 print("PASS: ring_block_update_kernel")
+
+
+# %% [markdown]
+# ## Task 3 — the inverse all-to-all of Ulysses: heads → sequence, on one rank
+#
+# Write `heads_to_seq(x, n, exchange)`, run by each of the $n$ ranks of an all-to-all group. Rank $r$ passes
+# `x` (B, H/n, T, D): **every** token of the sequence, in rank order (rows $jT/n \dots (j+1)T/n - 1$ are rank
+# $j$'s tokens), of its own head group (heads $rH/n \dots (r+1)H/n - 1$), which is what attention over the whole
+# sequence returned. Return (B, H, T/n, D): rank $r$'s own $T/n$ tokens of **all** $H$ heads, heads in order:
+# what rank $r$ held before the forward all-to-all (seq → heads), the inverse of the lesson's section 7.
+#
+# Communication: call `exchange(buf)` **exactly once**. `buf` is one tensor of shape (n, …): row $j$ goes to rank
+# $j$, every row the same shape (your own row comes back to you). It returns a tensor of the same shape whose row
+# $j$ came from rank $j$ (`dist.all_to_all_single` with equal splits does this on real ranks). No loop over ranks
+# is needed: one reshape and permute before the exchange, one after. The check runs $n$ simulated ranks with
+# $B > 1$ and odd sizes, and compares every rank's result exactly.
+
+# %% minite={"task": "heads_to_seq"}
+def heads_to_seq(x, n, exchange):
+    ### BEGIN SOLUTION
+    B, Hl, T, D = x.shape
+    y = x.reshape(B, Hl, n, T // n, D).permute(2, 0, 1, 3, 4).contiguous()  # row j: rank j's tokens of my heads
+    got = exchange(y)  # row j: my tokens of rank j's head group, (n, B, H/n, T/n, D)
+    return got.transpose(0, 1).reshape(B, n * Hl, T // n, D)  # head group j at heads j*H/n ..
+    ### END SOLUTION
+
+# %% minite={"check": "heads_to_seq"} tags=["nbval-check-output"]
+# CHECK: heads_to_seq
+def on_ranks(fn, xs):
+    """fn(x, n, exchange) on len(xs) simulated ranks joined by one all-to-all: a first pass collects the buffer
+    each rank posts, a second runs every rank again with row r of every rank's buffer delivered to rank r."""
+    n, posted = len(xs), []
+
+    def post(buf):
+        posted.append(buf.detach().clone())
+        return torch.zeros_like(buf)
+    for x in xs:
+        fn(x, n, post)
+    if len(posted) != n or any(p.shape != posted[0].shape or p.shape[0] != n for p in posted):
+        raise RuntimeError(f"each of the {n} ranks must call exchange once, with a buffer of {n} rows of one shape")
+    delivered = [torch.stack([posted[j][r] for j in range(n)]) for r in range(n)]  # row j: rank j's row r
+    return [fn(x, n, lambda buf, d=d: d) for x, d in zip(xs, delivered)]
+
+
+gen = torch.Generator().manual_seed(7)
+for n, B, H, T, D in ((2, 2, 4, 6, 3), (3, 3, 6, 9, 2), (4, 2, 8, 12, 5)):
+    full = torch.randn(B, H, T, D, generator=gen)  # the whole sequence, every head
+    outs = on_ranks(heads_to_seq, list(full.chunk(n, dim=1)))  # rank r holds head group r of every token
+    want = list(full.chunk(n, dim=2))  # rank r must end with its own tokens of every head
+    assert all(o.shape == w.shape and torch.equal(o, w) for o, w in zip(outs, want)), (n, B, H, T, D)
+print("PASS: heads_to_seq")
+

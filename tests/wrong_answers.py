@@ -95,6 +95,8 @@ WRONG: dict[str, dict[str, list]] = {
         "ring_step_merge": [("o_run = (o_run * e_run[..., None] + o_b * e_b[..., None]) / (e_run + e_b)[..., None]",
                              "o_run = o_run * e_run[..., None] + o_b * e_b[..., None]")],  # not renormalised
         "ring_block_update_kernel": [("acc = acc * corr[:, None] +", "acc = acc +")],  # old rows not rescaled
+        "heads_to_seq": [("return got.transpose(0, 1).reshape(", "return got.reshape(")],  # the rank axis read
+        #                                                             as heads in place: right only at B = 1
     },
     "15_fp8_at_scale": {
         "mx_scale_bits": [("exp.long() - 1 - emax_elem", "exp.long() - emax_elem")],  # floor(log2) off by one
