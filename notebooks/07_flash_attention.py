@@ -642,11 +642,35 @@ else:
 # kernels.
 
 # %% [markdown]
+# **Which kernel `backend="auto"` runs on a GPU.** A record like the one above decides it. On a CUDA device, `auto`
+# runs minite's attention where the recorded benchmark of the device's family (hopper: H100, H200, ...) shows it at
+# least as fast as the peer, and PyTorch's SDPA where it does not. "As fast" is the geometric mean, over the
+# recorded shapes, of the best SDPA backend's forward+backward time ÷ minite's (a training step runs both), so the
+# comparison is against cuDNN where cuDNN was fastest, not only FlashAttention-2. With the H200 record above that is
+# about 0.3: `auto` trains the GPT on SDPA on a Hopper GPU until a new `attention_<device>.json` shows the changed
+# kernels at 1 or above; then `python tools/derive_choices.py` moves the op back. The table ships in the package
+# (`minite/choices.py`, written from `benchmarks/results/` by that tool; a test keeps the two equal). A GPU family
+# with no record keeps minite's kernel, and `--model.backend=triton` forces it whatever the record says: that is
+# how the kernel of this chapter is trained on, and measured, on a GPU where it loses. On the CPU nothing changes.
+# Chapter 14 shows the rule for every op, and `python -m minite.train` prints the outcome in its first lines.
+
+# %%
+from minite import choices
+for gpu in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA L4"):
+    who, why = choices.choose("attention", gpu, compiling=True)
+    print(f"{gpu:22s} auto runs {'SDPA' if who == 'peer' else 'minite'}: {why}")
+rec = choices.TABLE.get("hopper", {}).get("attention")
+if rec:  # the rule on this record: SDPA exactly when minite's mean ratio is below 1
+    assert (choices.choose("attention", "NVIDIA H200")[0] == "peer") == (rec["eager"]["ratio"] < 1)
+assert choices.choose("attention", "NVIDIA L4")[0] == "minite"  # no record for its family
+
+# %% [markdown]
 # ## 10. Where it runs in the GPT
 #
 # `minite/layers/attention.py`, `CausalSelfAttention.forward`: one projection writes q, k, v side by side, and
 # `attention_qkv(qkv, cos, sin, H, KVH, causal=True, backend=self.backend)` applies RoPE and the kernel of this
-# chapter to views of it (section 4) on the Triton backend (GPU, or the CPU interpreter), RoPE and SDPA otherwise;
+# chapter to views of it (section 4) on the Triton backend, RoPE and SDPA on the torch backend (on a GPU, `auto`
+# takes the one the record of section 9 shows faster; on the CPU, Triton under the interpreter);
 # with a KV cache the layer takes the split q, k, v path of chapter 08. `python -m minite.train --model.backend=triton` trains on it; a test
 # checks its first 3 losses against the SDPA run. Chapter 08 adds the KV cache and a decode kernel built on the
 # same online softmax; chapter 13 splits the keys over GPUs and merges the partial results with the LSE.
