@@ -71,7 +71,8 @@ def _generate(args) -> int:
 def _selfcheck(args) -> int:
     """Run the notebook as it is and say which of its check cells passed. Its check cells are the student's own
     copy, so this is feedback, not a grade (grading swaps in the course's pristine checks: `grade`)."""
-    from .notebook import check_cells, stub_source, task_name
+    from .grader import GradeReport, _num
+    from .notebook import check_cells, stub_source, task_name, task_points
     from .sandbox import _execute
     nb, why = _read_student(Path(args.notebook))
     if nb is None and not Path(args.notebook).exists():
@@ -85,14 +86,21 @@ def _selfcheck(args) -> int:
         name = task_name(cell)
         if name and stub_source(cell.source, name) == cell.source:
             stubs.add(name)
+    try:
+        points = task_points(nb)  # this notebook's own metadata: feedback, as the checks are
+    except ValueError:
+        points = {}
     cells = _execute(nb, args.timeout)
-    passed = 0
+    rep = GradeReport(notebook=args.notebook, points=points)
     for index, name in checks:
-        ok = cells[index].ok
-        passed += ok
-        why = "not attempted (its task cell is still the exercise's stub)" if name in stubs else cells[index].error
-        print(f"  {'PASS' if ok else 'FAIL'}  {name}" + ("" if ok else f": {why}"))
-    print(f"self-check (this notebook's own check cells, not a grade): {passed}/{len(checks)}")
+        (rep.passed if cells[index].ok else rep.failed).append(name)
+        rep.order.append(name)
+        if not cells[index].ok:
+            rep.reasons[name] = ("not attempted (its task cell is still the exercise's stub)" if name in stubs
+                                 else cells[index].error)
+    for line in rep.summary().splitlines()[2:-1]:  # the task lines: PASS/FAIL, points, why
+        print(line)
+    print(f"self-check (this notebook's own check cells, not a grade): {_num(rep.score)}/{_num(rep.total)}")
     return 0
 
 
