@@ -14,12 +14,12 @@ last op's end on any rank, each rank's busy time (its ops' durations) and its pe
 forwards' autograd-saved bytes, held to W or B); the least disturbed (shortest) of --repeat steps is kept. Real
 costs are not unit costs (B is not W, W's GEMMs are run apart, the messages cost time), and on a machine with fewer
 cores than ranks the idle time includes waiting for a core: read the measured bubble beside the simulated one, not
-as a check of the formula. Saved to benchmarks/results/pp_schedules_cpu.json (the CPU's name inside).
+as a check of the formula. Also the cost of the split on one stage (``split_cost``: F, the whole backward, B and W
+in ms, one process). Saved to benchmarks/results/pp_schedules_cpu.json (the CPU's name inside).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -74,6 +74,48 @@ def measured(p: int, m: int, args) -> list[dict]:
     return rows
 
 
+def split_cost(width: int = 256, T: int = 128, b: int = 8, n: int = 5) -> dict:
+    """ms of one stage's F, whole backward, B and W (``DeferredWeights``) in this process, one thread: 2 blocks of a
+    GPT `width` wide, b sequences of T tokens; the mean of n after one warm-up (B + W against the whole backward)."""
+    import contextlib
+    import time
+
+    import torch
+
+    from minite.models.gpt import GPT, GPTConfig
+    from minite.parallel.pipeline_stage import Stage
+    from minite.parallel.schedules import DeferredWeights
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    dense = GPT(GPTConfig(vocab_size=64, block_size=T, n_layer=4, n_head=4, n_kv_head=2, n_embd=width,
+                          mlp_hidden=4 * width, backend="torch"))
+    stage, x = Stage(dense, range(1, 3), False, False), torch.randn(b, T, width)
+    split = DeferredWeights(stage)
+    ms = {"F": [], "backward": [], "B": [], "W": []}
+    for k in range(n + 1):
+        for whole in (True, False):
+            inp = x.clone().requires_grad_()
+            t0 = time.perf_counter()
+            with contextlib.nullcontext() if whole else split.forward(0):
+                out = stage(inp)
+            t1 = time.perf_counter()
+            if whole:
+                out.backward(torch.ones_like(out))
+            else:
+                split.backward_input(0, [out], [torch.ones_like(out)], inp)
+            t2 = time.perf_counter()
+            if not whole:
+                split.backward_weight(0)
+            t3 = time.perf_counter()
+            if k:
+                ms["F"].append(t1 - t0)
+                ms["backward" if whole else "B"].append(t2 - t1)
+                if not whole:
+                    ms["W"].append(t3 - t2)
+    return {"shape": f"2 blocks, n_embd={width}, mlp 4x, b={b}, T={T}, fp32, 1 thread",
+            **{k: round(1e3 * sum(v) / len(v), 2) for k, v in ms.items()}}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--p", type=int, default=4)
@@ -84,29 +126,38 @@ def main(argv=None) -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    sim = schedule_table(args.p, args.m, 2)
-    print(f"simulated, unit costs, p={args.p}, m={args.m}:")
-    print(f"{'schedule':>12} {'bubble':>8} {'formula':>8} {'peak':>6} {'formula':>8}")
+    sim = [r for p in sorted({args.p, *args.measure}) for r in schedule_table(p, args.m, 2)]
+    print(f"simulated, unit costs, m={args.m}:")
+    print(f"{'p':>2} {'schedule':>12} {'bubble':>8} {'formula':>8} {'peak':>6} {'formula':>8}")
     for r in sim:
-        print(f"{r['schedule']:>12} {r['bubble']:8.4f} {r['bubble_formula']:8.4f} {r['peak_activations']:6.2f} "
-              f"{r['peak_formula']:8.2f}")
+        print(f"{r['p']:>2} {r['schedule']:>12} {r['bubble']:8.4f} {r['bubble_formula']:8.4f} "
+              f"{r['peak_activations']:6.2f} {r['peak_formula']:8.2f}")
+    cost = split_cost()
+    print("one stage, ms:", cost)
     meas = []
     for p in args.measure:
         meas += measured(p, args.m, args)
         for r in meas[-4:]:
             print(f"measured p={p} m={args.m} {r['schedule']:>12}: span {r['span_ms']:8.2f} ms, bubble max "
                   f"{r['bubble_max']:.3f} mean {r['bubble_mean']:.3f}, peak {r['peak_activations_per_rank']}")
-    cores = len(os.sched_getaffinity(0))
-    payload = {"device": f"{common.device_name('cpu')}, {cores} cores visible, gloo (measured rows)",
+    cpu = common.device_name("cpu").rsplit(" (", 1)[0]
+    payload = {"device": f"CPU: {cpu}, {len(os.sched_getaffinity(0))} cores visible; measured rows: gloo, one "
+                         "thread a rank",
                "what": "bubble fraction and peak activations (stages' worth of one micro-batch) per schedule: "
                        "simulated at unit F/B/W costs against each formula; measured by PipelineGPT on CPU ranks",
+               "note": "measured: the least disturbed of the timed steps; with more ranks than free cores the idle "
+                       "time includes waiting for a core, and on a tiny model messages and Python overhead weigh "
+                       "as much as the GEMMs, so the measured bubble is no check of the unit-cost formula; the "
+                       "measured peaks are (held micro-batches x the saved bytes of one)",
                "command": "python benchmarks/bench_pp_schedules.py " + " ".join(sys.argv[1:] if argv is None else argv),
-               "simulated": sim, "measured": meas,
+               "columns": "bubble_max / bubble_mean: 1 - busy / span of the most idle rank / averaged over ranks; "
+                          "peak_activations_per_rank: the most held at once, in micro-batches through the rank's "
+                          "stage(s)",
+               "simulated": sim, "split_cost_ms": cost, "measured": meas,
                "measured_model": f"GPT n_layer=4p, n_embd={args.width}, 4 heads, vocab 64, T=16 (pp_timeline's), "
                                  f"{args.mb} sequences a micro-batch, fp32, one thread a rank"}
     path = common.write_json(common.results_path("pp_schedules", "cpu", args.out), payload)
     print(f"saved {path}")
-    json.dumps(payload)
 
 
 if __name__ == "__main__":

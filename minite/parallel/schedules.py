@@ -171,7 +171,7 @@ def in_flight(ops, v: int = 1) -> float:
     for kind, _, _ in ops:
         live += 1 if kind == "F" else -1 if kind == release else 0
         peak = max(peak, live)
-    return peak / v
+    return peak if v == 1 else peak / v
 
 
 def schedule_table(p: int = 4, m: int = 8, v: int = 2) -> list[dict]:
