@@ -27,7 +27,7 @@
 # token by token (embedding, norms, projections, MLP, the loss), so it runs unchanged on a rank's $T/cp$ tokens.
 # Attention is the one place where tokens meet: each query needs every key before it. Transformer Engine's
 # context parallelism offers four ways (the `cp_comm_type` argument of `DotProductAttention`, which Megatron-LM
-# passes through as `--cp-comm-type`); this chapter builds the first three (section 7 the all-to-all), and minite's
+# sets from its `--cp-comm-type` flag); this chapter builds the first three (section 7 the all-to-all), and minite's
 # library has the fourth too (`--parallel.cp_mode=hybrid`):
 #
 # * **the ring** (`cp_comm_type="p2p"`): K/V blocks travel around the ranks, each step runs the chapter-07 flash
