@@ -7,9 +7,11 @@ the last). ``PipelineGPT.step(x, y)`` cuts the batch into m micro-batches and ru
 ``pipeline_schedule`` (AFAB or 1F1B) or ``schedules`` (ZB-H1: each backward split into B, the input gradient
 sent upstream at once, and W, the weight gradients, run later by ``schedules.DeferredWeights``): activations go
 forward and their gradients come back with ordered ``isend``/``irecv`` (never ``batch_isend_irecv``: it hangs on
-gloo). Sends are non-blocking and receives wait, so any schedule whose dependencies are acyclic cannot deadlock.
-The tied embedding lives on both end stages; their two gradients are summed after the backward (Megatron's
-embedding group), so both copies take the same AdamW step.
+gloo). Sends are non-blocking and receives wait; ``schedules.check_plan`` runs every rank's op list first (each
+receive meets the message sent for it, in order, and no rank waits forever), so a bad schedule fails before sending.
+Interleaved 1F1B (``schedules.interleaved``): each rank holds v model chunks, stages s, s + p, ... of p * v
+(``Chunks``), and an op names its chunk. The tied embedding lives on both end stages; their two gradients are
+summed after the backward (Megatron's embedding group), so both copies take the same AdamW step.
 With a ``trace.Recorder`` active, each step reports a "pp" event (F, B or W, micro-batch, start, end; a forward also
 the bytes of activations autograd saved for its backward): the lesson's timeline and memory per stage.
 
@@ -36,7 +38,7 @@ from minite.parallel import comm, trace
 from minite.parallel.dims import ParallelError
 from minite.parallel.expert import average_grads, grad_squares, is_expert
 from minite.parallel.pipeline_stage import Stage, StageMoE, _PendingGrads, my_tokens, partition
-from minite.parallel.schedules import SCHEDULES, DeferredWeights, check_ops
+from minite.parallel.schedules import SCHEDULES, DeferredWeights, check_plan, plan
 from minite.parallel.sequence import gather_dense
 
 __all__ = ["partition", "Stage", "PipelineGPT"]
@@ -56,9 +58,10 @@ class Chunks(nn.ModuleList):
 
 
 class PipelineGPT(nn.Module):
-    """My stage of a GPT under pipeline parallelism (dims.pp stages). ``step(x, y)`` runs one schedule over the
-    global batch (the same x, y on every rank) and accumulates this stage's gradients; ``forward(x, y)`` does the
-    same behind minite.train's ``loss.backward()``. Under ``no_sync()`` the gradients are not averaged over dp."""
+    """My stage (interleaved: my chunks) of a GPT under pipeline parallelism (dims.pp ranks). ``step(x, y)`` runs
+    one schedule over the global batch (the same x, y on every rank) and accumulates this stage's gradients;
+    ``forward(x, y)`` does the same behind minite.train's ``loss.backward()``. Under ``no_sync()`` the gradients
+    are not averaged over dp."""
 
     def __init__(self, dense: GPT, dims, microbatches: int = 0, schedule="1f1b"):
         """dense: the dense GPT, or the TPGPT / CPGPT built from it (each stage keeps its layers' shards)."""
@@ -73,16 +76,13 @@ class PipelineGPT(nn.Module):
                                 f"{microbatches} (>= 1, or 0 for pp={p})")
         self.microbatches = microbatches or p
         self.schedule = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
-        self._split = None  # the B/W split of my stages' backward (DeferredWeights), made by the first ZB schedule
+        self._split = None  # the B/W split of my stages' backward (DeferredWeights), made by a first ZB schedule
         self.v = v = getattr(self.schedule, "v", 1)  # model chunks per rank (interleaved: stages s, s + p, ...)
-        if v > 1 and (dims.tp > 1 or dims.cp > 1 or getattr(self.config, "moe_num_experts", 0)):
-            raise ParallelError(f"interleaved pipeline schedule ({v} chunks per rank) with tp={dims.tp}, cp={dims.cp},"
-                                f" moe_num_experts={getattr(self.config, 'moe_num_experts', 0)}: only a dense GPT "
-                                "under pp (x dp) runs interleaved here; use 1f1b or zbh1")
-        if v > 1 and (self.microbatches % p or self.config.n_layer < p * v):
-            raise ParallelError(f"interleaved pipeline schedule: pp={p} x {v} chunks = {p * v} stages need n_layer >= "
-                                f"{p * v} (got {self.config.n_layer}) and micro-batches divisible by pp (got "
-                                f"{self.microbatches})")
+        moe, n = getattr(self.config, "moe_num_experts", 0), self.config.n_layer  # chunk c: stage c * p + s
+        if v > 1 and (dims.tp * dims.cp > 1 or moe or self.microbatches % p or n < p * v):
+            raise ParallelError(f"interleaved pipeline schedule (pp={p} x {v} chunks = {p * v} stages) needs n_layer "
+                                f">= {p * v} (got {n}), micro-batches divisible by pp (got {self.microbatches}), "
+                                f"tp=cp=1, no MoE (tp={dims.tp}, cp={dims.cp}, moe_num_experts={moe}): use 1f1b/zbh1")
         self.layers = partition(dense, p * v)
         self.chunks = [Stage(dense, self.layers[k], k == 0, k == p * v - 1) for k in range(s, p * v, p)]
         self.stage = self.chunks[0] if v == 1 else Chunks(self.chunks)
@@ -127,19 +127,19 @@ class PipelineGPT(nn.Module):
         return loss / comm.size(self.cp_group), grads
 
     def _schedule(self, x, y, m: int):
-        """One schedule: (global loss, this stage's fresh gradients); .grad is left as it was. Ops (kind, i) or,
-        interleaved, (kind, i, chunk c): my chunk c is stage c * p + s of the p * v."""
+        """One schedule: (global loss, my fresh gradients); .grad is left as it was. Op (kind, i, c): chunk c."""
         params = list(self.stage.parameters())
         kept = [q.grad for q in params]
         for q in params:
             q.grad = None
         xs, ys = self._chunks(x, y, m)
-        steps = [(*op, 0)[:3] for op in self.schedule(self.p, m, self.s)]
-        split = check_ops(steps, m, self.s, self.v)  # W ops: the backward is split into B and W
+        plans = plan(self.schedule, self.p, m)  # every rank's ops (kind, i, chunk), checked before any message:
+        check_plan(plans, self.p, m, self.v)  # F < B < W, each receive meets the message sent for it, no deadlock
+        steps = plans[self.s]
+        split = any(op[0] == "W" for op in steps)  # the backward is split into B and W
         if split and self._split is None:
             self._split = [DeferredWeights(ch) for ch in self.chunks]
-        prev = self.dims.neighbour("pp", -1)
-        nxt = self.dims.neighbour("pp", 1)
+        prev, nxt = self.dims.neighbour("pp", -1), self.dims.neighbour("pp", 1)
         ins, outs, sends = {}, {}, []
         loss = torch.zeros((), dtype=torch.float64, device=x.device)
         moes = [StageMoE(ch, self.config, self.training, m, x.device) for ch in self.chunks]
@@ -149,7 +149,7 @@ class PipelineGPT(nn.Module):
             if kind == "F":
                 inp = xs[i] if st.first else self._recv(xs[i], prev).requires_grad_()
                 weights = itertools.chain(st.parameters(), st.buffers())  # not activations
-                keep = self._split[c].forward(i) if split else contextlib.nullcontext()  # ZB: keep linears' x, y
+                keep = self._split[c].forward(i) if split else contextlib.nullcontext()  # ZB: linears' x, dy edge
                 with trace.span("pp", x.device, step="F", mb=i, chunk=c) as row, trace.saved_bytes(row, weights), keep:
                     out = st(inp, ys[i] if st.last else None)
                 out, share = moe.after_forward(i, out, st.last)  # MoE: + the balance loss ("aux"), stats
