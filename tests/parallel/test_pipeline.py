@@ -19,7 +19,7 @@ from minite.parallel.schedules import SCHEDULES as ALL
 from minite.parallel.workers.pipeline import micro_counts
 
 CHECKS = [f"grads_{s}_m{m}" for s in ALL for m in micro_counts(s)] + \
-    ["reject", "train_3_steps", "train_interleaved"] + [f"memory_{s}" for s in ALL]
+    ["grads_zbh1_moe", "reject", "train_3_steps", "train_interleaved"] + [f"memory_{s}" for s in ALL]
 
 
 # ------------------------------------------------------------------ single process: schedules and partition

@@ -72,6 +72,15 @@ def check_grads(dims, args) -> dict:
                 sched == "zbh1")
             out[f"grads_{sched}_m{m}"] = {"ok": ok, **{k: r[k] for k in ("loss_err", "grad_err", "n_grads",
                                                                           "deferred")}}
+    got = {}  # a MoE GPT with the Switch loss (a second root of each B): ZB-H1 against 1F1B (test_moe_pp's, vs dense)
+    for sched in ("1f1b", "zbh1"):
+        model, x, y = dense_and_batch(moe_num_experts=4, moe_top_k=2, moe_balance="aux", moe_aux_weight=0.1)
+        pipe = PipelineGPT(model, dims, 4, sched)
+        got[sched] = (pipe.step(x, y), {q.dense_name: q.grad for q in pipe.stage.parameters()}, pipe._split)
+    (l1, g1, _), (l2, g2, split) = got["1f1b"], got["zbh1"]
+    err = max(float((g1[n] - g2[n]).abs().max()) for n in g1)
+    out["grads_zbh1_moe"] = {"ok": abs(l1 - l2) < TOL and err < TOL and len(g1) > 0 and len(split[0].hooks) > 0,
+                             "loss_err": abs(l1 - l2), "grad_err": err}
     return out
 
 
