@@ -15,7 +15,7 @@
 # ---
 
 # %% [markdown]
-# # 12 — Pipeline parallelism: stages, AFAB (GPipe) and 1F1B, the bubble measured
+# # 12 — Pipeline parallelism: stages, AFAB (GPipe), 1F1B and zero bubble, the bubble measured
 #
 # Tensor parallelism (chapter 11) splits every layer and pays two all-reduces of the activations per layer in the
 # forward pass and two in the backward: it needs NVLink-class links and stays inside a node. **Pipeline
@@ -34,7 +34,9 @@
 #   each written here in a cell (minite's own are in `pipeline_schedule.py`), and an executor for any such schedule, written here in cells on simulated stages in
 #   one process, then run for real with ordered `isend`/`irecv` (`pipeline.py`);
 # * the bubble $(p-1)/(m+p-1)$ derived, then measured from per-rank events; the activation memory per stage of
-#   AFAB vs 1F1B, measured.
+#   AFAB vs 1F1B, measured;
+# * the backward split into B (the input gradient) and W (the weight gradients), and the zero-bubble schedule
+#   ZB-H1 built on it, its bubble $(p-1)/(3m+p-1)$ derived; AFAB, 1F1B, interleaved 1F1B and ZB-H1 side by side.
 #
 # Everything runs on real `torch.distributed` through `torchrun`, with CPU tensors over gloo on any machine (NCCL
 # needs a GPU per rank); the workers live in `minite/parallel/workers/pipeline.py` and the cells read what each
@@ -366,8 +368,9 @@ for m in (2, 6, 16):
 # `batch_isend_irecv` hangs (PiPPy #989, pytorch#132644), so the messages are single ordered `isend`/`irecv`s.
 # After the last backward, the two copies of the tied embedding exchange gradients and both add.
 #
-# One launch on 2 ranks compares loss and every gradient with the dense model for both schedules and
-# $m \in \{1, 2, 3, 4, 6\}$, then trains 3 AdamW steps through `minite.train`'s interface (gradient
+# One launch on 2 ranks compares loss and every gradient with the dense model for each schedule (AFAB and 1F1B,
+# and the two of sections 8-9: ZB-H1 and the interleaved 1F1B) and $m \in \{1, 2, 3, 4, 6\}$ (interleaved:
+# $m \in \{4, 12\}$), then trains 3 AdamW steps through `minite.train`'s interface (gradient
 # accumulation, clipping on the global norm over stages) and checks the rejections:
 
 # %%
@@ -473,18 +476,300 @@ plt.show()
 # micro-batch: it also saves the logits for the loss. (On a GPU the same numbers show in
 # `torch.cuda.max_memory_allocated`; on the CPU we count what autograd keeps.)
 #
-# ## 8. In the GPT
+# ## 8. Zero bubble: the backward split into B and W
+#
+# 1F1B kept the bubble where it was. Look at what a backward computes. For a linear layer $y = x W^\top$ that
+# receives $dy = \partial L / \partial y$:
+#
+# * **B**, the input gradient $dx = dy\, W$: the previous stage waits for it, so it is on the critical path;
+# * **W**, the weight gradient $dW = dy^\top x$: only the optimizer step, after the whole schedule, reads it.
+#   Nothing downstream waits for a weight gradient: the other stages receive $dx$, and this stage's later
+#   forwards and backwards read $W$, not $dW$.
+#
+# Qi, Wan, Huang and Lin ("Zero Bubble Pipeline Parallelism", ICLR 2024, arXiv:2401.10241) split each stage's
+# backward into these two passes: B runs when the output's gradient arrives and sends $dx$ upstream at once; W
+# runs whenever the stage would otherwise idle, any time before the optimizer step. For a stage of linear layers
+# the three passes cost the same, one GEMM of the same size per layer each ($x W^\top$, $dy\, W$, $dy^\top x$);
+# sections 3-4's backward, $t_B = 2 t_F$, was B + W.
+#
+# The split on a tiny stage, two linear layers with a tanh between. B asks `torch.autograd.grad` for the gradient
+# of the stage's input and of the first layer's output $h$ (what W needs, computed on the way to $dx$ anyway), and
+# for no weight: autograd then runs no weight GEMM. W is $dy^\top x$ per layer (the bias: $\sum dy$ over the
+# rows), written out. Checked against one whole backward, with the GEMM flops of each pass counted
+# (`torch.utils.flop_counter`):
+
+# %%
+from torch.utils.flop_counter import FlopCounterMode
+
+def counted(fn):
+    """fn() and the flops of the matrix products it ran."""
+    with FlopCounterMode(display=False) as fc:
+        out = fn()
+    return out, fc.get_total_flops()
+
+torch.manual_seed(0)
+lin1, lin2 = torch.nn.Linear(24, 48), torch.nn.Linear(48, 24)  # the stage: lin2(tanh(lin1(x)))
+x_in = torch.randn(6, 24, requires_grad=True)  # the activation received from the previous stage
+dy_out = torch.randn(6, 24)  # the gradient of the stage's output, received from the next stage
+
+def stage_forward(x):
+    h = lin1(x)
+    a = torch.tanh(h)
+    return h, a, lin2(a)
+
+(h, a, out), f_flops = counted(lambda: stage_forward(x_in))                      # F
+(dx, dh), b_flops = counted(lambda: torch.autograd.grad(out, (x_in, h), dy_out))  # B: dx goes upstream now
+assert lin1.weight.grad is None and lin2.weight.grad is None  # B computed no weight gradient
+w_grads, w_flops = counted(lambda: {                                              # W: any time later
+    (lin2, "weight"): dy_out.t() @ a.detach(), (lin2, "bias"): dy_out.sum(0),
+    (lin1, "weight"): dh.t() @ x_in.detach(), (lin1, "bias"): dh.sum(0)})
+
+x_ref = x_in.detach().clone().requires_grad_()  # the whole backward at once, as sections 3-7 ran it
+out_ref = stage_forward(x_ref)[2]
+_, full_flops = counted(lambda: out_ref.backward(dy_out))
+torch.testing.assert_close(dx, x_ref.grad, rtol=0, atol=1e-6)
+for (layer, name), g in w_grads.items():
+    torch.testing.assert_close(g, getattr(layer, name).grad, rtol=0, atol=1e-6)
+print(f"flops of the matrix products: F {f_flops}, B {b_flops}, W {w_flops}, the whole backward {full_flops}")
+assert f_flops == b_flops == w_flops and b_flops + w_flops == full_flops
+print("PASS: B then W gives the whole backward's gradients, and each pass does one forward's GEMM work")
+
+# %% [markdown]
+# Between its B and its W a micro-batch keeps only each linear layer's input and output gradient (here `x_in`,
+# `a`, `dh`, `dy_out`); B frees the rest of its graph. `minite.parallel.schedules.DeferredWeights` does the same
+# on a real stage (it keeps the gradient edge of each linear layer's output and asks autograd for those), and
+# `torch.distributed.pipelining` does it with `stage_backward_input` / `stage_backward_weight`
+# (`torch/distributed/pipelining/_backward.py`).
+#
+# **ZB-H1** (Qi et al., section 2.1, "memory efficient schedule"). Count in units $F = B = W = 1$ (1F1B's
+# backward is $B + W = 2$) and take $m \ge p$. A lower bound first: the last stage cannot start before micro-batch
+# 0's forward reaches it at time $p - 1$, and it has $3m$ units of work, so the step takes at least $3m + p - 1$.
+# ZB-H1 reaches it with this order on stage $s$:
+#
+# * 1F1B's forwards and B's in 1F1B's order: $\min(p-1-s, m)$ warm-up forwards, then one forward and one B;
+# * after each B, one W, the oldest one waiting; except that stage $s$ holds back the W's of its **first $s$**
+#   B's, which run in the cool-down, where 1F1B's stages wait.
+#
+# Why $s$ of them: the first B's must climb the pipeline one unit per stage, so that B of micro-batch 0 reaches
+# stage 0 at $2p - 1$ (stage 0 has run its $p$ forwards by $p$: it idles $p - 1$ units, and never again). A W
+# between two of those B's on stage $s$ would delay every stage above it by one unit. The deeper the stage, the
+# more of the B's that stage 0 waits for pass through it first: $s$ of them on stage $s$. Then every stage idles
+# exactly $p - 1$ units of the $3m + p - 1$:
+#
+# $$\text{bubble}_\text{ZB-H1} = \frac{p-1}{3m+p-1} \qquad\text{against}\qquad \text{bubble}_\text{1F1B} =
+# \frac{3(p-1)}{3(m+p-1)} = \frac{p-1}{m+p-1},$$
+#
+# a third of 1F1B's idle time per stage (Qi et al. write it for any costs: $(p-1)(T_F + T_B - T_W)$ against
+# 1F1B's $(p-1)(T_F + T_B + T_W)$). Memory: a micro-batch is held from its F to its W (W still needs $x$ and $dy$;
+# counted here as a whole micro-batch, which overstates it). Stage $s$ of 1F1B holds at most $p - s$; holding
+# back $s$ W's makes it $p - s + s = p$ on every stage: no stage holds more than 1F1B's stage 0.
+#
+# The generator, from 1F1B's steps (section 4):
+
+# %%
+def zbh1_steps(p, m, stage):
+    """ZB-H1: 1F1B's F and B steps; after each B the oldest W waiting, except after the first `stage` B's."""
+    steps, waiting = [], []  # waiting: micro-batches whose B ran and whose W did not
+    for kind, i in one_f_one_b_steps(p, m, stage):
+        steps.append((kind, i))
+        if kind == "B":
+            waiting.append(i)
+            if i >= stage:  # 1F1B runs the B's in micro-batch order: B i is this stage's (i+1)-th
+                steps.append(("W", waiting.pop(0)))
+    return steps + [("W", i) for i in waiting]  # cool-down: the W's held back
+
+print("stage 0:", " ".join(f"{k}{i}" for k, i in zbh1_steps(4, 8, 0)))
+print("stage 3:", " ".join(f"{k}{i}" for k, i in zbh1_steps(4, 8, 3)))
+
+# %% [markdown]
+# Checked with minite's schedule tools (`minite.parallel.schedules`): `check_plan` runs every stage's list as
+# `PipelineGPT` would (each F, B and W once and in order, every receive meeting the message sent for it, no
+# deadlock), `simulate_ops` lays the plan out in time (messages free), `in_flight` counts the micro-batches held
+# between F and W. Against minite's own ZB-H1 (`schedules.zbh1`) and the formula:
+
+# %% tags=["nbval-check-output"]
+# CHECK: the ZB-H1 generator
+from minite.parallel import schedules
+
+def timed(schedule, p, m, cost=(1.0, 1.0, 1.0)):
+    """(span, idle time of each stage, most micro-batches held on a stage) of a schedule at the given F, B, W
+    costs (a backward that is not split costs B + W)."""
+    ops = schedules.plan(schedule, p, m)
+    schedules.check_plan(ops, p, m)
+    ev = schedules.simulate_ops(ops, p, cost=cost)
+    span = max(e[4] for r in ev.values() for e in r)
+    return span, [span - sum(e[4] - e[3] for e in ev[r]) for r in ev], max(schedules.in_flight(o) for o in ops.values())
+
+for p_ in range(1, 7):
+    for m in range(p_, 13):
+        span, idle, held = timed(zbh1_steps, p_, m)
+        assert (span, idle) == timed(schedules.zbh1, p_, m)[:2], (p_, m)  # minite's: the same bubble
+        assert span == 3 * m + p_ - 1 and idle == [p_ - 1] * p_ and held <= p_, (p_, m, span, idle, held)
+        assert abs(idle[0] / span - (p_ - 1) / (3 * m + p_ - 1)) < 1e-12
+print("PASS: ZB-H1 is a valid plan, every stage idles p - 1 of 3m + p - 1 units, at most p micro-batches held")
+
+# %% [markdown]
+# What the W's placement buys, at $p = 4$, $m = 8$: the split alone (W right after its B) already sends the
+# gradient upstream after B instead of B + W; holding back one W too few leaves a unit of the bubble; one too many
+# gains nothing and holds one more micro-batch; all W's at the end hold all $m$.
+
+# %%
+def zb_variant(held_back):
+    """1F1B's F/B order, stage s holding back the W's of its first held_back(p, s) B's."""
+    def schedule(p, m, stage):
+        steps, waiting = [], []
+        for kind, i in one_f_one_b_steps(p, m, stage):
+            steps.append((kind, i))
+            if kind == "B":
+                waiting.append(i)
+                if i >= held_back(p, stage):
+                    steps.append(("W", waiting.pop(0)))
+        return steps + [("W", i) for i in waiting]
+    return schedule
+
+print(f"{'p=4, m=8, F = B = W = 1':34} {'span':>5} {'idle a stage':>13} {'most held':>9}")
+for name, sched in (("1F1B (backward unsplit, B + W = 2)", one_f_one_b_steps),
+                    ("W right after its B", zb_variant(lambda p, s: 0)),
+                    ("first s - 1 W's held back", zb_variant(lambda p, s: max(s - 1, 0))),
+                    ("ZB-H1: first s W's held back", zbh1_steps),
+                    ("first s + 1 W's held back", zb_variant(lambda p, s: s + 1)),
+                    ("every W at the end", zb_variant(lambda p, s: 8))):
+    span, idle, held = timed(sched, 4, 8)
+    print(f"{name:34} {span:5.0f} {max(idle):13.0f} {held:9}")
+assert timed(zb_variant(lambda p, s: 0), 4, 8)[0] == 3 * 8 + 2 * 3  # (p-1)(F + B) idle: the split alone
+assert timed(zbh1_steps, 4, 8)[0] == 3 * 8 + 3 < timed(zb_variant(lambda p, s: max(s - 1, 0)), 4, 8)[0]
+
+# %% [markdown]
+# Real costs are not equal. At other costs the same order keeps Qi et al.'s $(p-1)(T_F + T_B - T_W)$ idle per
+# stage (with W no longer than F or B), against 1F1B's $(p-1)(T_F + T_B + T_W)$; W is usually the cheaper half
+# (no activation function or attention to differentiate):
+
+# %%
+for cost in ((1.0, 1.2, 0.8), (1.0, 1.0, 0.5)):
+    F, B, W = cost
+    zb, one = timed(zbh1_steps, 4, 8, cost), timed(one_f_one_b_steps, 4, 8, cost)
+    print(f"F, B, W = {cost}: idle a stage ZB-H1 {max(zb[1]):.2f} (formula {3 * (F + B - W):.2f}), "
+          f"1F1B {max(one[1]):.2f} (formula {3 * (F + B + W):.2f})")
+    assert abs(max(zb[1]) - 3 * (F + B - W)) < 1e-9 and abs(max(one[1]) - 3 * (F + B + W)) < 1e-9
+
+# %% [markdown]
+# ## 9. Four schedules side by side
+#
+# The fourth is Megatron's **interleaved 1F1B** (Narayanan et al. 2021, section 2.2; `schedules.interleaved`): the
+# model is cut into $pv$ chunks and rank $r$ holds the $v$ chunks $r, r + p, \dots$; each chunk's forward and
+# backward take $1/v$ of a stage's, so the pipeline fills $v$ times faster: bubble $(p-1)/(vm+p-1)$, for $v$ times
+# the messages and $p + (p-1)/v$ stages' worth of activations on rank 0. The four timelines at $p = 4$, $m = 8$,
+# unit costs (interleaved: $v = 2$, chunk 1 hatched), laid out by `simulate_ops`:
+
+# %%
+COLOURS = {"F": "#9ecae1", "B": "#3182bd", "W": "#31a354"}
+
+def plot_ops(events, ax, title):
+    """Gantt chart of simulate_ops' events: one row a rank, the micro-batch on each bar."""
+    for r, ev in events.items():
+        for kind, i, c, a, b in ev:
+            ax.barh(r, b - a, left=a, color=COLOURS[kind], edgecolor="k", lw=0.5, hatch="//" if c else None)
+            ax.text((a + b) / 2, r, str(i), ha="center", va="center", fontsize=6)
+    ax.set_yticks(list(events), [f"rank {r}" for r in events])
+    ax.invert_yaxis()
+    ax.set_title(title, fontsize=9, loc="left")
+
+four = (("AFAB", schedules.SCHEDULES["afab"]), ("1F1B", schedules.SCHEDULES["1f1b"]),
+        ("interleaved 1F1B, v = 2", schedules.SCHEDULES["interleaved"]), ("ZB-H1", zbh1_steps))
+fig, axs = plt.subplots(4, 1, figsize=(11, 8), sharex=True, layout="tight")
+for ax, (name, sched) in zip(axs, four):
+    v = getattr(sched, "v", 1)
+    ev = schedules.simulate_ops(schedules.plan(sched, 4, 8), 4, v)
+    span = max(e[4] for r_ in ev.values() for e in r_)
+    plot_ops(ev, ax, f"{name}: the step takes {span:g} units")
+axs[-1].set_xlabel("time, in units of one forward (F = B = W = 1; an unsplit backward takes 2)")
+axs[-1].legend(handles=[Patch(facecolor=COLOURS["F"], edgecolor="k", label="F"),
+                        Patch(facecolor=COLOURS["B"], edgecolor="k", label="B (unsplit: B + W)"),
+                        Patch(facecolor=COLOURS["W"], edgecolor="k", label="W"),
+                        Patch(facecolor="w", edgecolor="k", hatch="//", label="chunk 1 (interleaved)")],
+               loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=4, fontsize=8, frameon=False)
+plt.show()
+
+# %% [markdown]
+# The table, from the same simulation (`schedules.schedule_table`): the bubble (the idle fraction of the most
+# idle rank) and the peak activations (the fullest rank, in stages' worth of one micro-batch), against each
+# formula:
+
+# %%
+print(f"{'schedule':12} {'span':>5} {'bubble':>7} {'formula':>7}   {'peak':>4} {'formula':>7}")
+for row in schedules.schedule_table(4, 8, 2):
+    print(f"{row['schedule']:12} {row['span']:5g} {row['bubble']:7.3f} {row['bubble_formula']:7.3f}   "
+          f"{row['peak_activations']:4g} {row['peak_formula']:7g}")
+    assert row["bubble"] == row["bubble_formula"] and row["peak_activations"] == row["peak_formula"], row
+print("formulas: AFAB and 1F1B (p-1)/(m+p-1); interleaved (p-1)/(vm+p-1); ZB-H1 (p-1)/(3m+p-1); "
+      "peaks m, p, p + (p-1)/v, p")
+
+# %% [markdown]
+# The memory column was measured too: section 7's launch ran every schedule on 4 ranks and replayed the bytes
+# autograd saved (ZB-H1 at $m = 6$ holds a micro-batch until its W; interleaved at $m = 4$, in stages' worth):
+
+# %%
+for sched in ("afab", "1f1b", "zbh1", "interleaved"):
+    print(f"{sched:12} micro-batches held per stage (measured): {[mem[r][f'memory_{sched}']['held'] for r in range(4)]}"
+          f", ok: {all(mem[r][f'memory_{sched}']['ok'] for r in range(4))}")
+    assert all(mem[r][f"memory_{sched}"]["ok"] for r in range(4)), sched
+
+# %% [markdown]
+# And timed: `benchmarks/bench_pp_schedules.py` ran the four schedules through `PipelineGPT` on gloo CPU ranks and
+# recorded the measured bubble and peaks (`benchmarks/results/pp_schedules_*.json`, read by `minite.recorded`):
+
+# %%
+from minite.recorded import recorded
+
+runs = recorded("pp_schedules")
+if not runs:
+    print("no recorded run of benchmarks/bench_pp_schedules.py here (a source checkout has one)")
+for fname, run in runs.items():
+    print(f"{fname}: {run['device']}\n  {run['measured_model']}\n  {run['command']}")
+    print(f"  {'schedule':12} {'p':>2} {'m':>2} {'span ms':>8} {'bubble':>7} {'mean':>6} {'formula':>7}   peak per rank")
+    form = {(r["schedule"], r["p"], r["m"]): r for r in run["simulated"]}
+    for r in run["measured"]:
+        sim = form[(r["schedule"], r["p"], r["m"])]
+        print(f"  {r['schedule']:12} {r['p']:2} {r['m']:2} {r['span_ms']:8.1f} {r['bubble_max']:7.3f} "
+              f"{r['bubble_mean']:6.3f} {sim['bubble_formula']:7.3f}   {r['peak_activations_per_rank']}")
+    c = run.get("split_cost_ms")
+    if c:
+        print(f"  one stage ({c['shape']}): F {c['F']:.0f} ms, B {c['B']:.0f} + W {c['W']:.0f} ms, "
+              f"the whole backward {c['backward']:.0f} ms")
+        zb, one = (timed(s, 4, 8, (c["F"], c["B"], c["W"])) for s in (zbh1_steps, one_f_one_b_steps))
+        print(f"  at those costs, p=4, m=8, messages free: bubble ZB-H1 {max(zb[1]) / zb[0]:.3f}, "
+              f"1F1B {max(one[1]) / one[0]:.3f}")
+
+# %% [markdown]
+# The measured peaks follow the formulas (at $p = 4$ interleaved's rank 0 holds $5.5 = p + (p-1)/v$ stages' worth;
+# a chunk is half a stage, and the chunks' saved bytes differ a little, hence 5.501). The measured bubbles do not,
+# and the recorded note says why: with more ranks than free cores the idle time includes waiting for a core, and
+# on a model this small the messages and Python's overhead per step weigh as much as the GEMMs, which the unit-cost
+# formulas leave out (section 6's caveats, for four schedules). In the recorded run ZB-H1's measured bubble is the
+# smallest of the four at $p = 4$ (0.26 against 1F1B's 0.42) and not at $p = 2$: one run on shared cores, not a
+# measurement of the formula. The split itself costs a little: the recorded B + W, 98 + 64 = 162 ms, against
+# 156 ms for the one backward (two passes over the graph instead of one); at those three costs the simulation
+# still gives ZB-H1 about half of 1F1B's bubble.
+#
+# ## 10. In the GPT
 #
 # ```
 # torchrun --nproc-per-node 2 -m minite.train --parallel.pp=2 --parallel.microbatches=4    # 1F1B by default
 # torchrun --nproc-per-node 2 -m minite.train --parallel.pp=2 --parallel.pp_schedule=afab
+# torchrun --nproc-per-node 2 -m minite.train --parallel.pp=2 --parallel.pp_schedule=zbh1
+# torchrun --nproc-per-node 2 -m minite.train --parallel.pp=2 --parallel.pp_schedule=interleaved  # 2 chunks a rank
 # ```
 # `--train.batch_size` is still the global batch: every rank draws the same batch, stage 0 reads the tokens, the
 # last stage the targets, and the loss (computed on the last stage) is broadcast so rank 0 logs it. `PipelineGPT`
 # runs the whole schedule inside `model(x, y)`; the loss it returns carries the gradients to `.grad` when
 # `minite.train` calls `loss.backward()` (scaled by $1/$`grad_accum`), clipping uses the norm over all stages, and
-# the checkpoint gathers the stages into the dense state dict. A test trains 20 steps this way and matches the
-# single-process curve. Beyond minite's executor: the **interleaved** 1F1B (Narayanan et al. 2021: $v$ chunks of
-# layers per rank divide the bubble by $v$ for $v\times$ the messages; the exercise writes its order) and the
-# **zero-bubble** schedules (Qi et al. 2024), which split the backward into the input gradient (on the critical
-# path) and the weight gradient (that can fill the bubble).
+# the checkpoint gathers the stages into the dense state dict. A test trains 20 steps this way with `zbh1` and with
+# `interleaved` and matches the single-process curve. With `zbh1` each stage's backward runs as B and W through
+# `DeferredWeights`; `interleaved` needs $m$ divisible by $p$ and at least $2p$ layers.
+#
+# Beyond minite: ZB-H2 (Qi et al., section 2.2) fills the rest of the bubble with more warm-up forwards, for up to
+# $2p - 1$ micro-batches held; ZB-V (the same authors) and DeepSeek-V3's DualPipe combine the split with two
+# chunks a rank. `torch.distributed.pipelining` has them as `ScheduleInterleavedZeroBubble` (the ZB-H1 order
+# over several chunks a rank), `ScheduleZBVZeroBubble` and `ScheduleDualPipeV` (its actions: F, I for the input
+# gradient, W, and B for an unsplit backward); torchtitan picks one by name with
+# `--parallelism.pipeline_parallel_schedule` (e.g. `ZBVZeroBubble`).

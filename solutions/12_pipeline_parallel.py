@@ -17,13 +17,15 @@
 # %% [markdown]
 # # 12 — Pipeline parallelism: exercises
 #
-# Two graded tasks. Fill in each region between `### BEGIN YOUR CODE` and `### END YOUR CODE` (delete the
+# Three graded tasks. Fill in each region between `### BEGIN YOUR CODE` and `### END YOUR CODE` (delete the
 # `raise NotImplementedError()`), run the cell, then run its check cell. (The lesson wrote the 1F1B order itself.)
 #
 # 1. **Stages balanced by measured time**: where to cut a model into $p$ contiguous stages when what you know is
 #    each layer's measured time, the first stage's embedding and the last stage's head and loss.
 # 2. **The interleaved 1F1B schedule** (Megatron-LM): each rank holds several chunks of layers, which divides the
 #    bubble by the number of chunks.
+# 3. **The ZB-H1 schedule** (zero bubble): each backward split into B and W, and the W's placed so that the
+#    bubble is a third of 1F1B's at the same peak memory.
 
 # %%
 import os, torch
@@ -105,7 +107,7 @@ print(f"40 layers into 4 stages: slowest stage {got:.2f} ms, the best of all 913
 print("PASS: balanced_cuts")
 
 # %% [markdown]
-# ## Task 3 — the interleaved 1F1B schedule
+# ## Task 2 — the interleaved 1F1B schedule
 #
 # Narayanan et al. (2021, section 2.2) cut the model into $p \cdot v$ chunks of consecutive layers and give rank
 # $d$ of $p$ the $v$ chunks $d,\ d + p,\ \dots,\ d + (v-1)p$: a micro-batch then passes through every rank $v$
@@ -187,3 +189,85 @@ for p, v, m in ((2, 2, 2), (2, 2, 4), (4, 2, 8), (4, 3, 8), (2, 3, 6), (3, 2, 6)
     assert end == 3 * m * v + 3 * (p - 1), (p, v, m, end)  # 3m + 3(p-1)/v, times v
     assert max(held) <= p * v + p - 1, (p, v, m, held)
 print("PASS: interleaved_1f1b")
+
+# %% [markdown]
+# ## Task 3 — the ZB-H1 schedule
+#
+# Lesson 12 (section 8) split each stage's backward in two: **B**, the gradient of the stage's input, which the
+# previous stage waits for, and **W**, the weight gradients ($dW = dy^\top x$), which nothing waits for until the
+# optimizer step. ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", section 2.1) uses that freedom to fill the
+# bubble without holding more activations than 1F1B.
+#
+# Write `zbh1_ops(p, m, stage)`: the ops stage `stage` of `p` runs for `m` micro-batches (`m >= p >= 1`), in order,
+# each a tuple `("F", i)`, `("B", i)` or `("W", i)` of a str and a plain `int`: the F, the B and the W of every
+# micro-batch `0 .. m-1` exactly once, each B after its F, each W after its B. Run every stage's list in order, an op
+# starting as soon as its stage is free and what it needs has arrived (F of micro-batch $i$ on stage $s > 0$: the F
+# of $i$ on stage $s - 1$; B of $i$ on stage $s < p - 1$: the B of $i$ on stage $s + 1$; W: nothing from another
+# stage), each stage receiving the messages from a neighbour in the order that neighbour sent them, with F, B and
+# W taking one time unit each and messages none. Then:
+#
+# * no stage waits forever, and the step ends at $3m + p - 1$: each stage idles $p - 1$ units, the bubble
+#   $(p-1)/(3m+p-1)$ (1F1B's is $(p-1)/(m+p-1)$);
+# * no stage ever holds more than $p$ micro-batches whose F has run and whose W has not (1F1B's stage 0 holds $p$).
+#
+# Any order with these properties is accepted. Hints: start from 1F1B's warm-up and its alternation of one
+# forward and one backward; a W placed right after every B keeps a bubble of $2(p-1)$ units.
+
+# %% minite={"task": "zbh1_ops"}
+def zbh1_ops(p, m, stage):
+    ### BEGIN SOLUTION
+    n_warm = min(p - 1 - stage, m)  # forwards before the first backward
+    ops = [("F", j) for j in range(n_warm)]
+    next_w = 0  # the oldest micro-batch whose B ran and whose W did not
+    for k in range(m):  # the k-th B, after one more forward while there is one
+        if n_warm + k < m:
+            ops.append(("F", n_warm + k))
+        ops.append(("B", k))
+        if k >= stage:  # the W's of this stage's first `stage` B's wait for the end: those B's go upstream at once
+            ops.append(("W", next_w))
+            next_w += 1
+    ops += [("W", j) for j in range(next_w, m)]
+    return ops
+    ### END SOLUTION
+
+# %% minite={"check": "zbh1_ops"} tags=["nbval-check-output"]
+# CHECK: zbh1_ops
+def run_stages(plans, p):
+    """Every stage's ops in order, one time unit each, messages free: (end of the step, the most micro-batches a
+    stage holds between F and W), or (-1, None) when the stages wait for each other forever."""
+    done, free, pos, live, held = {}, [0] * p, [0] * p, [0] * p, [0] * p
+    while any(pos[s] < len(plans[s]) for s in range(p)):
+        moved = False
+        for s in range(p):
+            if pos[s] == len(plans[s]):
+                continue
+            kind, i = plans[s][pos[s]]
+            dep = {"F": ("F", i, s - 1), "B": ("B", i, s + 1)}.get(kind)
+            if dep and 0 <= dep[2] < p and dep not in done:
+                continue
+            done[(kind, i, s)] = free[s] = max(free[s], done.get(dep, 0)) + 1
+            live[s] += {"F": 1, "B": 0, "W": -1}[kind]
+            held[s] = max(held[s], live[s])
+            pos[s] += 1
+            moved = True
+        if not moved:
+            return -1, None
+    return max(free), held
+
+
+for p in range(1, 7):
+    for m in range(p, 13):
+        plans = [list(zbh1_ops(p, m, s)) for s in range(p)]
+        for s, ops in enumerate(plans):
+            assert sorted(ops) == sorted((k, i) for k in "FBW" for i in range(m)), (p, m, s, ops)
+            assert all(type(i) is int for _, i in ops), (p, m, s, ops)
+            at = {op: n for n, op in enumerate(ops)}
+            assert all(at[("F", i)] < at[("B", i)] < at[("W", i)] for i in range(m)), (p, m, s, ops)
+            if s > 0:  # stage s receives the activations in the order stage s - 1 sends them
+                assert [i for k, i in ops if k == "F"] == [i for k, i in plans[s - 1] if k == "F"], (p, m, s)
+                assert [i for k, i in ops if k == "B"] == [i for k, i in plans[s - 1] if k == "B"], (p, m, s)
+        end, held = run_stages(plans, p)
+        assert end == 3 * m + p - 1, (p, m, "the step ends at", end, "not", 3 * m + p - 1)
+        assert max(held) <= p, (p, m, "micro-batches held per stage", held)
+print("p=4, m=8, stage 3:", " ".join(f"{k}{i}" for k, i in zbh1_ops(4, 8, 3)))
+print("PASS: zbh1_ops")

@@ -90,6 +90,7 @@ WRONG: dict[str, dict[str, list]] = {
     "12_pipeline_parallel": {
         "balanced_cuts": [(" + (last_ms if k == p - 1 else 0.0)", "")],  # the head and loss forgotten
         "interleaved_1f1b": [("(v - 1 - c if backward else c)", "c")],  # backwards walk the chunks forwards
+        "zbh1_ops": [("if k >= stage:", "if k >= 0:")],  # W right after every B: a bubble of 2(p-1), not p-1
     },
     "13_context_parallel": {
         "ring_step_merge": [("o_run = (o_run * e_run[..., None] + o_b * e_b[..., None]) / (e_run + e_b)[..., None]",
