@@ -550,11 +550,16 @@ print("PASS: B then W gives the whole backward's gradients, and each pass does o
 # * after each B, one W, the oldest one waiting; except that stage $s$ holds back the W's of its **first $s$**
 #   B's, which run in the cool-down, where 1F1B's stages wait.
 #
-# Why $s$ of them: the first B's must climb the pipeline one unit per stage, so that B of micro-batch 0 reaches
-# stage 0 at $2p - 1$ (stage 0 has run its $p$ forwards by $p$: it idles $p - 1$ units, and never again). A W
-# between two of those B's on stage $s$ would delay every stage above it by one unit. The deeper the stage, the
-# more of the B's that stage 0 waits for pass through it first: $s$ of them on stage $s$. Then every stage idles
-# exactly $p - 1$ units of the $3m + p - 1$:
+# Why $s$ of them. At the start, B runs alone on the critical path: B of micro-batch 0 leaves the last stage at
+# $p + 1$ and climbs one unit a stage, so stage $s$ runs it at $2p - 1 - s$. Stage $s$ got its first forward at
+# $s$ and ran its $p - s$ forwards by $p$: it idles $s$ units before its first forward and $p - 1 - s$ waiting for
+# its first B, $p - 1$ in all. At the end, the last micro-batch's B climbs the same way, so stage $s$ runs its
+# last B $s$ units before stage 0 runs its own: to end with stage 0 without idling, stage $s$ needs $s$ units of
+# work after it more than stage 0 has (every stage has the W of its last B), and only W's are left: the $s$ it
+# held back. With fewer held back, stage $s$ idles in the
+# cool-down, as in 1F1B: there the B's arrive once every $F + B + W$ (the pace of the last stage's steady state),
+# and a stage with no forward left has only $B + W$ to do between two of them. So every stage idles exactly
+# $p - 1$ units of the $3m + p - 1$, the lower bound:
 #
 # $$\text{bubble}_\text{ZB-H1} = \frac{p-1}{3m+p-1} \qquad\text{against}\qquad \text{bubble}_\text{1F1B} =
 # \frac{3(p-1)}{3(m+p-1)} = \frac{p-1}{m+p-1},$$
@@ -726,7 +731,7 @@ if not runs:
     print("no recorded run of benchmarks/bench_pp_schedules.py here (a source checkout has one)")
 for fname, run in runs.items():
     print(f"{fname}: {run['device']}\n  {run['measured_model']}\n  {run['command']}")
-    print(f"  {'schedule':12} {'p':>2} {'m':>2} {'span ms':>8} {'bubble':>7} {'mean':>6} {'formula':>7}   peak per rank")
+    print(f"  {'schedule':12} {'p':>2} {'m':>2} {'span ms':>8} {'bubble':>7} {'mean':>6} {'formula':>7}   peaks")
     form = {(r["schedule"], r["p"], r["m"]): r for r in run["simulated"]}
     for r in run["measured"]:
         sim = form[(r["schedule"], r["p"], r["m"])]
@@ -768,8 +773,9 @@ for fname, run in runs.items():
 # `DeferredWeights`; `interleaved` needs $m$ divisible by $p$ and at least $2p$ layers.
 #
 # Beyond minite: ZB-H2 (Qi et al., section 2.2) fills the rest of the bubble with more warm-up forwards, for up to
-# $2p - 1$ micro-batches held; ZB-V (the same authors) and DeepSeek-V3's DualPipe combine the split with two
-# chunks a rank. `torch.distributed.pipelining` has them as `ScheduleInterleavedZeroBubble` (the ZB-H1 order
-# over several chunks a rank), `ScheduleZBVZeroBubble` and `ScheduleDualPipeV` (its actions: F, I for the input
-# gradient, W, and B for an unsplit backward); torchtitan picks one by name with
-# `--parallelism.pipeline_parallel_schedule` (e.g. `ZBVZeroBubble`).
+# $2p - 1$ micro-batches held, once the optimizer step no longer waits for every stage to finish (section 8's
+# lower bound assumed it does; they validate the step after the fact instead); ZB-V (the same authors) and
+# DeepSeek-V3's DualPipe combine the split with two chunks a rank. `torch.distributed.pipelining` has them as
+# `ScheduleInterleavedZeroBubble` (the ZB-H1 order over several chunks a rank), `ScheduleZBVZeroBubble` and
+# `ScheduleDualPipeV` (its actions: F, I for the input gradient, W, and B for an unsplit backward); torchtitan
+# picks one by name with `--parallelism.pipeline_parallel_schedule` (e.g. `ZBVZeroBubble`).
