@@ -47,10 +47,14 @@ SHAPES = {
     "124M": dict(L=12, H=12, KV=12, C=768, T=1024, B=16, V=50304, dropout=0.0, mode="default"),  # GPT-2 small
     "tiny": dict(L=2, H=2, KV=2, C=32, T=16, B=2, V=64, dropout=0.0, mode="off"),  # the script's check on a CPU
 }
-VARIANTS = ("nanoGPT", "minite", "minite-whole")
+# minite: backend="auto" (on a GPU, per op the recorded winner: minite/choices.py); minite-triton: minite's kernels
+# forced everywhere (--model.backend=triton), what a kernel change is measured by
+VARIANTS = ("nanoGPT", "minite", "minite-whole", "minite-triton")
 # The default order: what matters first, so that a run cut short by a time limit keeps it (the JSON is rewritten
-# after every variant): the gpu preset and GPT-2 against the peer, then the whole-model compile of the preset.
-PLAN = (("6x384", "nanoGPT"), ("6x384", "minite"), ("124M", "nanoGPT"), ("124M", "minite"), ("6x384", "minite-whole"))
+# after every variant): the gpu preset and GPT-2 against the peer, then the whole-model compile of the preset, then
+# GPT-2 on minite's kernels only.
+PLAN = (("6x384", "nanoGPT"), ("6x384", "minite"), ("124M", "nanoGPT"), ("124M", "minite"), ("6x384", "minite-whole"),
+        ("124M", "minite-triton"))
 
 
 # ------------------------------------------------------------------------------------ the peer, in plain PyTorch
@@ -105,9 +109,10 @@ def build(variant: str, s: dict, dev: str, compile_mode: str | None):
     else:
         from minite.models.gpt import GPT, GPTConfig
         model = GPT(GPTConfig(vocab_size=s["V"], block_size=s["T"], n_layer=s["L"], n_head=s["H"], n_kv_head=s["KV"],
-                              n_embd=s["C"], dropout=s["dropout"])).to(dev)
+                              n_embd=s["C"], dropout=s["dropout"],
+                              backend="triton" if variant == "minite-triton" else "auto")).to(dev)
     if compile_mode is not None:
-        if variant == "minite":
+        if variant in ("minite", "minite-triton"):
             from minite.compile import compile_regions
             compile_regions(model, compile_mode)
         else:

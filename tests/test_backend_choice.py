@@ -62,7 +62,8 @@ def test_choose_follows_the_table_per_regime():
     assert choices.choose("attention", "NVIDIA L4", table=FAKE)[0] == "minite"  # no record for the family
 
 
-def test_start_line_says_who_runs_each_op_and_why(tiny_gpt):
+def test_start_line_says_who_runs_each_op_and_why(tiny_gpt, monkeypatch):
+    monkeypatch.setattr(choices, "KERNELS_ONLY", False)  # the suite's MINITE_AUTO=kernels (conftest) off
     ops = choices.model_ops(tiny_gpt, compiled=True)
     assert ops == [("attention", True), ("rmsnorm", True), ("swiglu", True), ("cross_entropy", False)]
     line = choices.start_line("NVIDIA H200", ops, table=FAKE)
@@ -87,6 +88,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(backend, "triton_available_for", lambda x: (True, ""))
     monkeypatch.setattr(choices, "TABLE", FAKE)
     monkeypatch.setattr(choices, "_DECIDED", {})
+    monkeypatch.setattr(choices, "KERNELS_ONLY", False)  # the suite runs with MINITE_AUTO=kernels (conftest)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (9, 0))
     monkeypatch.delenv("MINITE_BACKEND", raising=False)
@@ -102,6 +104,15 @@ def test_auto_on_a_gpu_follows_the_table_and_triton_forces_minite(fake_gpu):
     with use_backend("triton"):
         assert resolve_backend(x, op="attention") == "triton"
     assert resolve_backend(x, "torch", op="rmsnorm") == "torch"
+
+
+def test_minite_auto_kernels_turns_the_table_off(fake_gpu, monkeypatch):
+    # MINITE_AUTO=kernels (the suite's setting, so GPU tests test minite's kernels): auto runs them everywhere
+    monkeypatch.setattr(choices, "KERNELS_ONLY", True)
+    assert resolve_backend(fake_gpu, op="attention") == "triton"
+    assert "MINITE_AUTO=kernels" in choices.start_line("NVIDIA H200", [("attention", False)])
+    monkeypatch.setattr(choices, "KERNELS_ONLY", False)
+    assert resolve_backend(fake_gpu, op="attention") == "torch"
 
 
 def test_auto_under_torch_compile_takes_inductors_fusion(fake_gpu):
