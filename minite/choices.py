@@ -164,8 +164,6 @@ def start_line(device_name: str, ops: list[tuple[str, bool]], *, requested: str 
     table = TABLE if table is None else table
     if requested != "auto":
         return f"kernels: {'minite' if requested == 'triton' else 'the peers'} everywhere (backend={requested})"
-    if KERNELS_ONLY:
-        return "kernels: minite everywhere (auto with MINITE_AUTO=kernels: the recorded benchmarks not consulted)"
     fam = family(device_name, capability)
     if fam not in table:
         return f"kernels: minite everywhere (backend=auto): no recorded benchmark for {device_name}"
@@ -184,5 +182,7 @@ def run_line(model: torch.nn.Module, device: torch.device, compiled: bool, conte
     requested = getattr(getattr(model, "config", None), "backend", "auto")
     if device.type != "cuda" or (context if requested == "auto" else requested) != "auto":
         return None
+    if KERNELS_ONLY:
+        return "kernels: minite everywhere (auto with MINITE_AUTO=kernels: the recorded benchmarks not consulted)"
     name, capability = _device(torch.cuda.current_device() if device.index is None else device.index)
     return start_line(name, model_ops(model, compiled), capability=capability)

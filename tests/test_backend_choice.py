@@ -62,8 +62,7 @@ def test_choose_follows_the_table_per_regime():
     assert choices.choose("attention", "NVIDIA L4", table=FAKE)[0] == "minite"  # no record for the family
 
 
-def test_start_line_says_who_runs_each_op_and_why(tiny_gpt, monkeypatch):
-    monkeypatch.setattr(choices, "KERNELS_ONLY", False)  # the suite's MINITE_AUTO=kernels (conftest) off
+def test_start_line_says_who_runs_each_op_and_why(tiny_gpt):
     ops = choices.model_ops(tiny_gpt, compiled=True)
     assert ops == [("attention", True), ("rmsnorm", True), ("swiglu", True), ("cross_entropy", False)]
     line = choices.start_line("NVIDIA H200", ops, table=FAKE)
@@ -106,11 +105,11 @@ def test_auto_on_a_gpu_follows_the_table_and_triton_forces_minite(fake_gpu):
     assert resolve_backend(x, "torch", op="rmsnorm") == "torch"
 
 
-def test_minite_auto_kernels_turns_the_table_off(fake_gpu, monkeypatch):
+def test_minite_auto_kernels_turns_the_table_off(fake_gpu, monkeypatch, tiny_gpt):
     # MINITE_AUTO=kernels (the suite's setting, so GPU tests test minite's kernels): auto runs them everywhere
     monkeypatch.setattr(choices, "KERNELS_ONLY", True)
     assert resolve_backend(fake_gpu, op="attention") == "triton"
-    assert "MINITE_AUTO=kernels" in choices.start_line("NVIDIA H200", [("attention", False)])
+    assert "MINITE_AUTO=kernels" in choices.run_line(tiny_gpt, torch.device("cuda", 0), compiled=False)
     monkeypatch.setattr(choices, "KERNELS_ONLY", False)
     assert resolve_backend(fake_gpu, op="attention") == "torch"
 
