@@ -2,7 +2,7 @@
 workers' checks (ep = 2 and ep = 4: loss, every gradient, 5 AdamW steps against one process; a one-process
 checkpoint resumed at ep = 4; bad layouts; the MoE GPT under tp = 2, with and without SP, alone, with dp = 2 and
 with dp = ep = 2);
-launches of ``minite.train`` at dp=4 ep=2, dp=4, tp=2 and dp=2 ep=2 tp=2 sp train one process's 20-step curve, and
+launches of ``minite.train`` at dp=4 ep=2, dp=4 and dp=2 ep=2 tp=2 sp train one process's 20-step curve, and
 the dense checkpoints resume in one process; a rank killed in the dispatch ends the run, named. Bad layouts are
 refused before any process starts. A MoE with ZeRO: test_moe_zero.py; with pp: test_moe_pp.py; with cp:
 test_moe_cp.py."""
@@ -77,11 +77,10 @@ def test_cli_ep_matches_single_process(corpus, cli, flags, curve):
                      resume_overrides={"train.out_dir": str(d / "single_moe"), **more})
     assert sorted(ep_more["losses"]) == [21, 22]
     assert max(abs(ep_more["losses"][s] - one_more["losses"][s]) for s in (21, 22)) < 1e-4
-    # under tensor parallelism, every tp rank runs the whole MoE (or its ep shard) on the same tokens: tp=2 alone,
-    # then dp=2 x ep=2 x tp=2 with SP
-    for out, world, layout in (("tp2", 2, ["--parallel.tp=2"]),
-                               ("ep2tp2", 4, ["--parallel.dp=2", "--parallel.ep=2", "--parallel.tp=2",
-                                              "--parallel.sp=True"])):
+    # under tensor parallelism, every tp rank runs its ep shard of the MoE on the same tokens: dp=2 x ep=2 x tp=2
+    # with SP (tp=2 alone is the workers' moe_tp_* checks: loss, every gradient, 5 steps)
+    for out, world, layout in (("ep2tp2", 4, ["--parallel.dp=2", "--parallel.ep=2", "--parallel.tp=2",
+                                              "--parallel.sp=True"]),):
         res = torchrun(world, [*cli({**base, "train.out_dir": str(d / out)}, world)[1], *layout], timeout=180)
         assert res.returncode == 0, res.stdout[-3000:]
         loss, val = curve(d / out)
