@@ -13,7 +13,6 @@ from minite.parallel.pipeline_schedule import SCHEDULES, bubble_fraction
 from minite.parallel.schedules import SCHEDULES as ALL
 from minite.parallel.schedules import in_flight
 from minite.parallel.workers.common import batches, tiny_gpt
-from minite.parallel.workers.grade import Wrong, graded
 
 B = 12  # sequences: 1, 2, 3, 4, 6 or 12 micro-batches
 TOL = 1e-5
@@ -204,19 +203,6 @@ def pp_schedules_measure(dims, args) -> dict:
     return out
 
 
-# ----------------------------------------------------------------------------------- the exercise
-@graded("one_f_one_b", tol=TOL)
-def grade_one_f_one_b(dims, student) -> float:
-    """A learner's 1F1B: its step order for several (p, m, stage), then a real pipeline step run with it."""
-    want = SCHEDULES["1f1b"]
-    wrong = [(p, m, s) for p in (2, 3, 4) for m in (1, 2, 3, 5, 8) for s in range(p)
-             if [tuple(a) for a in student.one_f_one_b(p, m, s)] != want(p, m, s)]
-    if wrong:  # the same on every rank: skip the real step (a wrong order could wait forever on a receive)
-        raise Wrong(f"wrong step order for (p, m, stage) = {wrong[:3]}")
-    r = compare(dims, lambda p, m, s: [tuple(a) for a in student.one_f_one_b(p, m, s)], 6)
-    return max(r["loss_err"], r["grad_err"])
-
-
 CHECKS = {  # name: (check, the axis of ParallelDims that takes the world)
     "pp_grads": (check_grads, "pp"),
     "pp_reject": (check_reject, "pp"),
@@ -225,5 +211,4 @@ CHECKS = {  # name: (check, the axis of ParallelDims that takes the world)
     "pp_memory": (pp_memory, "pp"),
     "pp_timeline": (pp_timeline, "pp"),
     "pp_schedules_measure": (pp_schedules_measure, "pp"),
-    "one_f_one_b": (grade_one_f_one_b, "pp"),
 }
