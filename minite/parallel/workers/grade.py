@@ -49,9 +49,31 @@ def graded(task: str, tol: float):
     return wrap
 
 
+def unwritten(source: str) -> str | None:
+    """The name of `source`'s first function when its first statement (after a docstring) raises
+    NotImplementedError, as the exercise's stub does: every rank would raise it before doing anything. Else None."""
+    import ast
+    try:
+        tree = ast.parse(textwrap.dedent(source))
+    except SyntaxError:
+        return None  # the launch reports it, from the file the ranks import
+    fn = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
+    if fn is None:
+        return None
+    body = fn.body[1:] if fn.body and isinstance(fn.body[0], ast.Expr) and \
+        isinstance(fn.body[0].value, ast.Constant) and isinstance(fn.body[0].value.value, str) else fn.body
+    exc = body[0].exc if body and isinstance(body[0], ast.Raise) else None
+    exc = exc.func if isinstance(exc, ast.Call) else exc
+    return fn.name if isinstance(exc, ast.Name) and exc.id == "NotImplementedError" else None
+
+
 def run_graded(source: str, task: str, world: int = 2, timeout: float = 120) -> tuple[bool, str]:
     """The check cell's call: write `source` (the learner's function and what it defines) to a file, torchrun
-    the task on `world` ranks (CPU tensors over gloo), collect every rank's result; (ok, message)."""
+    the task on `world` ranks (CPU tensors over gloo), collect every rank's result; (ok, message). A function that
+    is still the exercise's stub is not launched (its ranks could only raise NotImplementedError)."""
+    if name := unwritten(source):
+        return False, (f"{task}: {name} still raises NotImplementedError before anything else: write its body in "
+                       "the task cell, run that cell, then this check")
     from minite.parallel.launch import results, torchrun
     d = Path(tempfile.mkdtemp(prefix="minite_grade_"))
     student = d / "student.py"
